@@ -1,0 +1,11 @@
+"""Shared fixtures for the tierkv test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

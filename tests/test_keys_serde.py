@@ -1,0 +1,89 @@
+"""Chunk keys (determinism, escaping) and the chunk byte format (round trip, corruption)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tierkv import CacheKey, ChunkFormatError, ChunkHasher, serde
+
+
+def test_hashes_are_identical_across_processes_and_hash_seeds() -> None:
+    script = "import torch; from tierkv import ChunkHasher; print(ChunkHasher(4).prefix_hashes(torch.arange(10)))"
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outputs.add(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                   check=True).stdout)
+    assert len(outputs) == 1
+    assert eval(outputs.pop()) == ChunkHasher(4).prefix_hashes(torch.arange(10))
+
+
+def test_prefix_chaining_and_partial_last_chunk() -> None:
+    hasher = ChunkHasher(4)
+    a = hasher.prefix_hashes(torch.arange(10))
+    b = hasher.prefix_hashes(torch.arange(12))
+    assert len(a) == 3 and len(b) == 3
+    assert a[:2] == b[:2], "shared full chunks share hashes"
+    assert a[2] != b[2], "a partial chunk differs from the full one that extends it"
+    changed = torch.arange(10)
+    changed[0] = 99
+    assert all(x != y for x, y in zip(hasher.prefix_hashes(changed), a)), "every later chunk depends on the prefix"
+
+
+def test_hash_does_not_depend_on_integer_dtype() -> None:
+    hasher = ChunkHasher(8)
+    tokens = torch.randint(0, 32000, (50,))
+    assert hasher.prefix_hashes(tokens) == hasher.prefix_hashes(tokens.to(torch.int32))
+    assert hasher.prefix_hashes(tokens) == hasher.prefix_hashes(tokens.tolist())
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2, 3, dtype=torch.long), torch.rand(5), torch.tensor([-1, 2])])
+def test_bad_tokens_are_value_errors(bad: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="token"):
+        ChunkHasher(4).prefix_hashes(bad)
+
+
+def test_key_string_form_is_escaped_and_reversible() -> None:
+    key = CacheKey("vllm", "org/model@v2 100%", 2, 1, "ab" * 16)
+    text = key.to_string()
+    assert text.count("@") == 4 and "/" not in text
+    assert CacheKey.from_string(text) == key
+    with pytest.raises(ValueError, match="5"):
+        CacheKey.from_string("a@b")
+
+
+def test_models_and_shards_never_share_keys() -> None:
+    base = CacheKey("vllm", "m", 2, 0, "h")
+    assert len({base, CacheKey("vllm", "m2", 2, 0, "h"), CacheKey("vllm", "m", 2, 1, "h"),
+                CacheKey("vllm", "m", 4, 0, "h")}) == 4
+
+
+@pytest.mark.parametrize("dtype", serde.SUPPORTED_DTYPES, ids=str)
+def test_serde_roundtrip_bit_exact(dtype: torch.dtype) -> None:
+    raw = torch.randint(0, 256, (3, 2, 5, 8), dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw = raw % 2
+    esize = torch.empty((), dtype=dtype).element_size()
+    tensor = raw.view(dtype).view(3, 2, 5, 8 // esize)
+    back = serde.decode(serde.encode(tensor, "vllm"))
+    assert back.dtype == dtype and back.shape == tensor.shape
+    assert torch.equal(back.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_serde_rejects_corruption_truncation_and_garbage() -> None:
+    data = bytearray(serde.encode(torch.randn(4, 4).to(torch.bfloat16)))
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x01
+    with pytest.raises(ChunkFormatError, match="checksum"):
+        serde.decode(bytes(flipped))
+    with pytest.raises(ChunkFormatError, match="truncated"):
+        serde.decode(bytes(data[:-3]))
+    with pytest.raises(ChunkFormatError, match="magic"):
+        serde.decode(b"\x80\x04\x95" + bytes(60))  # a pickle stream is not a chunk
+    with pytest.raises(ChunkFormatError):
+        serde.decode(b"TKV")

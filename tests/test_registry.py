@@ -1,0 +1,137 @@
+"""Entry-point discovery with real distributions put on sys.path as dist-info."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierkv import BackendLoadError, Engine, registry
+
+PLUGIN = '''
+from tierkv.backend import StorageBackend
+from tierkv.options import Option
+
+class DictBackend(StorageBackend):
+    """A third-party backend: a plain dict."""
+    bounded = False
+    options = {"label": Option("str", "default")}
+
+    def __init__(self, name, capacity=None, label="default"):
+        super().__init__(name, capacity)
+        self.label = label
+        self.data = {}
+
+    async def put(self, key, chunk):
+        self._ensure_open()
+        self.data[key] = chunk.detach().clone()
+
+    async def get(self, key):
+        self._ensure_open()
+        value = self.data.get(key)
+        return None if value is None else value.clone()
+
+    async def contains(self, key):
+        self._ensure_open()
+        return key in self.data
+
+    async def delete(self, key):
+        self._ensure_open()
+        return self.data.pop(key, None) is not None
+
+class NotABackend:
+    pass
+'''
+
+
+def make_distribution(root: Path, dist: str, module: str, entry_points: dict[str, str], source: str) -> None:
+    """Write an installed-looking distribution (module + dist-info) under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[tierkv.backends]\n{lines}\n")
+
+
+@pytest.fixture
+def plugin_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "site"
+    make_distribution(root, "tierkv-dict", "tierkv_dict", {
+        "dict": "tierkv_dict:DictBackend",
+        "notabackend": "tierkv_dict:NotABackend",
+        "broken": "tierkv_dict_missing_module:Thing",
+    }, PLUGIN)
+    monkeypatch.syspath_prepend(str(root))
+    registry.refresh()
+    yield root
+    registry.refresh()
+
+
+def test_third_party_backend_selected_from_yaml(plugin_path: Path, tmp_path: Path) -> None:
+    config = {"model": "m", "chunk_size": 4, "tiers": [{"name": "mine", "backend": "dict", "label": "x"}]}
+    with Engine(config) as engine:
+        assert type(engine.tiers[0]).__name__ == "DictBackend" and engine.tiers[0].label == "x"
+        tokens = torch.arange(10)
+        kv = torch.randn(2, 2, 10, 1, 4)
+        engine.store(tokens, kv)
+        out, mask = engine.retrieve(tokens, return_tuple=False)
+        assert mask.all() and torch.equal(out, kv)
+
+
+def test_cli_lists_plugin_with_distribution_and_version(plugin_path: Path) -> None:
+    env_path = f"{plugin_path}"
+    result = subprocess.run([sys.executable, "-m", "tierkv.cli", "backends"], capture_output=True, text=True,
+                            env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    assert "dict" in result.stdout and "tierkv-dict 1.2.3" in result.stdout
+    assert "lmdb" in result.stdout and "tierkv " in result.stdout
+
+
+def test_plugin_that_fails_to_import_is_an_error(plugin_path: Path) -> None:
+    config = {"model": "m", "tiers": [{"name": "t", "backend": "broken"}]}
+    with pytest.raises(BackendLoadError) as info:
+        Engine(config)
+    text = str(info.value)
+    assert "tiers[0].backend" in text and "'broken'" in text and "tierkv-dict 1.2.3" in text
+    assert "failed to import" in text and isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_plugin_that_is_not_a_storage_backend(plugin_path: Path) -> None:
+    with pytest.raises(BackendLoadError, match="not a subclass of tierkv.StorageBackend"):
+        Engine({"model": "m", "tiers": [{"name": "t", "backend": "notabackend"}]})
+
+
+def test_two_distributions_claiming_one_name(plugin_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = tmp_path / "site2"
+    make_distribution(other, "tierkv-dict-fork", "tierkv_dict_fork", {"dict": "tierkv_dict_fork:DictBackend"}, PLUGIN)
+    monkeypatch.syspath_prepend(str(other))
+    registry.refresh()
+    config = {"model": "m", "tiers": [{"name": "t", "backend": "dict"}]}
+    with pytest.raises(BackendLoadError) as info:
+        Engine(config)
+    text = str(info.value)
+    assert "tierkv-dict 1.2.3" in text and "tierkv-dict-fork 1.2.3" in text and "'tierkv-dict-fork:dict'" in text
+    pinned = {"model": "m", "tiers": [{"name": "t", "backend": "tierkv-dict-fork:dict"}]}
+    with Engine(pinned) as engine:
+        assert type(engine.tiers[0]).__module__ == "tierkv_dict_fork"
+
+
+def test_registry_is_lazy(plugin_path: Path) -> None:
+    script = textwrap.dedent("""
+        import sys
+        from tierkv import registry
+        assert "dict" in registry.installed()
+        assert "tierkv_dict" not in sys.modules, "listing must not import plugins"
+        registry.load("dict")
+        assert "tierkv_dict" in sys.modules
+        print("lazy")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(plugin_path), "PATH": "/usr/bin:/bin"})
+    assert "lazy" in result.stdout, result.stderr

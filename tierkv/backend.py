@@ -1,0 +1,197 @@
+"""The storage backend contract every tier implements (the seed backend interface, async).
+
+Backends are small async stores of whole chunks under :class:`~tierkv.keys.CacheKey`.
+The batched methods have defaults built on the single-key ones; a backend overrides
+them when it can do better (one transaction, one pipeline, parallel requests).
+
+Contract, checked by :class:`tierkv.testing.BackendTests`:
+
+- ``get`` of a missing key is ``None``, never an exception; batched results keep input order.
+- ``put`` copies the chunk: the caller may reuse its tensor as soon as ``put`` returns,
+  and a tensor returned by ``get`` is the caller's own (mutating it changes nothing stored).
+- Any method after ``close()`` raises :class:`~tierkv.errors.BackendClosedError`.
+- A chunk that cannot fit raises :class:`~tierkv.errors.CapacityError` and loses nothing
+  stored before; a bounded backend evicts least-recently-used chunks to make room.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from tierkv import serde
+from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError
+from tierkv.keys import CacheKey
+from tierkv.options import Option, format_size, parse_options
+
+logger = logging.getLogger(__name__)
+
+
+class StorageBackend(abc.ABC):
+    """Async store of KV chunks; one instance is one tier.
+
+    Class attributes describe capabilities so the engine and the conformance suite can
+    adapt: ``persistent`` (survives close and reopen), ``bounded`` (evicts to stay within
+    ``capacity``), ``requires_capacity`` (YAML must give one), ``options`` (backend-specific
+    YAML keys, validated by :func:`tierkv.options.parse_options`).
+    """
+
+    persistent: ClassVar[bool] = False
+    bounded: ClassVar[bool] = True
+    requires_capacity: ClassVar[bool] = False
+    options: ClassVar[Mapping[str, Option]] = {}
+
+    def __init__(self, name: str, capacity: int | None = None) -> None:
+        if self.requires_capacity and capacity is None:
+            raise CapacityError(f"tier {name!r}: backend {type(self).__name__} needs a capacity")
+        self.name = name
+        self.capacity = capacity
+        self._closed = False
+        self.counters: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "corrupt_chunks": 0}
+
+    # -- construction from YAML -------------------------------------------------
+    @classmethod
+    def validate_options(cls, raw: Mapping[str, Any], path: str) -> dict[str, Any]:
+        """Check this backend's YAML options; errors name ``path`` and what was expected."""
+        return parse_options(cls.options, raw, path)
+
+    @classmethod
+    def from_options(cls, name: str, capacity: int | None, options: Mapping[str, Any]) -> StorageBackend:
+        """Build a tier from validated options (the registry calls this)."""
+        return cls(name=name, capacity=capacity, **options)
+
+    # -- single-key contract --------------------------------------------------------
+    @abc.abstractmethod
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        """Store a copy of ``chunk`` under ``key`` (replacing any older value)."""
+
+    @abc.abstractmethod
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        """The chunk stored under ``key`` as a tensor the caller owns, or None."""
+
+    @abc.abstractmethod
+    async def contains(self, key: CacheKey) -> bool:
+        """Whether ``key`` is stored (a hint: a later get may still miss)."""
+
+    @abc.abstractmethod
+    async def delete(self, key: CacheKey) -> bool:
+        """Remove ``key``; True if it was there."""
+
+    # -- batched defaults ---------------------------------------------------------------
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        """Store many chunks; returns how many were stored. Later duplicates win."""
+        if len(keys) != len(chunks):
+            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        for key, chunk in zip(keys, chunks):
+            await self.put(key, chunk)
+        return len(keys)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """Chunks for ``keys`` in input order, None for each miss."""
+        return list(await asyncio.gather(*(self.get(key) for key in keys)))
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        return list(await asyncio.gather(*(self.contains(key) for key in keys)))
+
+    async def close(self) -> None:
+        """Release resources; later calls raise BackendClosedError. Idempotent."""
+        self._closed = True
+
+    # -- accounting ---------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes this tier holds (as far as this process knows)."""
+        return 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and occupancy, safe to print (no credentials)."""
+        return {
+            "backend": type(self).__name__,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            **self.counters,
+        }
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"tier {self.name!r} ({type(self).__name__}) is closed")
+
+    def _check_fits(self, nbytes: int) -> None:
+        if self.capacity is not None and nbytes > self.capacity:
+            raise CapacityError(
+                f"tier {self.name!r}: a chunk of {format_size(nbytes)} cannot fit in its capacity of "
+                f"{format_size(self.capacity)}"
+            )
+
+    def _count_eviction(self, nbytes: int) -> None:
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += nbytes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, capacity={self.capacity!r})"
+
+
+class BlobBackend(StorageBackend):
+    """Helper base for byte stores: implement four methods on string keys and bytes.
+
+    Tensors are (de)serialized with :mod:`tierkv.serde` (versioned header, checksum, no
+    pickle). A value that fails to decode is deleted, counted in
+    ``counters["corrupt_chunks"]`` and reported as a miss.
+    """
+
+    bounded: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    async def get_bytes(self, key: str) -> bytes | memoryview | None:
+        """The value stored under ``key``, or None."""
+
+    @abc.abstractmethod
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` atomically: a reader sees the old or the new value."""
+
+    @abc.abstractmethod
+    async def delete_bytes(self, key: str) -> bool:
+        """Remove ``key``; True if it was there."""
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored."""
+
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        self._ensure_open()
+        await self.put_bytes(key.to_string(), serde.encode(chunk, key.fmt if key.fmt in ("vllm", "huggingface") else None))
+
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        self._ensure_open()
+        name = key.to_string()
+        data = await self.get_bytes(name)
+        if data is None:
+            return None
+        try:
+            return serde.decode(data)
+        except ChunkFormatError as exc:
+            self.counters["corrupt_chunks"] += 1
+            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+            await self.delete_bytes(name)
+            return None
+
+    async def contains(self, key: CacheKey) -> bool:
+        self._ensure_open()
+        return await self.exists(key.to_string())
+
+    async def delete(self, key: CacheKey) -> bool:
+        self._ensure_open()
+        return await self.delete_bytes(key.to_string())

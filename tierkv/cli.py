@@ -1,0 +1,71 @@
+"""The ``tierkv`` command: what is installed, and a quick look at a configured engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from tierkv import registry
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    table = registry.installed()
+    if not table:
+        print("no backends installed (entry-point group 'tierkv.backends' is empty)")
+        return 1
+    width = max(len(name) for name in table)
+    for name in sorted(table):
+        for info in table[name]:
+            status = "ok"
+            if args.load:
+                try:
+                    registry.load(info.qualified_name if len(table[name]) > 1 else name)
+                except Exception as exc:  # report every broken plugin, keep listing
+                    status = f"BROKEN: {exc}"
+            print(f"{name:<{width}}  {info.distribution} {info.version}  {info.target}  {status}")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from tierkv import __version__
+    from tierkv.memory import can_pin_memory, cuda_available
+
+    info = {
+        "tierkv": __version__,
+        "torch": torch.__version__,
+        "cuda_available": cuda_available(),
+        "pinned_memory": can_pin_memory(),
+        "backends": sorted(registry.installed()),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from tierkv.engine import Engine
+
+    with Engine.from_yaml(args.config) as engine:
+        print(json.dumps(engine.stats(), indent=2, default=str))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierkv", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    backends = commands.add_parser("backends", help="list installed storage backends")
+    backends.add_argument("--load", action="store_true", help="import each backend to check that it loads")
+    backends.set_defaults(func=_cmd_backends)
+    commands.add_parser("info", help="versions, CUDA and pinned-memory availability").set_defaults(func=_cmd_info)
+    inspect = commands.add_parser("inspect", help="open a YAML config and print per-tier occupancy")
+    inspect.add_argument("config")
+    inspect.set_defaults(func=_cmd_inspect)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

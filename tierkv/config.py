@@ -1,0 +1,215 @@
+"""YAML (or a dict) to a typed, validated engine configuration.
+
+Every mistake is reported with its YAML path and what was expected; unknown keys are
+errors with a close match, never ignored. ``TIERKV_*`` environment variables override
+top-level keys; an unrecognised ``TIERKV_`` variable is reported once rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from tierkv import registry
+from tierkv.errors import ConfigError
+from tierkv.keys import KV_FORMATS
+from tierkv.options import Option, parse_options, parse_size, unknown_key_error
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back")
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    **{name: getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)},
+}
+
+_PRESSURE_OPTIONS = {
+    "gpu_high_watermark": Option("float", 0.92, minimum=0.0, doc="fraction of device memory in use"),
+    "gpu_low_watermark": Option("float", 0.85, minimum=0.0),
+    "host_high_watermark": Option("float", 0.95, minimum=0.0),
+    "host_low_watermark": Option("float", 0.90, minimum=0.0),
+    "poll_interval_ms": Option("int", 200, minimum=1),
+}
+_TIER_COMMON = ("name", "backend", "capacity")
+_TOP_LEVEL = (
+    "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
+)
+# TIERKV_<NAME> overrides these top-level keys (parsed as YAML scalars).
+_ENV_OVERRIDES = ("model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id")
+# Variables tierkv reads elsewhere; anything else under TIERKV_ is reported.
+_ENV_KNOWN = {"TIERKV_CONFIG", "TIERKV_S3_ENDPOINT", "TIERKV_LOG_LEVEL", "TIERKV_NO_EXT"} | {
+    f"TIERKV_{key.upper()}" for key in _ENV_OVERRIDES
+}
+_warned_env: set[str] = set()
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier: its name, backend entry-point name, capacity and validated options."""
+
+    name: str
+    backend: str
+    capacity: int | None
+    options: Mapping[str, Any]
+    path: str  # where in the YAML it came from, for error messages
+
+
+@dataclass(frozen=True)
+class PressureConfig:
+    gpu_high_watermark: float = 0.92
+    gpu_low_watermark: float = 0.85
+    host_high_watermark: float = 0.95
+    host_low_watermark: float = 0.90
+    poll_interval_ms: int = 200
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine: model identity, chunking, KV layout and the tier stack (top first)."""
+
+    model: str
+    tiers: tuple[TierConfig, ...]
+    chunk_size: int = 256
+    kv_format: str = "vllm"
+    dtype: torch.dtype | None = None
+    write_policy: str = "write_through"
+    world_size: int = 1
+    worker_id: int = 0
+    pressure: PressureConfig = field(default_factory=PressureConfig)
+    source: str = "<dict>"
+
+
+def _require(raw: Mapping[str, Any], key: str, path: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise ConfigError(f"{path}{key}: required key is missing")
+    return raw[key]
+
+
+def _int(value: Any, path: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
+    if value not in choices:
+        raise ConfigError(f"{path}: expected one of {list(choices)}, got {value!r}")
+    return str(value)
+
+
+def _env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(raw)
+    for name, value in os.environ.items():
+        if not name.startswith("TIERKV_"):
+            continue
+        if name not in _ENV_KNOWN:
+            if name not in _warned_env:
+                _warned_env.add(name)
+                logger.warning("ignoring unknown environment variable %s (known: %s)", name, ", ".join(sorted(_ENV_KNOWN)))
+            continue
+        key = name[len("TIERKV_"):].lower()
+        if key in _ENV_OVERRIDES:
+            merged[key] = yaml.safe_load(value)
+    return merged
+
+
+def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
+    path = f"tiers[{index}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping with at least 'name' and 'backend', got {raw!r}")
+    name = _require(raw, "name", f"{path}.")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.name: expected a non-empty string, got {name!r}")
+    if name in seen:
+        raise ConfigError(f"{path}.name: tier name {name!r} is used twice; tier names must be unique")
+    seen.add(name)
+    backend_name = _require(raw, "backend", f"{path}.")
+    if not isinstance(backend_name, str):
+        raise ConfigError(f"{path}.backend: expected a backend name such as 'cpu' or 'lmdb', got {backend_name!r}")
+    capacity = parse_size(raw["capacity"], f"{path}.capacity") if raw.get("capacity") is not None else None
+    backend_cls = registry.load(backend_name, where=f"{path}.backend")
+    if backend_cls.requires_capacity and capacity is None:
+        raise ConfigError(f"{path}.capacity: backend {backend_name!r} needs a capacity such as 4GiB")
+    specific = {k: v for k, v in raw.items() if k not in _TIER_COMMON}
+    for key in specific:
+        if key not in backend_cls.options:
+            raise unknown_key_error(key, [*_TIER_COMMON, *backend_cls.options], path)
+    options = backend_cls.validate_options(specific, path)
+    return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path)
+
+
+def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> EngineConfig:
+    """Validate a parsed YAML document (after environment overrides)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _env_overrides(dict(raw))
+    for key in raw:
+        if key not in _TOP_LEVEL:
+            raise unknown_key_error(str(key), list(_TOP_LEVEL), source)
+    model = _require(raw, "model", "")
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"model: expected a non-empty model name, got {model!r}")
+    chunk_size = _int(raw.get("chunk_size", 256), "chunk_size", 1)
+    kv_format = _choice(raw.get("kv_format", "vllm"), KV_FORMATS, "kv_format")
+    write_policy = _choice(raw.get("write_policy", "write_through"), WRITE_POLICIES, "write_policy")
+    dtype = None
+    if raw.get("dtype") is not None:
+        dtype = DTYPES[_choice(raw["dtype"], tuple(DTYPES), "dtype")]
+    world_size = _int(raw.get("world_size", 1), "world_size", 1)
+    worker_id = _int(raw.get("worker_id", 0), "worker_id", 0)
+    if worker_id >= world_size:
+        raise ConfigError(f"worker_id: must be below world_size ({world_size}), got {worker_id}")
+    tiers_raw = _require(raw, "tiers", "")
+    if not isinstance(tiers_raw, list) or not tiers_raw:
+        raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
+    seen: set[str] = set()
+    tiers = tuple(_parse_tier(tier, index, seen) for index, tier in enumerate(tiers_raw))
+    pressure_raw = raw.get("pressure") or {}
+    if not isinstance(pressure_raw, Mapping):
+        raise ConfigError(f"pressure: expected a mapping, got {pressure_raw!r}")
+    pressure = PressureConfig(**parse_options(_PRESSURE_OPTIONS, pressure_raw, "pressure"))
+    for kind in ("gpu", "host"):
+        low, high = getattr(pressure, f"{kind}_low_watermark"), getattr(pressure, f"{kind}_high_watermark")
+        if not 0 < low <= high <= 1:
+            raise ConfigError(f"pressure: need 0 < {kind}_low_watermark <= {kind}_high_watermark <= 1, got {low} and {high}")
+    return EngineConfig(
+        model=model, tiers=tiers, chunk_size=chunk_size, kv_format=kv_format, dtype=dtype,
+        write_policy=write_policy, world_size=world_size, worker_id=worker_id, pressure=pressure, source=source,
+    )
+
+
+def load_config(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> EngineConfig:
+    """Load and validate a configuration from a dict, a YAML file path, or ``$TIERKV_CONFIG``."""
+    if isinstance(source, EngineConfig):
+        return source
+    if isinstance(source, Mapping):
+        return config_from_mapping(source)
+    if source is None:
+        env_path = os.environ.get("TIERKV_CONFIG")
+        if not env_path:
+            raise ConfigError("no configuration given: pass a dict or a YAML path, or set TIERKV_CONFIG to a YAML file")
+        source = env_path
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return config_from_mapping(document or {}, source=str(path))

@@ -1,0 +1,120 @@
+"""Chunk keys and prefix-chained hashing of token sequences.
+
+A chunk's key must be the same in every process and on every machine that sees the
+same tokens for the same model, otherwise a shared tier never hits (the "zero hits
+across instances" failure of salted ``hash()``). So hashing is SHA-256 over a fixed
+byte encoding of the token ids, chained from chunk to chunk: a chunk's hash covers
+every token before it, which makes a key stand for a whole prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+import numpy as np
+import torch
+
+KV_FORMATS = ("vllm", "huggingface")
+
+# Token ids are hashed as little-endian int32: every tokenizer vocabulary fits, and the
+# narrower encoding halves the bytes hashed per lookup.
+_TOKEN_DTYPE = np.dtype("<i4")
+_TOKEN_MAX = 2**31 - 1
+_HASH_HEX_CHARS = 32  # 128 bits of the SHA-256 digest name the chunk
+_KEY_FIELDS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """Identity of one chunk of KV cache.
+
+    The model, world size and worker id are part of the key so that caches of different
+    models or tensor-parallel shards never mix, even in one shared bucket.
+    """
+
+    fmt: str
+    model_name: str
+    world_size: int
+    worker_id: int
+    chunk_hash: str
+
+    def to_string(self) -> str:
+        """Stable, escaped string form for byte stores: ``fmt@model@world@worker@hash``.
+
+        Every field is percent-escaped, so ``@`` or ``/`` in a model name cannot collide
+        with the separators.
+        """
+        return "@".join(
+            quote(str(part), safe="-_.")
+            for part in (self.fmt, self.model_name, self.world_size, self.worker_id, self.chunk_hash)
+        )
+
+    @classmethod
+    def from_string(cls, text: str) -> CacheKey:
+        """Parse the form written by :meth:`to_string`."""
+        parts = text.split("@")
+        if len(parts) != _KEY_FIELDS:
+            raise ValueError(
+                f"not a tierkv key: expected 5 '@'-separated fields "
+                f"(fmt@model@world_size@worker_id@hash), got {len(parts)} in {text!r}"
+            )
+        fmt, model, world, worker, chunk_hash = (unquote(p) for p in parts)
+        try:
+            return cls(fmt, model, int(world), int(worker), chunk_hash)
+        except ValueError as exc:
+            raise ValueError(f"not a tierkv key: world_size and worker_id must be integers in {text!r}") from exc
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+def as_token_array(tokens: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndarray:
+    """Validate token ids and return them as a little-endian int32 array.
+
+    Raises ValueError naming what was expected for anything that is not a 1-D sequence of
+    non-negative integer ids.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be a 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
+        array = tokens.detach().cpu().numpy()
+    else:
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got an array of shape {array.shape}")
+        if array.size and not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+    if array.size and (int(array.min()) < 0 or int(array.max()) > _TOKEN_MAX):
+        raise ValueError(f"token ids must lie in [0, {_TOKEN_MAX}], got [{int(array.min())}, {int(array.max())}]")
+    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+class ChunkHasher:
+    """Splits a token sequence into chunks and gives each its prefix-chained hash."""
+
+    def __init__(self, chunk_size: int) -> None:
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    def num_chunks(self, num_tokens: int) -> int:
+        """Chunks needed for ``num_tokens`` tokens; the last one may be partial."""
+        return -(-num_tokens // self.chunk_size)
+
+    def prefix_hashes(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[str]:
+        """Hex hash of every chunk, each covering all tokens up to the end of its chunk."""
+        data = memoryview(as_token_array(tokens)).cast("B")
+        step = self.chunk_size * _TOKEN_DTYPE.itemsize
+        hashes: list[str] = []
+        previous = b""
+        for start in range(0, len(data), step):
+            digest = hashlib.sha256(previous)
+            digest.update(data[start : start + step])
+            previous = digest.digest()
+            hashes.append(previous.hex()[:_HASH_HEX_CHARS])
+        return hashes

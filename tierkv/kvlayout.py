@@ -1,0 +1,80 @@
+"""Shapes of KV caches as serving engines hand them over, and their validation.
+
+A KV cache is either one blob tensor — ``vllm``: ``[layers, 2, tokens, heads, head_size]``,
+``huggingface``: ``[layers, 2, heads, tokens, head_size]`` — or a tuple with one
+``(K, V)`` pair per layer, each ``[tokens, heads, head_size]`` (vllm) or
+``[heads, tokens, head_size]`` (huggingface). No batch dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+KVCache = Union[torch.Tensor, Sequence[Sequence[torch.Tensor]]]
+
+_LAYOUT = {
+    "vllm": "[num_layers, 2, num_tokens, num_kv_heads, head_size]",
+    "huggingface": "[num_layers, 2, num_kv_heads, num_tokens, head_size]",
+}
+_LAYER_LAYOUT = {"vllm": "[num_tokens, num_kv_heads, head_size]", "huggingface": "[num_kv_heads, num_tokens, head_size]"}
+
+
+def token_dim(fmt: str) -> int:
+    """Dimension of the blob that indexes tokens."""
+    return 2 if fmt == "vllm" else 3
+
+
+def as_blob(kv: KVCache, fmt: str) -> torch.Tensor:
+    """The KV cache as one 5-D blob (stacking a tuple of per-layer pairs once)."""
+    if isinstance(kv, torch.Tensor):
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(f"a {fmt} KV blob must be {_LAYOUT[fmt]}, got shape {tuple(kv.shape)}")
+        return kv
+    if not isinstance(kv, Sequence) or not kv:
+        raise ValueError(
+            f"KV must be a tensor {_LAYOUT[fmt]} or a non-empty tuple of per-layer (K, V) pairs, got {type(kv).__name__}"
+        )
+    first = None
+    for index, layer in enumerate(kv):
+        if not isinstance(layer, Sequence) or len(layer) != 2:
+            raise ValueError(f"KV layer {index}: expected a (K, V) pair, got {type(layer).__name__}")
+        for part, tensor in zip("KV", layer):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"KV layer {index} {part}: expected a tensor {_LAYER_LAYOUT[fmt]}, got {shape}")
+            if first is None:
+                first = tensor
+            elif tensor.shape != first.shape or tensor.dtype != first.dtype:
+                raise ValueError(
+                    f"KV layer {index} {part}: shape {tuple(tensor.shape)} {tensor.dtype} differs from layer 0 K "
+                    f"{tuple(first.shape)} {first.dtype}"
+                )
+    return torch.stack([torch.stack(tuple(layer)) for layer in kv])
+
+
+def as_tuple(blob: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Per-layer (K, V) views of a blob (no copy)."""
+    return tuple((blob[layer, 0], blob[layer, 1]) for layer in range(blob.shape[0]))
+
+
+def suffix_mask_skip(mask: torch.Tensor | None, num_tokens: int) -> int:
+    """Number of leading tokens a suffix mask leaves out (0 for no mask).
+
+    A suffix mask is False for a prefix of the tokens and True for the rest; anything
+    else is a ValueError saying so.
+    """
+    if mask is None:
+        return 0
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 1:
+        raise ValueError("mask must be a 1-D boolean tensor with one entry per token")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must have dtype torch.bool, got {mask.dtype}")
+    if mask.numel() != num_tokens:
+        raise ValueError(f"mask has {mask.numel()} entries but there are {num_tokens} tokens")
+    skip = num_tokens - int(mask.sum())
+    if not bool(mask[skip:].all()):
+        raise ValueError("mask must be a suffix mask: False for a prefix of the tokens, True for all the rest")
+    return skip

@@ -1,0 +1,188 @@
+"""Host memory: pooled buffers and fast byte copies.
+
+Large fresh allocations are expensive (every page faults on first touch, and pinned
+allocation goes through the driver), so chunks that tierkv hands out live in recycled
+slabs. A handed-out tensor returns its slab to the pool by itself when the last
+reference to it (or any view of it) is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+@functools.cache
+def cuda_available() -> bool:
+    """Whether a usable CUDA device exists (the CPU build of torch says no)."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver install must not crash a CPU-only user
+        return False
+
+
+def can_pin_memory() -> bool:
+    """Pinned host memory needs CUDA; the CPU build of torch raises on ``pin_memory``."""
+    return cuda_available()
+
+
+_GRANULE = 64 << 10
+
+
+def size_class(nbytes: int) -> int:
+    """Round a request up so slabs of near-equal sizes are shared: powers of two below
+    64 KiB, whole 64 KiB granules above (at most 6% waste for a 1 MiB chunk)."""
+    if nbytes <= 0:
+        return 0
+    if nbytes < _GRANULE:
+        return 1 << (nbytes - 1).bit_length()
+    return -(-nbytes // _GRANULE) * _GRANULE
+
+
+def allocate_bytes(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A fresh uint8 host tensor, pinned when asked and possible."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and can_pin_memory())
+
+
+class _Lease:
+    """Returns a slab to its pool when the last tensor using it is garbage."""
+
+    __slots__ = ("pool", "slab")
+
+    def __init__(self, pool: HostBufferPool, slab: torch.Tensor) -> None:
+        self.pool = pool
+        self.slab = slab
+
+    def __del__(self) -> None:
+        self.pool._release(self.slab)
+
+
+class _LeasedArray(np.ndarray):
+    """An ndarray that keeps its lease alive; torch.from_numpy holds a reference to it."""
+
+
+class HostBufferPool:
+    """Recycles host slabs (pinned when CUDA is present) for tensors handed to callers.
+
+    Idle slabs are kept up to ``max_idle_bytes``; beyond that they are freed. Safe to use
+    from several threads.
+    """
+
+    def __init__(self, pinned: bool = False, max_idle_bytes: int = 1 << 30) -> None:
+        self.pinned = pinned and can_pin_memory()
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self.allocations = 0
+        self.reuses = 0
+
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``/``dtype`` backed by a pooled slab."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        slab = self._acquire(size_class(nbytes))
+        array = slab.numpy()[:nbytes].view(_LeasedArray)
+        array._lease = _Lease(self, slab)  # type: ignore[attr-defined]
+        return torch.from_numpy(array).view(dtype).view(shape)
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            idle = self._idle.get(nbytes)
+            if idle:
+                self._idle_bytes -= nbytes
+                self.reuses += 1
+                return idle.pop()
+            self.allocations += 1
+        return allocate_bytes(nbytes, self.pinned)
+
+    def _release(self, slab: torch.Tensor) -> None:
+        nbytes = slab.numel()
+        with self._lock:
+            if self._idle_bytes + nbytes > self.max_idle_bytes:
+                return  # let it be freed
+            self._idle[nbytes].append(slab)
+            self._idle_bytes += nbytes
+
+    def stats(self) -> dict[str, int | bool]:
+        with self._lock:
+            return {
+                "pinned": self.pinned,
+                "idle_bytes": self._idle_bytes,
+                "allocations": self.allocations,
+                "reuses": self.reuses,
+            }
+
+
+_default_pool: HostBufferPool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_pool() -> HostBufferPool:
+    """The process-wide pool used for chunks handed back to callers."""
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            _default_pool = HostBufferPool(pinned=can_pin_memory())
+        return _default_pool
+
+
+def empty_host(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A pooled, uninitialised host tensor owned by the caller."""
+    return default_pool().empty(shape, dtype)
+
+
+def _wide_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The same bytes as int32 elements when the layout allows it, else None.
+
+    Strided copies of 1- and 2-byte dtypes run several times slower than of 4-byte ones,
+    so byte copies are done through 4-byte views wherever the innermost dimension is
+    contiguous and a whole number of 4-byte words.
+    """
+    esize = tensor.element_size()
+    if esize >= 4 or tensor.dim() == 0:
+        return None
+    if tensor.stride(-1) != 1 or (tensor.shape[-1] * esize) % 4:
+        return None
+    if any((s * esize) % 4 for s in tensor.stride()[:-1]) or (tensor.storage_offset() * esize) % 4:
+        return None
+    try:
+        return tensor.view(torch.int32)
+    except RuntimeError:
+        return None
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors of equal shape and dtype, at memcpy speed where possible."""
+    if dst.dtype == src.dtype and dst.shape == src.shape and src.dim() > 0:
+        wide_dst, wide_src = _wide_view(dst), _wide_view(src)
+        if wide_dst is not None and wide_src is not None:
+            wide_dst.copy_(wide_src)
+            return
+    dst.copy_(src)
+
+
+def as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes."""
+    if not tensor.is_contiguous():
+        raise ValueError("as_bytes needs a contiguous tensor")
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def contiguous_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself if it is a contiguous CPU tensor, else a pooled contiguous copy."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor
+    out = empty_host(tuple(tensor.shape), tensor.dtype)
+    copy_into(out, tensor.to("cpu") if tensor.device.type != "cpu" else tensor)
+    return out

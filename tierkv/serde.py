@@ -1,0 +1,153 @@
+"""Chunk <-> bytes for byte-oriented tiers (disk, files, object stores).
+
+Layout: a small versioned header, then the tensor's raw bytes.
+
+    magic "TKVC" | version u16 | header_len u16 | dtype u8 | kv_format u8 | ndim u8 |
+    checksum_algo u8 | payload_len u64 | checksum u64 | shape u64 * ndim
+
+Bytes read from a tier may have been written by another machine or damaged on the way,
+so nothing here unpickles or ``torch.load``s: the header is parsed field by field and
+the payload's XXH3-64 checksum must match before a tensor is built.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from tierkv.errors import ChunkFormatError
+from tierkv.memory import as_bytes, contiguous_host, empty_host
+
+MAGIC = b"TKVC"
+VERSION = 1
+_FIXED = struct.Struct("<4sHHBBBBQQ")
+_CHECKSUM_XXH3_64 = 1
+_MAX_NDIM = 8
+
+# Codes are part of the on-disk format: append only, never renumber.
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float32: 3,
+    torch.float64: 4,
+    torch.int8: 5,
+    torch.uint8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+}
+for _code, _name in enumerate(
+    ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"), start=20
+):
+    if hasattr(torch, _name):
+        _DTYPE_CODES[getattr(torch, _name)] = _code
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+_FORMAT_CODES = {None: 0, "vllm": 1, "huggingface": 2}
+_CODE_FORMATS = {code: fmt for fmt, code in _FORMAT_CODES.items()}
+
+SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    """What the header of a stored chunk says about its payload."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    kv_format: str | None
+    payload_len: int
+    checksum: int
+    header_len: int
+
+
+def checksum(data: np.ndarray | memoryview | bytes) -> int:
+    """XXH3-64 of a byte buffer (tens of GB/s: never the bottleneck of a tier)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def encode_header(tensor: torch.Tensor, kv_format: str | None = None, payload: np.ndarray | None = None) -> bytes:
+    """Header for ``tensor``; pass ``payload`` (its bytes) when already at hand."""
+    if tensor.dtype not in _DTYPE_CODES:
+        raise ValueError(
+            f"cannot store dtype {tensor.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    if kv_format not in _FORMAT_CODES:
+        raise ValueError(f"kv_format must be one of {[f for f in _FORMAT_CODES if f]}, got {kv_format!r}")
+    if tensor.dim() > _MAX_NDIM:
+        raise ValueError(f"chunks have at most {_MAX_NDIM} dimensions, got {tensor.dim()}")
+    if payload is None:
+        payload = as_bytes(contiguous_host(tensor))
+    header_len = _FIXED.size + 8 * tensor.dim()
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        header_len,
+        _DTYPE_CODES[tensor.dtype],
+        _FORMAT_CODES[kv_format],
+        tensor.dim(),
+        _CHECKSUM_XXH3_64,
+        payload.nbytes,
+        checksum(payload),
+    )
+    return fixed + struct.pack(f"<{tensor.dim()}Q", *tensor.shape)
+
+
+def encode(tensor: torch.Tensor, kv_format: str | None = None) -> bytes:
+    """Header and payload as one buffer, for stores that take a single value."""
+    payload = as_bytes(contiguous_host(tensor))
+    return encode_header(tensor, kv_format, payload) + payload.tobytes()
+
+
+def decode_header(data: bytes | memoryview) -> ChunkHeader:
+    """Parse and sanity-check a header; raises ChunkFormatError on anything malformed."""
+    view = memoryview(data)
+    if len(view) < _FIXED.size:
+        raise ChunkFormatError(f"truncated chunk: {len(view)} bytes is shorter than the {_FIXED.size}-byte header")
+    magic, version, header_len, dtype_code, fmt_code, ndim, algo, payload_len, digest = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise ChunkFormatError(f"not a tierkv chunk: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ChunkFormatError(f"unsupported chunk format version {version}; this tierkv reads version {VERSION}")
+    if algo != _CHECKSUM_XXH3_64:
+        raise ChunkFormatError(f"unknown checksum algorithm code {algo}")
+    if dtype_code not in _CODE_DTYPES or fmt_code not in _CODE_FORMATS or ndim > _MAX_NDIM:
+        raise ChunkFormatError(f"corrupt chunk header (dtype code {dtype_code}, format code {fmt_code}, ndim {ndim})")
+    if header_len != _FIXED.size + 8 * ndim or len(view) < header_len:
+        raise ChunkFormatError(f"corrupt or truncated chunk header (header_len {header_len}, {len(view)} bytes)")
+    shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
+    dtype = _CODE_DTYPES[dtype_code]
+    expected = int(np.prod(shape, dtype=np.uint64)) * torch.empty((), dtype=dtype).element_size()
+    if expected != payload_len:
+        raise ChunkFormatError(f"corrupt chunk header: shape {shape} of {dtype} needs {expected} bytes, says {payload_len}")
+    return ChunkHeader(dtype, tuple(shape), _CODE_FORMATS[fmt_code], payload_len, digest, header_len)
+
+
+def decode_payload(
+    header: ChunkHeader,
+    payload: bytes | memoryview | np.ndarray,
+    allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = empty_host,
+) -> torch.Tensor:
+    """Verify ``payload`` against ``header`` and copy it once into a fresh tensor."""
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    if raw.nbytes != header.payload_len:
+        raise ChunkFormatError(f"truncated chunk: payload has {raw.nbytes} bytes, header says {header.payload_len}")
+    if checksum(raw) != header.checksum:
+        raise ChunkFormatError("chunk checksum mismatch: the stored bytes were altered or torn")
+    out = allocate(header.shape, header.dtype)
+    if raw.nbytes:
+        as_bytes(out)[:] = raw
+    return out
+
+
+def decode(data: bytes | memoryview, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = empty_host) -> torch.Tensor:
+    """Inverse of :func:`encode`; raises ChunkFormatError for anything but a valid chunk."""
+    header = decode_header(data)
+    view = memoryview(data)
+    return decode_payload(header, view[header.header_len :], allocate)

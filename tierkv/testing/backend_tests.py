@@ -1,0 +1,252 @@
+"""Conformance suite for storage backends, ours and third parties'.
+
+Subclass :class:`BackendTests` in a pytest module and implement :meth:`make_backend`::
+
+    class TestMyBackend(BackendTests):
+        def make_backend(self, tmp_path, capacity=None):
+            return MyBackend(name="mine", capacity=capacity, url=...)
+
+Every test builds its backend inside its own event loop, so backends may create asyncio
+primitives in ``__init__`` or lazily. Tests that need a property a backend does not
+have (persistence, a capacity bound) skip with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from tierkv.backend import StorageBackend
+from tierkv.errors import BackendClosedError, CapacityError
+from tierkv.keys import CacheKey
+from tierkv.serde import SUPPORTED_DTYPES
+
+T = TypeVar("T")
+
+
+def make_key(index: int, model: str = "conformance") -> CacheKey:
+    """A distinct key per index."""
+    return CacheKey("vllm", model, 1, 0, f"{index:032x}")
+
+
+def make_chunk(seed: int, shape: tuple[int, ...] = (2, 2, 16, 2, 8), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A deterministic chunk whose values differ for every seed."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+def chunk_nbytes(chunk: torch.Tensor) -> int:
+    return chunk.numel() * chunk.element_size()
+
+
+def same_bytes(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN-safe), including dtype and shape."""
+    if a is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class BackendTests:
+    """Subclass and implement :meth:`make_backend` to check a backend against the contract."""
+
+    #: capacity, in chunks of the default shape, used by the eviction tests
+    capacity_in_chunks: int = 4
+
+    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
+        """A new backend instance. Persistent backends must reopen the same data for the same tmp_path."""
+        raise NotImplementedError
+
+    # -- helpers ---------------------------------------------------------------------------
+    def run(self, body: Callable[[], Awaitable[T]]) -> T:
+        return asyncio.run(body())  # type: ignore[arg-type]
+
+    def chunk_capacity(self) -> int:
+        return self.capacity_in_chunks * chunk_nbytes(make_chunk(0)) + 1024
+
+    async def _closing(self, backend: StorageBackend, body: Callable[[StorageBackend], Awaitable[T]]) -> T:
+        try:
+            return await body(backend)
+        finally:
+            await backend.close()
+
+    def with_backend(self, tmp_path: Path, body: Callable[[StorageBackend], Awaitable[T]], capacity: int | None = None) -> T:
+        async def main() -> T:
+            return await self._closing(self.make_backend(tmp_path, capacity), body)
+        return asyncio.run(main())
+
+    # -- single-key contract -------------------------------------------------------------
+    def test_put_get_roundtrip(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            chunk = make_chunk(1)
+            await backend.put(make_key(1), chunk)
+            assert same_bytes(await backend.get(make_key(1)), chunk)
+        self.with_backend(tmp_path, body)
+
+    def test_missing_key_is_none(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            assert await backend.get(make_key(404)) is None
+            assert await backend.contains(make_key(404)) is False
+            assert await backend.delete(make_key(404)) is False
+        self.with_backend(tmp_path, body)
+
+    def test_contains_and_delete(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            await backend.put(make_key(2), make_chunk(2))
+            assert await backend.contains(make_key(2))
+            assert await backend.delete(make_key(2)) is True
+            assert not await backend.contains(make_key(2))
+            assert await backend.get(make_key(2)) is None
+        self.with_backend(tmp_path, body)
+
+    def test_overwrite_replaces_value(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            await backend.put(make_key(3), make_chunk(3))
+            await backend.put(make_key(3), make_chunk(33))
+            assert same_bytes(await backend.get(make_key(3)), make_chunk(33))
+        self.with_backend(tmp_path, body)
+
+    def test_put_copies_and_get_returns_own_tensor(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            chunk = make_chunk(4)
+            original = chunk.clone()
+            await backend.put(make_key(4), chunk)
+            chunk.zero_()  # the caller reuses its buffer
+            first = await backend.get(make_key(4))
+            assert same_bytes(first, original)
+            assert first is not None
+            first.zero_()  # the caller scribbles on what it got
+            assert same_bytes(await backend.get(make_key(4)), original)
+        self.with_backend(tmp_path, body)
+
+    def test_non_contiguous_chunk(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            blob = make_chunk(5, shape=(2, 2, 40, 2, 8))
+            view = blob.narrow(2, 8, 16)  # a token slice, as the engine cuts chunks
+            assert not view.is_contiguous()
+            await backend.put(make_key(5), view)
+            assert same_bytes(await backend.get(make_key(5)), view.contiguous())
+        self.with_backend(tmp_path, body)
+
+    @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+    def test_dtypes_roundtrip_bit_exact(self, tmp_path: Path, dtype: torch.dtype) -> None:
+        async def body(backend: StorageBackend) -> None:
+            raw = torch.randint(0, 256, (2, 2, 8, 2, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+            esize = torch.empty((), dtype=dtype).element_size()
+            if dtype == torch.bool:
+                raw = raw % 2
+            chunk = raw.view(dtype).view(2, 2, 8, 2, 8 // esize)  # every bit pattern, NaNs included
+            await backend.put(make_key(6), chunk)
+            assert same_bytes(await backend.get(make_key(6)), chunk)
+        self.with_backend(tmp_path, body)
+
+    # -- batches ----------------------------------------------------------------------------
+    def test_batched_order_duplicates_and_misses(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            keys = [make_key(10), make_key(11), make_key(10)]
+            chunks = [make_chunk(100), make_chunk(11), make_chunk(10)]
+            assert await backend.batched_put(keys, chunks) == 3
+            got = await backend.batched_get([make_key(11), make_key(99), make_key(10), make_key(11)])
+            assert same_bytes(got[0], make_chunk(11))
+            assert got[1] is None
+            assert same_bytes(got[2], make_chunk(10)), "a later duplicate in a batch must win"
+            assert same_bytes(got[3], make_chunk(11))
+            assert await backend.batched_contains([make_key(99), make_key(10)]) == [False, True]
+        self.with_backend(tmp_path, body)
+
+    def test_batched_put_length_mismatch(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            with pytest.raises(ValueError, match="keys"):
+                await backend.batched_put([make_key(1), make_key(2)], [make_chunk(1)])
+        self.with_backend(tmp_path, body)
+
+    def test_empty_batches(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            assert await backend.batched_get([]) == []
+            assert await backend.batched_contains([]) == []
+        self.with_backend(tmp_path, body)
+
+    # -- capacity -----------------------------------------------------------------------------
+    def test_capacity_evicts_least_recently_used(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            if not backend.bounded or backend.capacity_bytes is None:
+                pytest.skip(f"{type(backend).__name__} is not capacity-bounded")
+            total = self.capacity_in_chunks * 3
+            for index in range(total):
+                await backend.put(make_key(index), make_chunk(index))
+                if index == 1:
+                    assert await backend.get(make_key(0)) is not None  # touch 0: it is now recent
+                assert backend.used_bytes <= backend.capacity_bytes
+            assert same_bytes(await backend.get(make_key(total - 1)), make_chunk(total - 1))
+            assert await backend.get(make_key(1)) is None, "the least recently used chunk should be gone"
+            assert backend.stats()["evictions"] > 0
+        self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
+
+    def test_chunk_larger_than_capacity_raises_and_keeps_data(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            if backend.capacity_bytes is None:
+                pytest.skip(f"{type(backend).__name__} has no capacity bound")
+            await backend.put(make_key(1), make_chunk(1))
+            huge = make_chunk(2, shape=(2, 2, 16 * (self.capacity_in_chunks + 2), 2, 8))
+            with pytest.raises(CapacityError, match="capacity|room|fit"):
+                await backend.put(make_key(2), huge)
+            assert same_bytes(await backend.get(make_key(1)), make_chunk(1))
+        self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
+
+    # -- concurrency ------------------------------------------------------------------------------
+    def test_concurrent_callers(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            async def writer(index: int) -> None:
+                await backend.put(make_key(index), make_chunk(index))
+                assert same_bytes(await backend.get(make_key(index)), make_chunk(index))
+            await asyncio.gather(*(writer(i) for i in range(24)))
+            got = await backend.batched_get([make_key(i) for i in range(24)])
+            for index, chunk in enumerate(got):
+                assert same_bytes(chunk, make_chunk(index))
+        self.with_backend(tmp_path, body)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def test_use_after_close_raises(self, tmp_path: Path) -> None:
+        async def main() -> None:
+            backend = self.make_backend(tmp_path, None)
+            await backend.put(make_key(1), make_chunk(1))
+            await backend.close()
+            await backend.close()  # idempotent
+            for call in (backend.get(make_key(1)), backend.put(make_key(2), make_chunk(2)),
+                         backend.contains(make_key(1)), backend.batched_get([make_key(1)])):
+                with pytest.raises(BackendClosedError):
+                    await call
+        asyncio.run(main())
+
+    def test_persistence_across_reopen(self, tmp_path: Path) -> None:
+        async def first() -> bool:
+            backend = self.make_backend(tmp_path, None)
+            if not backend.persistent:
+                await backend.close()
+                return False
+            await backend.batched_put([make_key(i) for i in range(3)], [make_chunk(i) for i in range(3)])
+            await backend.close()
+            return True
+
+        if not asyncio.run(first()):
+            pytest.skip("backend is not persistent")
+
+        async def second(backend: StorageBackend) -> None:
+            got = await backend.batched_get([make_key(i) for i in range(3)])
+            for index, chunk in enumerate(got):
+                assert same_bytes(chunk, make_chunk(index))
+        self.with_backend(tmp_path, second)
+
+    def test_stats_are_plain_data(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            await backend.put(make_key(1), make_chunk(1))
+            stats: dict[str, Any] = backend.stats()
+            assert stats["used_bytes"] >= 0
+            assert "evictions" in stats
+        self.with_backend(tmp_path, body)

@@ -1,0 +1,278 @@
+"""``lmdb`` tier: one LMDB environment on local disk, persistent, bounded, LRU.
+
+Each chunk is two records written in one transaction: its chunk-format header in the
+``meta`` database and its raw bytes in ``data``. Keeping the payload a record of its own
+lets LMDB copy the tensor's bytes straight from the caller's buffer, and lets a read
+copy them once, from the map into the output tensor, after the checksum passes.
+
+A ``batched_put`` is one write transaction. When the map fills (LMDB needs contiguous
+free pages for a large value) least-recently-used chunks are evicted in a committed
+transaction of their own and the batch is retried, instead of failing with MapFullError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import lmdb
+import torch
+
+from tierkv import serde
+from tierkv.backend import StorageBackend
+from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
+from tierkv.keys import CacheKey
+from tierkv.memory import as_bytes, contiguous_host
+from tierkv.options import Option, format_size
+from tierkv.policy import LRUIndex
+
+logger = logging.getLogger(__name__)
+
+_SEQ = struct.Struct("<Q")  # write sequence number in front of each header: LRU order survives restarts
+_MAX_KEY_BYTES = 500  # LMDB's default key limit is 511 bytes
+_MAP_HEADROOM = 64 << 20
+
+
+def encode_key(key: CacheKey) -> bytes:
+    """LMDB key for a chunk: its string form, or a digest of it when too long for LMDB."""
+    raw = key.to_string().encode()
+    return raw if len(raw) <= _MAX_KEY_BYTES else b"#" + hashlib.sha256(raw).digest()
+
+
+def ensure_writable_dir(path: str, where: str) -> None:
+    """Create ``path`` if needed and fail clearly if this process cannot write there."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create directory {path!r}: {exc.strerror}") from exc
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}: {path!r} exists and is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: directory {path!r} is not writable by this process")
+
+
+class LMDBBackend(StorageBackend):
+    """Local-disk tier in one LMDB environment; survives process restarts."""
+
+    persistent: ClassVar[bool] = True
+    requires_capacity: ClassVar[bool] = True
+    options: ClassVar[dict[str, Option]] = {
+        "path": Option("path", required=True, doc="directory of the LMDB environment"),
+        "sync": Option("bool", False, doc="fsync every commit: survive power loss, not just a crash"),
+        "readahead": Option("bool", True, doc="OS readahead on the map (keep on for reads from disk)"),
+        "max_readers": Option("int", 126, minimum=1),
+    }
+
+    def __init__(self, name: str, capacity: int | None = None, path: str = "", sync: bool = False,
+                 readahead: bool = True, max_readers: int = 126) -> None:
+        super().__init__(name, capacity)
+        assert self.capacity is not None  # requires_capacity guarantees it
+        ensure_writable_dir(path, f"tier {name!r} path")
+        self.path = path
+        map_size = self.capacity + self.capacity // 8 + _MAP_HEADROOM
+        try:
+            self._env = lmdb.open(path, map_size=map_size, max_dbs=2, subdir=True, sync=sync, metasync=sync,
+                                  readahead=readahead, max_readers=max_readers, lock=True)
+        except lmdb.Error as exc:
+            raise ConfigError(f"tier {name!r}: cannot open LMDB environment at {path!r}: {exc}") from exc
+        self._meta = self._env.open_db(b"meta")
+        self._data = self._env.open_db(b"data")
+        self._index: LRUIndex[bytes] = LRUIndex()
+        self._seq = 0
+        self._write_lock: asyncio.Lock | None = None
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._load_index()
+        if self._index.used_bytes > self.capacity:
+            self._evict_now(self._index.victims(0, self.capacity) or self._index.keys())
+
+    def _load_index(self) -> None:
+        entries: list[tuple[int, bytes, int]] = []
+        with self._env.begin(db=self._meta, buffers=True) as txn:
+            for key, value in txn.cursor():
+                try:
+                    seq = _SEQ.unpack_from(value)[0]
+                    header = serde.decode_header(bytes(value[_SEQ.size:]))
+                except (ChunkFormatError, struct.error):
+                    seq, size = 0, 0
+                else:
+                    size = header.header_len + header.payload_len
+                entries.append((seq, bytes(key), size))
+        for seq, key, size in sorted(entries):
+            self._index.add(key, size)
+            self._seq = max(self._seq, seq)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    # -- helpers ----------------------------------------------------------------------------
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._inflight.add(future)
+        try:
+            return await future
+        except lmdb.Error as exc:
+            raise TierUnavailableError(f"tier {self.name!r}: LMDB error at {self.path!r}: {exc}") from exc
+        finally:
+            self._inflight.discard(future)
+
+    def _lock(self) -> asyncio.Lock:
+        if self._write_lock is None:
+            self._write_lock = asyncio.Lock()
+        return self._write_lock
+
+    def _evict_now(self, victims: Sequence[bytes]) -> None:
+        with self._env.begin(write=True) as txn:
+            for victim in victims:
+                txn.delete(victim, db=self._meta)
+                txn.delete(victim, db=self._data)
+        for victim in victims:
+            self._count_eviction(self._index.remove(victim))
+
+    # -- writes -------------------------------------------------------------------------------
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        await self.batched_put([key], [chunk])
+
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        self._ensure_open()
+        if len(keys) != len(chunks):
+            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        latest = {encode_key(key): (key, chunk) for key, chunk in zip(keys, chunks)}
+        sizes = {}
+        for kb, (key, chunk) in latest.items():
+            nbytes = chunk.numel() * chunk.element_size()
+            sizes[kb] = nbytes + 64 + 8 * chunk.dim()  # payload + header, as accounted on disk
+            self._check_fits(sizes[kb])
+        async with self._lock():
+            self._ensure_open()
+            need = sum(sizes.values()) - sum(self._index.size_of(kb) or 0 for kb in latest)
+            victims = self._index.victims(need, self.capacity or 0, protect=latest)
+            if victims is None:
+                raise CapacityError(f"tier {self.name!r}: a batch of {format_size(need)} does not fit in "
+                                    f"{format_size(self.capacity or 0)}")
+            records = [(kb, key.fmt, chunk) for kb, (key, chunk) in latest.items()]
+            first_seq = self._seq + 1
+            self._seq += len(records)
+            while True:
+                try:
+                    written = await self._in_thread(self._write, victims, records, first_seq)
+                    break
+                except TierUnavailableError as exc:
+                    if not isinstance(exc.__cause__, lmdb.MapFullError):
+                        raise
+                    victims = self._more_victims(victims, latest, need)
+            for victim in victims:
+                self._count_eviction(self._index.remove(victim))
+            for kb, size in written:
+                self._index.add(kb, size)
+        return len(keys)
+
+    def _more_victims(self, victims: list[bytes], protect: dict[bytes, Any], need: int) -> list[bytes]:
+        """After MapFullError (free pages too fragmented for a large value): commit the planned
+        evictions plus a quarter of the remaining evictable chunks, then retry with none."""
+        candidates = [k for k in self._index.keys()
+                      if k not in protect and k not in victims and not self._index.is_pinned(k)]
+        if not candidates and not victims:
+            raise CapacityError(f"tier {self.name!r}: LMDB map at {self.path!r} is full and nothing is left to "
+                                f"evict for a batch of {format_size(need)}")
+        self._evict_now(victims + candidates[: max(1, len(candidates) // 4)] if candidates else victims)
+        return []
+
+    def _write(self, victims: list[bytes], records: list[tuple[bytes, str, torch.Tensor]], first_seq: int
+               ) -> list[tuple[bytes, int]]:
+        encoded = []
+        for offset, (kb, fmt, chunk) in enumerate(records):
+            payload = as_bytes(contiguous_host(chunk.detach()))
+            header = serde.encode_header(chunk, fmt if fmt in ("vllm", "huggingface") else None, payload)
+            encoded.append((kb, _SEQ.pack(first_seq + offset) + header, payload))
+        with self._env.begin(write=True) as txn:
+            for victim in victims:
+                txn.delete(victim, db=self._meta)
+                txn.delete(victim, db=self._data)
+            for kb, meta, payload in encoded:
+                txn.put(kb, meta, db=self._meta)
+                txn.put(kb, payload, db=self._data)
+        return [(kb, len(meta) - _SEQ.size + payload.nbytes) for kb, meta, payload in encoded]
+
+    async def delete(self, key: CacheKey) -> bool:
+        self._ensure_open()
+        kb = encode_key(key)
+        async with self._lock():
+            existed = await self._in_thread(self._delete, [kb])
+            self._index.remove(kb)
+        return bool(existed)
+
+    def _delete(self, kbs: list[bytes]) -> int:
+        removed = 0
+        with self._env.begin(write=True) as txn:
+            for kb in kbs:
+                removed += bool(txn.delete(kb, db=self._meta))
+                txn.delete(kb, db=self._data)
+        return removed
+
+    # -- reads ---------------------------------------------------------------------------------
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        return (await self.batched_get([key]))[0]
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        self._ensure_open()
+        kbs = [encode_key(key) for key in keys]
+        results, corrupt = await self._in_thread(self._read, kbs)
+        for kb, chunk in zip(kbs, results):
+            if chunk is not None:
+                self._index.touch(kb)
+        if corrupt:
+            self.counters["corrupt_chunks"] += len(corrupt)
+            logger.warning("tier %r: dropping %d corrupt chunk(s)", self.name, len(corrupt))
+            async with self._lock():
+                await self._in_thread(self._delete, corrupt)
+                for kb in corrupt:
+                    self._index.remove(kb)
+        return results
+
+    def _read(self, kbs: list[bytes]) -> tuple[list[torch.Tensor | None], list[bytes]]:
+        results: list[torch.Tensor | None] = []
+        corrupt: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for kb in kbs:
+                meta = txn.get(kb, db=self._meta)
+                payload = txn.get(kb, db=self._data)
+                if meta is None or payload is None:
+                    results.append(None)
+                    continue
+                try:
+                    header = serde.decode_header(meta[_SEQ.size:])
+                    results.append(serde.decode_payload(header, payload))
+                except ChunkFormatError:
+                    corrupt.append(kb)
+                    results.append(None)
+        return results, corrupt
+
+    async def contains(self, key: CacheKey) -> bool:
+        return (await self.batched_contains([key]))[0]
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        self._ensure_open()
+        try:
+            with self._env.begin(db=self._meta, buffers=True) as txn:
+                return [txn.get(encode_key(key)) is not None for key in keys]
+        except lmdb.Error as exc:
+            raise TierUnavailableError(f"tier {self.name!r}: LMDB error at {self.path!r}: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._lock():
+            if self._inflight:
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+            self._env.close()
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "chunks": len(self._index), "path": self.path}
+
