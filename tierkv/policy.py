@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -86,11 +87,187 @@ class LRUIndex(Generic[K]):
         return None
 
 
+class S3FIFOIndex(LRUIndex[K]):
+    """S3-FIFO eviction (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO and
+    a ghost list of recently evicted keys.
+
+    New keys enter the small queue; one that is hit again before it leaves moves to the
+    main queue, others are evicted early (one-hit wonders, such as a prompt seen once, do
+    not flush the hot set). Main-queue keys with a recent hit get another lap. A key in
+    the ghost list goes straight to main when it comes back.
+    """
+
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._small: OrderedDict[K, None] = OrderedDict()
+        self._main: OrderedDict[K, None] = OrderedDict()
+        self._freq: dict[K, int] = {}
+        self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._small_bytes = 0
+
+    def keys(self) -> list[K]:
+        return [*self._small, *self._main]
+
+    def add(self, key: K, nbytes: int) -> None:
+        if key in self._sizes:
+            self.remove(key)
+        super().add(key, nbytes)
+        self._freq[key] = 0
+        if key in self._ghost:  # evicted recently and back already: it is hot
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+            self._small_bytes += nbytes
+        while len(self._ghost) > max(len(self._sizes), 16):
+            self._ghost.popitem(last=False)
+
+    def touch(self, key: K) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
+
+    def remove(self, key: K) -> int:
+        if key in self._small:
+            del self._small[key]
+            self._small_bytes -= self._sizes.get(key, 0)
+        self._main.pop(key, None)
+        self._freq.pop(key, None)
+        return super().remove(key)
+
+    def victims(self, need_bytes: int, capacity: int, protect: Iterable[K] = ()) -> list[K] | None:
+        excess = self.used_bytes + need_bytes - capacity
+        if excess <= 0:
+            return []
+        protected = set(protect)
+        chosen: list[K] = []
+        chosen_set: set[K] = set()
+        small_budget = self.SMALL_FRACTION * capacity
+        small_bytes = self._small_bytes
+        # Each key is looked at a bounded number of times: a hit only buys MAX_FREQ more laps.
+        for _ in range((len(self._sizes) + 1) * (self.MAX_FREQ + 2)):
+            if excess <= 0:
+                return chosen
+            take_small = self._small and (small_bytes > small_budget or not self._main)
+            queue = self._small if take_small else self._main
+            if not queue:
+                break
+            key = next(iter(queue))
+            queue.move_to_end(key)
+            if key in chosen_set:
+                if all(k in chosen_set or self.is_pinned(k) or k in protected for k in queue):
+                    if take_small and self._main:
+                        small_bytes = 0  # small queue exhausted: look at main
+                        continue
+                    break
+                continue
+            if key in self._pins or key in protected:
+                continue
+            if take_small and self._freq.get(key, 0) > 0:
+                del self._small[key]  # promoted to main: it was hit while on probation
+                self._small_bytes -= self._sizes[key]
+                small_bytes -= self._sizes[key]
+                self._main[key] = None
+                self._freq[key] = 0
+                continue
+            if not take_small and self._freq.get(key, 0) > 0:
+                self._freq[key] -= 1  # another lap around main
+                continue
+            chosen.append(key)
+            chosen_set.add(key)
+            excess -= self._sizes[key]
+            if take_small:
+                small_bytes -= self._sizes[key]
+                self._ghost[key] = None
+        return chosen if excess <= 0 else None
+
+
+EVICTION_POLICIES = ("lru", "s3fifo")
+
+
+def make_index(policy: str = "lru") -> LRUIndex[Any]:
+    """A residency index with the named eviction policy."""
+    if policy == "lru":
+        return LRUIndex()
+    if policy == "s3fifo":
+        return S3FIFOIndex()
+    raise ValueError(f"unknown eviction policy {policy!r}; expected one of {list(EVICTION_POLICIES)}")
+
+
+class TierHealth:
+    """Circuit breaker for one tier: after ``threshold`` consecutive failures the tier is
+    skipped for ``cooldown_s``, then one operation is let through as a probe."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0) -> None:
+        self.threshold = threshold
+        self.cooldown_s = cooldown_s
+        self.consecutive_failures = 0
+        self.total_failures = 0
+        self.retry_at: float | None = None
+        self.last_error: str | None = None
+
+    def available(self, now: float) -> bool:
+        """Whether operations should be sent to the tier now."""
+        return self.retry_at is None or now >= self.retry_at
+
+    @property
+    def healthy(self) -> bool:
+        return self.retry_at is None
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.retry_at = None
+
+    def record_failure(self, now: float, error: str) -> None:
+        self.consecutive_failures += 1
+        self.total_failures += 1
+        self.last_error = error
+        if self.consecutive_failures >= self.threshold:
+            self.retry_at = now + self.cooldown_s
+
+    def state(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "consecutive_failures": self.consecutive_failures,
+                "failures": self.total_failures, "last_error": self.last_error}
+
+
+@dataclass(frozen=True)
+class PressureDecision:
+    """What a memory tier should do given a pressure reading."""
+
+    admitting: bool
+    capacity: int  # effective capacity now (<= configured)
+    pressured: bool
+
+
+def pressure_decision(
+    used_fraction: float,
+    total_bytes: int,
+    tier_used: int,
+    configured: int,
+    high: float,
+    low: float,
+    was_pressured: bool,
+) -> PressureDecision:
+    """Effective capacity of a memory tier under memory pressure, with hysteresis.
+
+    Above ``high`` (or still above ``low`` after having crossed ``high``) the tier stops
+    admitting and shrinks by the excess over ``low``, so the device gets back to the low
+    watermark. Below ``low`` it admits again and its capacity grows back into the free
+    headroom, never past ``configured``.
+    """
+    pressured = used_fraction >= high or (was_pressured and used_fraction > low)
+    excess = int((used_fraction - low) * total_bytes)
+    if pressured:
+        return PressureDecision(False, max(0, min(configured, tier_used - max(excess, 0))), True)
+    headroom = max(0, -excess)
+    return PressureDecision(True, min(configured, tier_used + headroom), False)
+
+
 def put_targets(num_tiers: int) -> list[int]:
     """Tiers a new chunk is written to: all of them, top first (write-all for now)."""
     return list(range(num_tiers))
-
-
 def promotion_targets(hit_tier: int) -> list[int]:
     """Tiers a hit in ``hit_tier`` is copied up to: every tier above it."""
     return list(range(hit_tier))
