@@ -42,9 +42,20 @@ _PRESSURE_OPTIONS = {
     "host_low_watermark": Option("float", 0.90, minimum=0.0),
     "poll_interval_ms": Option("int", 200, minimum=1),
 }
-_TIER_COMMON = ("name", "backend", "capacity")
+_BACKGROUND_OPTIONS = {
+    "queue_bytes": Option("size", 1 << 30, doc="bytes of chunks waiting to be written to lower tiers"),
+    "when_full": Option("str", "wait", choices=("wait", "drop"),
+                        doc="a put waits for room, or its lower-tier fill is dropped and counted"),
+}
+_HEALTH_OPTIONS = {
+    "failure_threshold": Option("int", 3, minimum=1, doc="consecutive failures before a tier is skipped"),
+    "retry_after_s": Option("float", 5.0, minimum=0.0, doc="how long an unhealthy tier is skipped"),
+    "timeout_s": Option("float", None, minimum=0.0, doc="limit on one tier operation (none by default)"),
+}
+_TIER_COMMON = ("name", "backend", "capacity", "promote")
 _TOP_LEVEL = (
     "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
+    "background", "health",
 )
 # TIERKV_<NAME> overrides these top-level keys (parsed as YAML scalars).
 _ENV_OVERRIDES = ("model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id")
@@ -64,6 +75,7 @@ class TierConfig:
     capacity: int | None
     options: Mapping[str, Any]
     path: str  # where in the YAML it came from, for error messages
+    promote: bool = True  # copy hits from lower tiers up into this tier
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,19 @@ class PressureConfig:
     host_high_watermark: float = 0.95
     host_low_watermark: float = 0.90
     poll_interval_ms: int = 200
+
+
+@dataclass(frozen=True)
+class BackgroundConfig:
+    queue_bytes: int = 1 << 30
+    when_full: str = "wait"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    failure_threshold: int = 3
+    retry_after_s: float = 5.0
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +113,8 @@ class EngineConfig:
     world_size: int = 1
     worker_id: int = 0
     pressure: PressureConfig = field(default_factory=PressureConfig)
+    background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     source: str = "<dict>"
 
 
@@ -149,7 +176,17 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
         if key not in backend_cls.options:
             raise unknown_key_error(key, [*_TIER_COMMON, *backend_cls.options], path)
     options = backend_cls.validate_options(specific, path)
-    return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path)
+    promote = raw.get("promote", True)
+    if not isinstance(promote, bool):
+        raise ConfigError(f"{path}.promote: expected true or false, got {promote!r}")
+    return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path, promote=promote)
+
+
+def _section(raw: Mapping[str, Any], name: str, spec: Mapping[str, Option]) -> dict[str, Any]:
+    section = raw.get(name) or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{name}: expected a mapping, got {section!r}")
+    return parse_options(spec, section, name)
 
 
 def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> EngineConfig:
@@ -178,17 +215,17 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
         raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
     seen: set[str] = set()
     tiers = tuple(_parse_tier(tier, index, seen) for index, tier in enumerate(tiers_raw))
-    pressure_raw = raw.get("pressure") or {}
-    if not isinstance(pressure_raw, Mapping):
-        raise ConfigError(f"pressure: expected a mapping, got {pressure_raw!r}")
-    pressure = PressureConfig(**parse_options(_PRESSURE_OPTIONS, pressure_raw, "pressure"))
+    pressure = PressureConfig(**_section(raw, "pressure", _PRESSURE_OPTIONS))
+    background = BackgroundConfig(**_section(raw, "background", _BACKGROUND_OPTIONS))
+    health = HealthConfig(**_section(raw, "health", _HEALTH_OPTIONS))
     for kind in ("gpu", "host"):
         low, high = getattr(pressure, f"{kind}_low_watermark"), getattr(pressure, f"{kind}_high_watermark")
         if not 0 < low <= high <= 1:
             raise ConfigError(f"pressure: need 0 < {kind}_low_watermark <= {kind}_high_watermark <= 1, got {low} and {high}")
     return EngineConfig(
         model=model, tiers=tiers, chunk_size=chunk_size, kv_format=kv_format, dtype=dtype,
-        write_policy=write_policy, world_size=world_size, worker_id=worker_id, pressure=pressure, source=source,
+        write_policy=write_policy, world_size=world_size, worker_id=worker_id, pressure=pressure,
+        background=background, health=health, source=source,
     )
 
 

@@ -8,10 +8,12 @@ AsyncClient pattern), so a serving engine without asyncio can call it directly.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -21,10 +23,14 @@ import torch
 from tierkv import kvlayout, policy, registry
 from tierkv.backend import StorageBackend
 from tierkv.config import EngineConfig, load_config
-from tierkv.errors import BackendClosedError, ChunkFormatError, ConfigError, TierKVError
+from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError, ConfigError, TierKVError, TierUnavailableError
+from tierkv.fill import FillJob, FillQueue
 from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, as_token_array
 from tierkv.kvlayout import KVCache
 from tierkv.memory import copy_into, empty_host
+from tierkv.metrics import TierMetrics
+from tierkv.policy import TierHealth
+from tierkv.pressure import HostMemoryProbe, MemoryProbe, MemoryReading, PressureMonitor, open_device_probe
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +38,8 @@ T = TypeVar("T")
 
 # Output assembly larger than this runs off the event loop so other requests keep moving.
 _OFFLOAD_COPY_BYTES = 4 << 20
-_TIER_COUNTERS = ("hits", "misses", "bytes_out", "puts", "bytes_in", "errors", "promotions", "corrupt_chunks")
+# A background fill writes up to this many bytes per batch (one LMDB transaction, say).
+_FILL_BATCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -86,27 +93,49 @@ def _close_quietly(backend: StorageBackend) -> None:
 class AsyncEngine:
     """Stores and retrieves KV caches of token prefixes across a stack of tiers.
 
-    Tiers are tried top (fastest) first; a put goes to every tier and a hit in a lower
-    tier is copied into the tiers above it.
+    Tiers are tried top (fastest) first. ``write_through``: a put is acknowledged when the
+    first tier that admits it holds it, and the tiers below are filled in the background
+    from a bounded queue. ``write_back``: a put goes to that tier only, and a chunk moves
+    down when it is evicted (demoted). Either way a hit in a lower tier is copied up into
+    the tiers above that have ``promote: true``. A tier that keeps failing is skipped for
+    a while and retried; memory tiers shrink and stop admitting under memory pressure.
     """
 
     def __init__(
         self,
         config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str],
         metadata: EngineMetadata | None = None,
+        probes: Mapping[str, MemoryProbe] | None = None,
     ) -> None:
         self.config = load_config(config)
         self.metadata = metadata or EngineMetadata.from_config(self.config)
         if self.metadata.fmt not in KV_FORMATS:
-            raise ConfigError(f"kv_format: expected 'vllm' or 'huggingface', got {self.metadata.fmt!r}")
+            raise ConfigError(f"kv_format: expected one of {list(KV_FORMATS)}, got {self.metadata.fmt!r}")
         self.chunk_size = self.config.chunk_size
+        self.write_policy = self.config.write_policy
         self._hasher = ChunkHasher(self.chunk_size)
         self.tiers: list[StorageBackend] = build_tiers(self.config)
-        self._counters = {tier.name: dict.fromkeys(_TIER_COUNTERS, 0) for tier in self.tiers}
+        self._promote = [tier.promote for tier in self.config.tiers]
+        self._metrics = {tier.name: TierMetrics() for tier in self.tiers}
+        health = self.config.health
+        self._health = {tier.name: TierHealth(health.failure_threshold, health.retry_after_s) for tier in self.tiers}
+        self._timeout = health.timeout_s
+        self._fill = FillQueue(self.config.background.queue_bytes, self.config.background.when_full)
+        self._inflight: dict[CacheKey, asyncio.Future[None]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._fill_worker: asyncio.Task[None] | None = None
+        self._probes = dict(probes or {})
+        self._pressure: dict[str, TierPressure] = {}
+        self._nvml_state = nvml_status()
         self._hit_tokens = 0
         self._miss_tokens = 0
-        self._background: set[asyncio.Task[Any]] = set()
+        self._last_lookup: dict[str, Any] | None = None
+        self._started = False
         self._closed = False
+        if self.write_policy == "write_back":
+            for level, tier in enumerate(self.tiers[:-1]):
+                if hasattr(tier, "demote_sink"):
+                    tier.demote_sink = functools.partial(self._demote, level)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> AsyncEngine:
@@ -181,9 +210,10 @@ class AsyncEngine:
         skip = kvlayout.suffix_mask_skip(mask, num_tokens)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         keys = self.keys_for(token_array)[skip // self.chunk_size :]
+        await self._await_inflight(keys)
         present = await self.batched_contains(keys)
         keys = keys[: policy.first_missing(present)]
-        chunks = await self.batched_get(keys) if keys else []
+        chunks = await self._get_tiered(keys) if keys else []
         usable = chunks[: policy.first_missing([c is not None for c in chunks])]
         usable = self._consistent_prefix(usable)  # type: ignore[arg-type]
         if not usable:
@@ -197,95 +227,133 @@ class AsyncEngine:
         return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
 
     async def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
-        """Length in tokens of the longest prefix of ``tokens`` cached in any tier."""
+        """Length in tokens of the longest prefix of ``tokens`` cached in any tier.
+
+        ``stats()["last_lookup"]`` says how many of those chunks each tier holds.
+        """
         self._ensure_open()
         token_array = as_token_array(tokens)
-        keys = self.keys_for(token_array)
-        hit_chunks = policy.first_missing(await self.batched_contains(keys)) if keys else 0
-        return min(hit_chunks * self.chunk_size, len(token_array))
+        levels = await self.locate_keys(self.keys_for(token_array))
+        hit_chunks = policy.first_missing([level is not None for level in levels])
+        cached = min(hit_chunks * self.chunk_size, len(token_array))
+        per_tier = {tier.name: 0 for tier in self.tiers}
+        for level in levels[:hit_chunks]:
+            if level is not None and level >= 0:
+                per_tier[self.tiers[level].name] += 1
+        self._last_lookup = {"tokens": len(token_array), "cached_tokens": cached, "chunks_per_tier": per_tier}
+        return cached
+
+    async def locate(self, tokens: torch.Tensor | Sequence[int]) -> list[str | None]:
+        """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
+        levels = await self.locate_keys(self.keys_for(as_token_array(tokens)))
+        return [None if level is None else ("fill-queue" if level < 0 else self.tiers[level].name) for level in levels]
 
     async def prefetch(self, tokens: torch.Tensor | Sequence[int]) -> None:
-        """Start moving the cached prefix of ``tokens`` to the top tier; returns at once."""
+        """Start moving the cached prefix of ``tokens`` up to the top tier; returns at once.
+
+        A later retrieve of the same tokens waits only for the chunks still in flight.
+        """
         self._ensure_open()
+        await self._start()
         keys = self.keys_for(as_token_array(tokens))
-        self._spawn(self._prefetch(keys))
+        levels = await self.locate_keys(keys)
+        prefix = keys[: policy.first_missing([level is not None for level in levels])]
+        moving = [key for key, level in zip(prefix, levels) if level and key not in self._inflight]
+        if not moving:
+            return
+        loop = asyncio.get_running_loop()
+        for key in moving:
+            self._inflight[key] = loop.create_future()
+        self._spawn(self._prefetch(moving))
 
     async def _prefetch(self, keys: list[CacheKey]) -> None:
-        present = await self.batched_contains(keys)
-        keys = keys[: policy.first_missing(present)]
-        if keys:
-            await self.batched_get(keys)
+        try:
+            await self._get_tiered(keys)
+        finally:
+            for key in keys:
+                future = self._inflight.pop(key, None)
+                if future is not None and not future.done():
+                    future.set_result(None)
 
     # -- key-level API --------------------------------------------------------------------
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Write chunks to every tier; returns how many were stored.
+        """Store chunks per the write policy; returns how many were acknowledged.
 
-        A tier that fails is counted and logged; the call fails only when no tier took the batch.
+        The call fails only when no tier took the batch; a tier that fails is counted,
+        and skipped for a while after repeated failures.
         """
         self._ensure_open()
+        await self._start()
         if len(keys) != len(chunks):
             raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
         if not keys:
             return 0
-        targets = [self.tiers[i] for i in policy.put_targets(len(self.tiers))]
-        outcomes = await asyncio.gather(*(self._tier_put(tier, keys, chunks) for tier in targets), return_exceptions=True)
-        failures = [o for o in outcomes if isinstance(o, BaseException)]
-        if len(failures) == len(targets):
-            raise failures[0]
-        return len(keys)
+        keys, chunks = list(keys), list(chunks)
+        errors: list[BaseException] = []
+        for level, tier in enumerate(self.tiers):
+            if not self._admits(level):
+                continue
+            try:
+                stored = await self._tier_put(level, keys, chunks)
+            except Exception as exc:
+                errors.append(exc)
+                continue
+            below = list(range(level + 1, len(self.tiers)))
+            if self.write_policy == "write_through" and below:
+                await self._queue_fill(keys, chunks, below)
+            return stored
+        if errors:
+            raise errors[0]
+        raise TierUnavailableError("no tier is available to take the chunks (all unhealthy or under pressure)")
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """Chunks for ``keys`` in order (None for misses), each from the highest tier holding it.
 
-        Hits below the top tier are copied into the tiers above.
+        Hits below the top tier are copied into the tiers above that promote.
         """
         self._ensure_open()
-        results: list[torch.Tensor | None] = [None] * len(keys)
+        await self._start()
+        await self._await_inflight(keys)
+        return await self._get_tiered(keys)
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is held by any tier (or waits in the fill queue)."""
+        return [level is not None for level in await self.locate_keys(keys)]
+
+    async def locate_keys(self, keys: Sequence[CacheKey]) -> list[int | None]:
+        """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
+        self._ensure_open()
+        found: list[int | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
             if not missing:
                 break
-            wanted = [keys[i] for i in missing]
-            got = await self._tier_get(tier, wanted)
-            still: list[int] = []
-            hits: list[int] = []
-            for index, chunk in zip(missing, got):
-                if chunk is None:
-                    still.append(index)
-                else:
-                    results[index] = chunk
-                    hits.append(index)
-            if hits and level > 0:
-                await self._promote(level, [keys[i] for i in hits], [results[i] for i in hits])  # type: ignore[misc]
-            missing = still
-        return results
-
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each key is held by any tier."""
-        self._ensure_open()
-        found = [False] * len(keys)
-        missing = list(range(len(keys)))
-        for tier in self.tiers:
-            if not missing:
-                break
-            try:
-                flags = await tier.batched_contains([keys[i] for i in missing])
-            except Exception as exc:
-                self._tier_failed(tier, "contains", exc)
+            if not self._available(level):
                 continue
+            try:
+                flags = await self._timed(tier.batched_contains([keys[i] for i in missing]))
+            except Exception as exc:
+                self._tier_failed(level, "contains", exc)
+                continue
+            self._health[tier.name].record_success()
             still = []
             for index, flag in zip(missing, flags):
                 if flag:
-                    found[index] = True
+                    found[index] = level
                 else:
                     still.append(index)
             missing = still
+        for index in missing:
+            if self._fill.pending(keys[index]) is not None:
+                found[index] = -1
         return found
 
     async def flush(self) -> None:
-        """Wait until every background operation (prefetch, fills) has finished."""
+        """Wait until every background operation (fills, prefetches, demotions) has landed."""
+        await self._fill.join()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self._fill.join()
 
     async def close(self) -> None:
         """Flush, then close every tier. Idempotent."""
@@ -293,6 +361,11 @@ class AsyncEngine:
             return
         await self.flush()
         self._closed = True
+        if self._fill_worker is not None:
+            self._fill_worker.cancel()
+            await asyncio.gather(self._fill_worker, return_exceptions=True)
+        for pressure in self._pressure.values():
+            await pressure.monitor.stop()
         for tier in self.tiers:
             try:
                 await tier.close()
@@ -300,25 +373,65 @@ class AsyncEngine:
                 logger.exception("closing tier %r", tier.name)
 
     def stats(self) -> dict[str, Any]:
-        """Hit rate and per-tier counters and occupancy."""
+        """Hit rate, the fill queue, memory pressure, and per-tier counters and occupancy."""
         total = self._hit_tokens + self._miss_tokens
+        tiers = {}
+        for level, tier in enumerate(self.tiers):
+            entry = {**tier.stats(), **self._metrics[tier.name].snapshot()}
+            entry["corrupt_chunks"] = tier.counters.get("corrupt_chunks", 0) + self._metrics[tier.name].counters[
+                "corrupt_chunks"]
+            entry["demotions"] = tier.counters.get("demotions", 0)
+            entry["health"] = self._health[tier.name].state()
+            entry["promote"] = self._promote[level]
+            if tier.name in self._pressure:
+                entry["pressure"] = self._pressure[tier.name].describe()
+            tiers[tier.name] = entry
         return {
             "model": self.metadata.model_name,
             "chunk_size": self.chunk_size,
+            "write_policy": self.write_policy,
             "hit_tokens": self._hit_tokens,
             "miss_tokens": self._miss_tokens,
             "hit_rate": self._hit_tokens / total if total else 0.0,
+            "fill_queue": self._fill.stats(),
             "background_tasks": len(self._background),
-            "tiers": {
-                tier.name: {**tier.stats(), **{k: v for k, v in self._counters[tier.name].items()
-                                               if k != "corrupt_chunks"},
-                            "corrupt_chunks": tier.counters.get("corrupt_chunks", 0)
-                            + self._counters[tier.name]["corrupt_chunks"]}
-                for tier in self.tiers
-            },
+            "inflight_prefetch_chunks": len(self._inflight),
+            "pressure": {"nvml": self._nvml_state,
+                         **{name: p.describe() for name, p in self._pressure.items()}},
+            "last_lookup": self._last_lookup,
+            "tiers": tiers,
         }
 
-    # -- internals --------------------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------------
+    async def _start(self) -> None:
+        """Start the fill worker and the pressure monitors (needs the running loop)."""
+        if self._started:
+            return
+        self._started = True
+        self._fill_worker = asyncio.get_running_loop().create_task(self._run_fills())
+        cfg = self.config.pressure
+        for level, tier in enumerate(self.tiers):
+            if not hasattr(tier, "set_capacity_limit"):
+                continue
+            device = getattr(tier, "device", torch.device("cpu"))
+            is_gpu_tier = type(tier).__name__ == "GPUBackend"
+            probe: MemoryProbe | None = self._probes.get(tier.name)
+            reason = ""
+            if probe is None:
+                if is_gpu_tier:
+                    probe, why = open_device_probe(str(device))
+                    reason = "" if probe else f"nvml unavailable: {why}; static capacity"
+                else:
+                    probe = HostMemoryProbe()
+            high, low = ((cfg.gpu_high_watermark, cfg.gpu_low_watermark) if is_gpu_tier
+                         else (cfg.host_high_watermark, cfg.host_low_watermark))
+            if reason:
+                logger.info("tier %r: %s", tier.name, reason)
+            state = TierPressure(self, level, high, low)
+            state.monitor = PressureMonitor(probe, cfg.poll_interval_ms / 1000, state.on_reading, reason)
+            self._pressure[tier.name] = state
+            state.monitor.start()
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise BackendClosedError("engine is closed")
@@ -333,56 +446,169 @@ class AsyncEngine:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("background operation failed: %r", task.exception())
 
-    def _tier_failed(self, tier: StorageBackend, operation: str, exc: BaseException) -> None:
-        self._counters[tier.name]["errors"] += 1
+    # -- tier access ------------------------------------------------------------------------
+    def _available(self, level: int) -> bool:
+        tier = self.tiers[level]
+        if self._health[tier.name].available(time.monotonic()):
+            return True
+        self._metrics[tier.name].add("skipped_unhealthy")
+        return False
+
+    def _admits(self, level: int) -> bool:
+        """Whether new chunks may be written to this tier now (healthy, not under pressure)."""
+        pressure = self._pressure.get(self.tiers[level].name)
+        if pressure is not None and not pressure.admitting:
+            self._metrics[self.tiers[level].name].add("skipped_pressure")
+            return False
+        return self._available(level)
+
+    async def _timed(self, awaitable: Awaitable[T]) -> T:
+        if self._timeout is None:
+            return await awaitable
+        return await asyncio.wait_for(awaitable, self._timeout)
+
+    def _tier_failed(self, level: int, operation: str, exc: BaseException) -> None:
+        tier = self.tiers[level]
+        self._metrics[tier.name].add("errors")
+        self._health[tier.name].record_failure(time.monotonic(), f"{operation}: {type(exc).__name__}: {exc}")
         logger.warning("tier %r: %s failed: %s: %s", tier.name, operation, type(exc).__name__, exc)
 
-    async def _tier_put(self, tier: StorageBackend, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+    async def _tier_put(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> int:
+        tier = self.tiers[level]
+        metrics = self._metrics[tier.name]
+        started = time.perf_counter()
         try:
-            stored = await tier.batched_put(keys, chunks)
-        except Exception as exc:
-            self._tier_failed(tier, "put", exc)
+            stored = await self._timed(tier.batched_put(keys, chunks))
+        except CapacityError as exc:  # the tier is fine, the chunk just does not fit
+            metrics.add("errors")
+            logger.info("tier %r: %s", tier.name, exc)
             raise
-        counters = self._counters[tier.name]
-        counters["puts"] += stored
-        counters["bytes_in"] += sum(c.numel() * c.element_size() for c in chunks)
+        except Exception as exc:
+            self._tier_failed(level, "put", exc)
+            raise
+        metrics.put_latency.observe(time.perf_counter() - started)
+        self._health[tier.name].record_success()
+        metrics.add("puts", stored)
+        metrics.add("bytes_in", sum(c.numel() * c.element_size() for c in chunks))
         return stored
 
-    async def _tier_get(self, tier: StorageBackend, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+    async def _tier_get(self, level: int, keys: list[CacheKey]) -> list[torch.Tensor | None]:
+        tier = self.tiers[level]
+        metrics = self._metrics[tier.name]
+        started = time.perf_counter()
         try:
-            got = await tier.batched_get(keys)
+            got = await self._timed(tier.batched_get(keys))
         except ChunkFormatError:
-            got = [await self._get_one_checked(tier, key) for key in keys]
+            got = [await self._get_one_checked(level, key) for key in keys]
         except Exception as exc:
-            self._tier_failed(tier, "get", exc)
+            self._tier_failed(level, "get", exc)
             return [None] * len(keys)
-        counters = self._counters[tier.name]
+        metrics.get_latency.observe(time.perf_counter() - started)
+        self._health[tier.name].record_success()
         hits = [c for c in got if c is not None]
-        counters["hits"] += len(hits)
-        counters["misses"] += len(got) - len(hits)
-        counters["bytes_out"] += sum(c.numel() * c.element_size() for c in hits)
+        metrics.add("hits", len(hits))
+        metrics.add("misses", len(got) - len(hits))
+        metrics.add("bytes_out", sum(c.numel() * c.element_size() for c in hits))
         return got
 
-    async def _get_one_checked(self, tier: StorageBackend, key: CacheKey) -> torch.Tensor | None:
+    async def _get_one_checked(self, level: int, key: CacheKey) -> torch.Tensor | None:
         """Single get that turns an undecodable value into a miss, a delete and a count."""
+        tier = self.tiers[level]
         try:
             return await tier.get(key)
         except ChunkFormatError as exc:
-            self._counters[tier.name]["corrupt_chunks"] += 1
+            self._metrics[tier.name].add("corrupt_chunks")
             logger.warning("tier %r: dropping corrupt chunk %s: %s", tier.name, key, exc)
             await tier.delete(key)
             return None
 
-    async def _promote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
-        for target in policy.promotion_targets(level):
-            tier = self.tiers[target]
-            try:
-                await tier.batched_put(keys, chunks)
-            except Exception as exc:
-                self._tier_failed(tier, "promote", exc)
-                continue
-            self._counters[tier.name]["promotions"] += len(keys)
+    async def _await_inflight(self, keys: Sequence[CacheKey]) -> None:
+        waiting = {id(f): f for f in (self._inflight.get(key) for key in keys) if f is not None}
+        if waiting:
+            await asyncio.gather(*waiting.values(), return_exceptions=True)
 
+    async def _get_tiered(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for level in range(len(self.tiers)):
+            if not missing:
+                break
+            if not self._available(level):
+                continue
+            got = await self._tier_get(level, [keys[i] for i in missing])
+            still: list[int] = []
+            hits: list[int] = []
+            for index, chunk in zip(missing, got):
+                if chunk is None:
+                    still.append(index)
+                else:
+                    results[index] = chunk
+                    hits.append(index)
+            if hits and level > 0:
+                await self._promote_hits(level, [keys[i] for i in hits], [results[i] for i in hits])  # type: ignore[misc]
+            missing = still
+        for index in missing:  # acknowledged but not yet written below: serve the snapshot
+            snapshot = self._fill.pending(keys[index])
+            if snapshot is not None:
+                results[index] = snapshot.clone()
+        return results
+
+    async def _promote_hits(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+        for target in policy.promotion_targets(level):
+            if not self._promote[target] or not self._admits(target):
+                continue
+            try:
+                await self._tier_put(target, keys, chunks)
+            except Exception:
+                continue  # counted by _tier_put; the hit is still served
+            self._metrics[self.tiers[target].name].add("promotions", len(keys))
+
+    async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+        """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them."""
+        for target in range(level + 1, len(self.tiers)):
+            if not self._admits(target):
+                continue
+            try:
+                await self._tier_put(target, keys, chunks)
+            except Exception:
+                continue
+            return
+        raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} demoted chunk(s)")
+
+    # -- background fills ---------------------------------------------------------------------
+    async def _queue_fill(self, keys: list[CacheKey], chunks: list[torch.Tensor], levels: list[int]) -> None:
+        snapshot = [empty_host(tuple(c.shape), c.dtype) for c in chunks]
+        pairs = list(zip(snapshot, chunks))
+        if sum(c.numel() * c.element_size() for c in chunks) > _OFFLOAD_COPY_BYTES:
+            await asyncio.to_thread(_copy_pairs, pairs)
+        else:
+            _copy_pairs(pairs)
+        if not await self._fill.put(FillJob(keys, snapshot, levels)):
+            for level in levels:
+                self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
+
+    async def _run_fills(self) -> None:
+        while True:
+            jobs = await self._fill.take(_FILL_BATCH_BYTES)
+            try:
+                keys = [k for job in jobs for k in job.keys]
+                chunks = [c for job in jobs for c in job.chunks]
+                await asyncio.gather(*(self._fill_level(level, keys, chunks) for level in jobs[0].levels))
+            except Exception:
+                logger.exception("background fill failed")
+            finally:
+                await self._fill.done(jobs)
+
+    async def _fill_level(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+        if not self._admits(level):
+            self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
+            return
+        try:
+            await self._tier_put(level, keys, chunks)
+        except Exception:
+            self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
+
+    # -- output assembly ------------------------------------------------------------------
     def _consistent_prefix(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Chunks up to the first one whose layout disagrees with the first (a foreign value)."""
         if not chunks:
@@ -405,18 +631,85 @@ class AsyncEngine:
         shape = list(chunks[0].shape)
         shape[dim] = sum(p.shape[dim] for p in pieces)
         out = empty_host(tuple(shape), chunks[0].dtype)
-
-        def fill() -> None:
-            offset = 0
-            for piece in pieces:
-                copy_into(out.narrow(dim, offset, piece.shape[dim]), piece)
-                offset += piece.shape[dim]
-
+        pairs = []
+        offset = 0
+        for piece in pieces:
+            pairs.append((out.narrow(dim, offset, piece.shape[dim]), piece))
+            offset += piece.shape[dim]
         if out.numel() * out.element_size() > _OFFLOAD_COPY_BYTES:
-            await asyncio.to_thread(fill)
+            await asyncio.to_thread(_copy_pairs, pairs)
         else:
-            fill()
+            _copy_pairs(pairs)
         return out
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        copy_into(dst, src)
+
+
+class TierPressure:
+    """Pressure state of one memory tier: applies each reading's decision to the tier."""
+
+    def __init__(self, engine: AsyncEngine, level: int, high: float, low: float) -> None:
+        self.engine = engine
+        self.level = level
+        self.high = high
+        self.low = low
+        self.admitting = True
+        self.pressured = False
+        self.monitor: PressureMonitor
+        self.demoted_bytes = 0
+        self.shrinks = 0
+        self.pressured_since: float | None = None
+        self.last_relief_s: float | None = None  # time from crossing high to getting under low
+        self._shrinking: asyncio.Task[None] | None = None
+
+    def on_reading(self, reading: MemoryReading) -> None:
+        tier = self.engine.tiers[self.level]
+        configured = tier.capacity or 0
+        decision = policy.pressure_decision(reading.used_fraction, reading.total, tier.used_bytes, configured,
+                                            self.high, self.low, self.pressured)
+        if decision.pressured and not self.pressured:
+            self.pressured_since = reading.at
+            logger.info("tier %r: memory pressure %.1f%% >= %.1f%%: not admitting, shrinking to %d bytes",
+                        tier.name, 100 * reading.used_fraction, 100 * self.high, decision.capacity)
+        if not decision.pressured and self.pressured and self.pressured_since is not None:
+            self.last_relief_s = reading.at - self.pressured_since
+            self.pressured_since = None
+        self.pressured = decision.pressured
+        self.admitting = decision.admitting
+        tier.set_capacity_limit(decision.capacity)  # type: ignore[attr-defined]
+        if tier.used_bytes > decision.capacity and (self._shrinking is None or self._shrinking.done()):
+            self._shrinking = asyncio.get_running_loop().create_task(self._shrink())
+            self.engine._background.add(self._shrinking)
+            self._shrinking.add_done_callback(self.engine._background_done)
+
+    async def _shrink(self) -> None:
+        tier = self.engine.tiers[self.level]
+        freed = await tier.shrink_to_limit()  # type: ignore[attr-defined]
+        self.demoted_bytes += freed
+        self.shrinks += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.monitor.describe(), "pressured": self.pressured, "admitting": self.admitting,
+                "high_watermark": self.high, "low_watermark": self.low,
+                "effective_capacity_bytes": self.engine.tiers[self.level].capacity_bytes,
+                "freed_bytes": self.demoted_bytes, "shrinks": self.shrinks, "last_relief_s": self.last_relief_s}
+
+
+def nvml_status() -> str:
+    """Whether NVML can be used here, and if not, why (reported once in stats)."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvml unavailable: pynvml is not installed (pip install 'tierkv[nvml]')"
+    try:
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as exc:
+        return f"nvml unavailable: {exc}"
+    return f"nvml ok: {count} device(s)"
 
 
 class Engine:
@@ -426,19 +719,21 @@ class Engine:
         self,
         config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str],
         metadata: EngineMetadata | None = None,
+        probes: Mapping[str, MemoryProbe] | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierkv-engine", daemon=True)
         self._thread.start()
         try:
-            self._core: AsyncEngine = self._run(self._create(config, metadata))
+            self._core: AsyncEngine = self._run(self._create(config, metadata, probes))
         except BaseException:
             self._stop_loop()
             raise
 
     @staticmethod
-    async def _create(config: Any, metadata: EngineMetadata | None) -> AsyncEngine:
-        return AsyncEngine(config, metadata)
+    async def _create(config: Any, metadata: EngineMetadata | None,
+                      probes: Mapping[str, MemoryProbe] | None) -> AsyncEngine:
+        return AsyncEngine(config, metadata, probes)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> Engine:
@@ -478,6 +773,9 @@ class Engine:
 
     def prefetch(self, tokens: torch.Tensor | Sequence[int]) -> None:
         self._run(self._core.prefetch(tokens))
+
+    def locate(self, tokens: torch.Tensor | Sequence[int]) -> list[str | None]:
+        return self._run(self._core.locate(tokens))
 
     def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         return self._run(self._core.batched_put(keys, chunks))

@@ -258,7 +258,7 @@ def pressure_decision(
     headroom, never past ``configured``.
     """
     pressured = used_fraction >= high or (was_pressured and used_fraction > low)
-    excess = int((used_fraction - low) * total_bytes)
+    excess = round((used_fraction - low) * total_bytes)
     if pressured:
         return PressureDecision(False, max(0, min(configured, tier_used - max(excess, 0))), True)
     headroom = max(0, -excess)

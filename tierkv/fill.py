@@ -1,0 +1,108 @@
+"""The bounded queue of background fills (write-through copies to lower tiers).
+
+A put is acknowledged once the top tier holds it; its copies to the lower tiers wait
+here as private snapshots, so the caller may reuse its buffers at once and the queue's
+memory is bounded. When the queue is full a put either waits for room (back-pressure)
+or its fill is dropped and counted, as configured. Chunks waiting here are still served
+by reads, so an acknowledged chunk never goes missing between tiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tierkv.keys import CacheKey
+
+
+@dataclass
+class FillJob:
+    """Chunks to write to the tiers at ``levels``."""
+
+    keys: list[CacheKey]
+    chunks: list[torch.Tensor]
+    levels: list[int]
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(c.numel() * c.element_size() for c in self.chunks)
+
+
+class FillQueue:
+    """FIFO of fill jobs bounded by bytes; see the module docstring."""
+
+    def __init__(self, max_bytes: int, when_full: str = "wait") -> None:
+        self.max_bytes = max_bytes
+        self.when_full = when_full
+        self.queued_bytes = 0
+        self.dropped_chunks = 0
+        self.dropped_bytes = 0
+        self.completed_chunks = 0
+        self._jobs: deque[FillJob] = deque()
+        self._pending: dict[CacheKey, torch.Tensor] = {}
+        self._active = 0
+        self._changed = asyncio.Condition()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def pending(self, key: CacheKey) -> torch.Tensor | None:
+        """The snapshot of ``key`` if it is waiting to be written (or being written)."""
+        return self._pending.get(key)
+
+    async def put(self, job: FillJob) -> bool:
+        """Queue ``job``; False when it was dropped because the queue is full."""
+        async with self._changed:
+            def has_room() -> bool:
+                # a job larger than the whole queue still goes through when the queue is empty
+                return self.queued_bytes + job.nbytes <= self.max_bytes or (not self._jobs and not self._active)
+
+            if not has_room():
+                if self.when_full == "drop":
+                    self.dropped_chunks += len(job.keys)
+                    self.dropped_bytes += job.nbytes
+                    return False
+                await self._changed.wait_for(has_room)
+            self._jobs.append(job)
+            self.queued_bytes += job.nbytes
+            for key, chunk in zip(job.keys, job.chunks):
+                self._pending[key] = chunk
+            self._changed.notify_all()
+            return True
+
+    async def take(self, max_bytes: int) -> list[FillJob]:
+        """Wait for work and take queued jobs, up to ``max_bytes`` (at least one job)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: bool(self._jobs))
+            taken = [self._jobs.popleft()]
+            total = taken[0].nbytes
+            while self._jobs and total + self._jobs[0].nbytes <= max_bytes and self._jobs[0].levels == taken[0].levels:
+                total += self._jobs[0].nbytes
+                taken.append(self._jobs.popleft())
+            self._active += 1
+            return taken
+
+    async def done(self, jobs: list[FillJob]) -> None:
+        """Mark jobs from :meth:`take` as written (or given up)."""
+        async with self._changed:
+            for job in jobs:
+                self.queued_bytes -= job.nbytes
+                self.completed_chunks += len(job.keys)
+                for key, chunk in zip(job.keys, job.chunks):
+                    if self._pending.get(key) is chunk:
+                        del self._pending[key]
+            self._active -= 1
+            self._changed.notify_all()
+
+    async def join(self) -> None:
+        """Wait until every queued job has been written."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._jobs and not self._active)
+
+    def stats(self) -> dict[str, int | str]:
+        return {"jobs": len(self._jobs), "bytes": self.queued_bytes, "max_bytes": self.max_bytes,
+                "when_full": self.when_full, "dropped_chunks": self.dropped_chunks,
+                "dropped_bytes": self.dropped_bytes, "completed_chunks": self.completed_chunks}

@@ -1,0 +1,72 @@
+"""Fault-injecting wrapper for tests: a real backend that can be told to fail or stall."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from tierkv.backend import StorageBackend
+from tierkv.errors import TierUnavailableError
+from tierkv.keys import CacheKey
+
+
+class FaultyBackend(StorageBackend):
+    """Wraps a real backend; while ``failing`` every call raises, while ``stall_s`` is set
+    every call first sleeps that long (a slow or hung remote store)."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner.name, inner.capacity)
+        self.inner = inner
+        self.persistent = inner.persistent  # type: ignore[misc]
+        self.bounded = inner.bounded  # type: ignore[misc]
+        self.failing = False
+        self.stall_s = 0.0
+        self.calls = 0
+
+    async def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
+        if self.failing:
+            raise TierUnavailableError(f"tier {self.name!r}: injected failure")
+
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        await self._maybe_fail()
+        await self.inner.put(key, chunk)
+
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        await self._maybe_fail()
+        return await self.inner.get(key)
+
+    async def contains(self, key: CacheKey) -> bool:
+        await self._maybe_fail()
+        return await self.inner.contains(key)
+
+    async def delete(self, key: CacheKey) -> bool:
+        await self._maybe_fail()
+        return await self.inner.delete(key)
+
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        await self._maybe_fail()
+        return await self.inner.batched_put(keys, chunks)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        await self._maybe_fail()
+        return await self.inner.batched_get(keys)
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        await self._maybe_fail()
+        return await self.inner.batched_contains(keys)
+
+    async def close(self) -> None:
+        await self.inner.close()
+        await super().close()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    def stats(self) -> dict[str, object]:
+        return {**self.inner.stats(), "injected_calls": self.calls}
