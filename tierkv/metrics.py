@@ -118,6 +118,16 @@ class PrometheusCollector:
             family = CounterMetricFamily(f"{p}_{name}", f"tokens {name.split('_')[0]} by retrieve", labels=["model"])
             family.add_metric([model], float(stats[name]))
             yield family
+        for gauge, key, help_text in (
+                ("pressure_used_fraction", "last_used_fraction", "device/host memory in use at the last reading"),
+                ("pressure_admitting", "admitting", "1 while the tier admits new chunks, 0 under pressure"),
+                ("pressure_freed_bytes", "freed_bytes", "bytes the tier gave back under memory pressure")):
+            family = GaugeMetricFamily(f"{p}_tier_{gauge}", help_text, labels=labels)
+            for tier, tier_stats in stats["tiers"].items():
+                value = tier_stats.get("pressure", {}).get(key)
+                if value is not None:
+                    family.add_metric([model, tier], float(value))
+            yield family
         queue = GaugeMetricFamily(f"{p}_fill_queue_bytes", "bytes waiting in the background fill queue", labels=["model"])
         queue.add_metric([model], float(stats["fill_queue"]["bytes"]))
         yield queue

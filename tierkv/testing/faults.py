@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -24,40 +25,42 @@ class FaultyBackend(StorageBackend):
         self.failing = False
         self.stall_s = 0.0
         self.calls = 0
+        self.calls_by_op: Counter[str] = Counter()
 
-    async def _maybe_fail(self) -> None:
+    async def _maybe_fail(self, op: str) -> None:
         self.calls += 1
+        self.calls_by_op[op] += 1
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         if self.failing:
             raise TierUnavailableError(f"tier {self.name!r}: injected failure")
 
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
-        await self._maybe_fail()
+        await self._maybe_fail("put")
         await self.inner.put(key, chunk)
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
-        await self._maybe_fail()
+        await self._maybe_fail("get")
         return await self.inner.get(key)
 
     async def contains(self, key: CacheKey) -> bool:
-        await self._maybe_fail()
+        await self._maybe_fail("contains")
         return await self.inner.contains(key)
 
     async def delete(self, key: CacheKey) -> bool:
-        await self._maybe_fail()
+        await self._maybe_fail("delete")
         return await self.inner.delete(key)
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        await self._maybe_fail()
+        await self._maybe_fail("batched_put")
         return await self.inner.batched_put(keys, chunks)
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        await self._maybe_fail()
+        await self._maybe_fail("batched_get")
         return await self.inner.batched_get(keys)
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
-        await self._maybe_fail()
+        await self._maybe_fail("batched_contains")
         return await self.inner.batched_contains(keys)
 
     async def close(self) -> None:
