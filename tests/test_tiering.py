@@ -470,3 +470,17 @@ def test_host_tier_is_pinned_when_cuda_is_present(tmp_path: Path) -> None:
         eng.store(tokens, kv_of(tokens))
         out, _ = eng.retrieve(tokens, return_tuple=False)
         assert torch.equal(out, kv_of(tokens))
+
+
+def test_write_back_demotes_only_dirty_chunks(tmp_path: Path) -> None:
+    # memory tiers account whole slabs: a 6 KiB chunk takes an 8 KiB slab
+    with Engine(config(tmp_path, cpu="16KiB", policy="write_back")) as eng:
+        first, second = prompt(0, 2), prompt(1, 2)
+        eng.store(first, kv_of(first))
+        eng.store(second, kv_of(second))  # evicts first: 2 chunks demoted (dirty)
+        assert eng.stats()["tiers"]["disk"]["puts"] == 2
+        out, _ = eng.retrieve(first, return_tuple=False)  # promoted: evicts second (dirty)
+        assert torch.equal(out, kv_of(first)) and eng.stats()["tiers"]["disk"]["puts"] == 4
+        eng.retrieve(second)  # promoted: evicts first, which the disk already holds: no write
+        stats = eng.stats()["tiers"]
+        assert stats["disk"]["puts"] == 4 and stats["host"]["demotions"] == 6

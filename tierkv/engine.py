@@ -564,12 +564,24 @@ class AsyncEngine:
             self._metrics[self.tiers[target].name].add("promotions", len(keys))
 
     async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
-        """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them."""
+        """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them.
+
+        Only dirty chunks are written: a chunk promoted from the target is still there
+        (keys name content, so the copy there is the same bytes).
+        """
         for target in range(level + 1, len(self.tiers)):
             if not self._admits(target):
                 continue
             try:
-                await self._tier_put(target, keys, chunks)
+                present = await self._timed(self.tiers[target].batched_contains(keys))
+            except Exception as exc:
+                self._tier_failed(target, "contains", exc)
+                present = [False] * len(keys)
+            dirty = [i for i, flag in enumerate(present) if not flag]
+            if not dirty:
+                return
+            try:
+                await self._tier_put(target, [keys[i] for i in dirty], [chunks[i] for i in dirty])
             except Exception:
                 continue
             return
