@@ -23,7 +23,14 @@ import torch
 from tierkv import kvlayout, policy, registry
 from tierkv.backend import StorageBackend
 from tierkv.config import EngineConfig, load_config
-from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError, ConfigError, TierKVError, TierUnavailableError
+from tierkv.errors import (
+    BackendClosedError,
+    CapacityError,
+    ChunkFormatError,
+    ConfigError,
+    TierKVError,
+    TierUnavailableError,
+)
 from tierkv.fill import FillJob, FillQueue
 from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, as_token_array
 from tierkv.kvlayout import KVCache
@@ -214,8 +221,8 @@ class AsyncEngine:
         present = await self.batched_contains(keys)
         keys = keys[: policy.first_missing(present)]
         chunks = await self._get_tiered(keys) if keys else []
-        usable = chunks[: policy.first_missing([c is not None for c in chunks])]
-        usable = self._consistent_prefix(usable)  # type: ignore[arg-type]
+        found = [c for c in chunks[: policy.first_missing([c is not None for c in chunks])] if c is not None]
+        usable = self._consistent_prefix(found)
         if not usable:
             self._miss_tokens += num_tokens - skip
             return (), ret_mask
@@ -290,7 +297,7 @@ class AsyncEngine:
             return 0
         keys, chunks = list(keys), list(chunks)
         errors: list[BaseException] = []
-        for level, tier in enumerate(self.tiers):
+        for level in range(len(self.tiers)):
             if not self._admits(level):
                 continue
             try:

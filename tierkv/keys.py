@@ -108,7 +108,7 @@ class ChunkHasher:
 
     def prefix_hashes(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[str]:
         """Hex hash of every chunk, each covering all tokens up to the end of its chunk."""
-        data = memoryview(as_token_array(tokens)).cast("B")
+        data = memoryview(as_token_array(tokens).data).cast("B")
         step = self.chunk_size * _TOKEN_DTYPE.itemsize
         hashes: list[str] = []
         previous = b""

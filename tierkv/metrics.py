@@ -94,6 +94,7 @@ class PrometheusCollector:
         stats = self._stats()
         p = self.prefix
         labels = ["model", "tier"]
+        family: Any
         model = str(stats.get("model", ""))
         for name in TIER_COUNTERS:
             family = CounterMetricFamily(f"{p}_tier_{name}", f"tierkv per-tier {name.replace('_', ' ')}", labels=labels)

@@ -69,7 +69,7 @@ class ChunkHeader:
 
 def checksum(data: np.ndarray | memoryview | bytes) -> int:
     """XXH3-64 of a byte buffer (tens of GB/s: never the bottleneck of a tier)."""
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def encode_header(tensor: torch.Tensor, kv_format: str | None = None, payload: np.ndarray | None = None) -> bytes:

@@ -144,7 +144,7 @@ class LMDBBackend(StorageBackend):
             raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
         latest = {encode_key(key): (key, chunk) for key, chunk in zip(keys, chunks)}
         sizes = {}
-        for kb, (key, chunk) in latest.items():
+        for kb, (_, chunk) in latest.items():
             nbytes = chunk.numel() * chunk.element_size()
             sizes[kb] = nbytes + 64 + 8 * chunk.dim()  # payload + header, as accounted on disk
             self._check_fits(sizes[kb])
