@@ -1,0 +1,263 @@
+"""``redis`` tier: KV chunks as Redis strings, batched through pipelines.
+
+One chunk is one Redis value under ``<key_prefix><CacheKey.to_string()>``, in tierkv's
+checksummed chunk format (never pickle). A batch is one round trip: ``MGET`` (or pipelined
+``GETEX`` when a ``ttl`` slides on reads), pipelined ``SET``, pipelined ``EXISTS``.
+
+The tier is not ``bounded``: Redis itself evicts (``maxmemory`` + ``maxmemory-policy``),
+and a chunk refused for lack of memory is a :class:`~tierkv.errors.CapacityError`. A
+server that is down or silent raises :class:`~tierkv.errors.TierUnavailableError`
+within ``connect_timeout`` / ``socket_timeout`` (no retries, no backoff): the engine
+turns that into misses and skips the tier for a while, so a dead Redis never stalls a
+request for longer than one timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+
+from tierkv import serde
+from tierkv.backend import BlobBackend
+from tierkv.errors import CapacityError, ChunkFormatError, TierUnavailableError
+from tierkv.keys import CacheKey
+from tierkv.memory import as_bytes, contiguous_host
+from tierkv.options import Option, format_size
+from tierkv_redis.options import REDIS_MAX_VALUE_BYTES, duration, redact_url, redis_url, value_limit
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: a pipelined SET batch is flushed once it holds this many encoded bytes (bounds the extra memory)
+_PUT_BATCH_BYTES = 64 << 20
+#: keys per MGET / pipeline on reads (large replies are parsed incrementally either way)
+_GET_BATCH_KEYS = 256
+
+
+class RedisBackend(BlobBackend):
+    """A Redis (or Valkey) server as a shared, network-attached tier."""
+
+    persistent: ClassVar[bool] = True  # chunks outlive this process as long as the server keeps them
+    bounded: ClassVar[bool] = False  # the server evicts, by its maxmemory-policy
+    options: ClassVar[dict[str, Option]] = {
+        "url": Option(redis_url, "redis://127.0.0.1:6379/0", secret=True,
+                      doc="redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path.sock"),
+        "key_prefix": Option("str", "tierkv:", doc="prepended to every key, to share a server between caches"),
+        "ttl": Option(duration, None, doc="expire a chunk this long after its last write or read (e.g. 1h); unset: never"),
+        "max_connections": Option("int", 16, minimum=1, doc="connections to the server, shared by concurrent calls"),
+        "connect_timeout": Option(duration, 1.0, doc="seconds to wait for a connection (e.g. 500ms)"),
+        "socket_timeout": Option(duration, 2.0, doc="seconds to wait for a reply before the tier counts as down"),
+        "max_value_size": Option(value_limit, REDIS_MAX_VALUE_BYTES, doc="largest encoded chunk; Redis's own limit is 512MiB"),
+    }
+
+    def __init__(
+        self,
+        name: str,
+        capacity: int | None = None,
+        url: str = "redis://127.0.0.1:6379/0",
+        key_prefix: str = "tierkv:",
+        ttl: float | None = None,
+        max_connections: int = 16,
+        connect_timeout: float = 1.0,
+        socket_timeout: float = 2.0,
+        max_value_size: int = REDIS_MAX_VALUE_BYTES,
+    ) -> None:
+        super().__init__(name, capacity)
+        self.url = redis_url(url)
+        self.key_prefix = key_prefix
+        self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.socket_timeout = socket_timeout
+        self.max_value_size = value_limit(max_value_size)
+        # redis.asyncio clients belong to one event loop: built lazily in the loop that uses them
+        self._redis: Redis | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.counters.update({"server_errors": 0, "bytes_written": 0, "bytes_read": 0})
+
+    # -- connection --------------------------------------------------------------------------
+    def _client(self) -> Redis:
+        self._ensure_open()
+        loop = asyncio.get_running_loop()
+        if self._redis is None or self._loop is not loop:
+            pool = BlockingConnectionPool.from_url(
+                self.url,
+                max_connections=self.max_connections,
+                timeout=self.connect_timeout + self.socket_timeout,  # wait for a free connection, then give up
+                socket_connect_timeout=self.connect_timeout,
+                socket_timeout=self.socket_timeout,
+                retry=Retry(NoBackoff(), 0),  # redis-py's default retries with backoff would stretch one timeout into many
+            )
+            self._redis = Redis.from_pool(pool)
+            self._loop = loop
+        return self._redis
+
+    async def _call(self, operation: str, awaitable: Awaitable[T]) -> T:
+        """Await a Redis call, turning client errors into tierkv's (chained, password redacted)."""
+        try:
+            return await awaitable
+        except ResponseError as exc:
+            self.counters["server_errors"] += 1
+            if isinstance(exc, OutOfMemoryError) or "maxmemory" in str(exc):
+                raise CapacityError(f"tier {self.name!r}: redis refused the write, it is out of memory: {exc}") from exc
+            raise TierUnavailableError(f"tier {self.name!r}: redis at {redact_url(self.url)} rejected {operation}: {exc}") from exc
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self.counters["server_errors"] += 1
+            raise TierUnavailableError(
+                f"tier {self.name!r}: redis at {redact_url(self.url)} did not complete {operation} "
+                f"(connect_timeout {self.connect_timeout}s, socket_timeout {self.socket_timeout}s): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        client, self._redis = self._redis, None
+        if client is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            await client.aclose()
+        # else: the loop that owned the connections is gone; the OS reclaims the sockets
+
+    # -- encoding ----------------------------------------------------------------------------------
+    def _redis_key(self, key: CacheKey | str) -> str:
+        return self.key_prefix + (key if isinstance(key, str) else key.to_string())
+
+    def _encode(self, key: CacheKey, chunk: torch.Tensor) -> memoryview:
+        """Header and payload in one buffer, with a single copy of the tensor's bytes."""
+        payload = as_bytes(contiguous_host(chunk))
+        header = serde.encode_header(chunk, key.fmt if key.fmt in ("vllm", "huggingface") else None, payload)
+        self._check_value_size(len(header) + payload.nbytes)
+        buffer = bytearray(len(header) + payload.nbytes)
+        buffer[: len(header)] = header
+        np.frombuffer(buffer, dtype=np.uint8, offset=len(header))[:] = payload
+        return memoryview(buffer)
+
+    def _check_value_size(self, nbytes: int) -> None:
+        self._check_fits(nbytes)
+        if nbytes > self.max_value_size:
+            raise CapacityError(
+                f"tier {self.name!r}: a chunk of {format_size(nbytes)} is larger than max_value_size "
+                f"({format_size(self.max_value_size)}; Redis stores at most 512MiB in one value): "
+                f"use a smaller chunk_size or a tier that takes larger objects"
+            )
+
+    def _decode(self, name: str, data: bytes | None, corrupt: list[str]) -> torch.Tensor | None:
+        if data is None:
+            return None
+        self.counters["bytes_read"] += len(data)
+        try:
+            return serde.decode(data)
+        except ChunkFormatError as exc:
+            self.counters["corrupt_chunks"] += 1
+            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+            corrupt.append(name)
+            return None
+
+    # -- tensors, batched: one round trip per batch ---------------------------------------------
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        await self.batched_put([key], [chunk])
+
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        return (await self.batched_get([key]))[0]
+
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        if len(keys) != len(chunks):
+            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        client = self._client()
+        # encode (and size-check) everything first: a chunk that cannot fit fails the batch before any write
+        pending: list[tuple[str, memoryview]] = []
+        pending_bytes = 0
+        for key, chunk in zip(keys, chunks):
+            blob = self._encode(key, chunk)
+            pending.append((self._redis_key(key), blob))
+            pending_bytes += blob.nbytes
+            if pending_bytes >= _PUT_BATCH_BYTES:
+                await self._set_many(client, pending)
+                pending, pending_bytes = [], 0
+        if pending:
+            await self._set_many(client, pending)
+        return len(keys)
+
+    async def _set_many(self, client: Redis, items: list[tuple[str, memoryview]]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for name, blob in items:  # in order: a later duplicate overwrites an earlier one
+            pipe.set(name, blob, px=self.ttl_ms)
+        await self._call("SET", pipe.execute())
+        self.counters["bytes_written"] += sum(blob.nbytes for _, blob in items)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        client = self._client()
+        names = [self._redis_key(key) for key in keys]
+        out: list[torch.Tensor | None] = []
+        corrupt: list[str] = []
+        for start in range(0, len(names), _GET_BATCH_KEYS):
+            group = names[start : start + _GET_BATCH_KEYS]
+            values = await self._fetch(client, group)
+            out.extend(self._decode(name, data, corrupt) for name, data in zip(group, values))
+        if corrupt:
+            await self._call("DEL", client.delete(*corrupt))
+        return out
+
+    async def _fetch(self, client: Redis, names: list[str]) -> list[bytes | None]:
+        if self.ttl_ms is None:
+            return list(await self._call("MGET", client.mget(names)))
+        pipe = client.pipeline(transaction=False)
+        for name in names:  # a read slides the expiry, so hot chunks stay
+            pipe.getex(name, px=self.ttl_ms)
+        return list(await self._call("GETEX", pipe.execute()))
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        client = self._client()
+        if not keys:
+            return []
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._redis_key(key))
+        return [bool(found) for found in await self._call("EXISTS", pipe.execute())]
+
+    # -- bytes (the BlobBackend contract, used by contains/delete and by tools) ----------------
+    async def get_bytes(self, key: str) -> bytes | None:
+        client = self._client()
+        name = self._redis_key(key)
+        if self.ttl_ms is None:
+            return await self._call("GET", client.get(name))
+        return await self._call("GETEX", client.getex(name, px=self.ttl_ms))
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        client = self._client()
+        self._check_value_size(len(data))
+        await self._call("SET", client.set(self._redis_key(key), data, px=self.ttl_ms))
+        self.counters["bytes_written"] += len(data)
+
+    async def delete_bytes(self, key: str) -> bool:
+        return bool(await self._call("DEL", self._client().delete(self._redis_key(key))))
+
+    async def exists(self, key: str) -> bool:
+        return bool(await self._call("EXISTS", self._client().exists(self._redis_key(key))))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **super().stats(),
+            "url": redact_url(self.url),
+            "key_prefix": self.key_prefix,
+            "ttl_s": None if self.ttl_ms is None else self.ttl_ms / 1000,
+        }
+
+    def __repr__(self) -> str:
+        return f"RedisBackend(name={self.name!r}, url={redact_url(self.url)!r}, key_prefix={self.key_prefix!r})"
