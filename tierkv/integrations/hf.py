@@ -1,0 +1,268 @@
+"""Hugging Face transformers end to end: cache store/retrieve, prefix reuse, blended prefill.
+
+Needs the ``hf`` extra (``pip install 'tierkv[hf]'``). Works with the engine in either KV
+format; a model's ``past_key_values`` (a ``DynamicCache``, batch size 1) are converted to
+the engine's layout on the way in and back on the way out.
+
+- :func:`store_cache` / :func:`retrieve_cache`: a prompt's KV into the engine and back;
+- :func:`prefill_with_reuse`: retrieve the longest cached prefix, run the model only on the
+  rest, store the prompt's KV; :func:`generate_with_reuse` does the same inside ``generate``;
+- :func:`store_documents` + :func:`blended_prefill`: CacheBlend for Llama-family models
+  (RoPE, pre-norm decoder layers with ``q/k/v/o_proj``): each document's KV is stored as a
+  segment; a prompt made of documents in any order reuses it, recomputing only the
+  ``recompute_ratio`` of tokens whose K deviates most (see :mod:`tierkv.blend.executor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tierkv.blend.executor import CacheBlendExecutor
+from tierkv.blend.retriever import SegmentBlendRetriever
+from tierkv.blend.segments import store_segments
+from tierkv.engine import Engine
+
+try:
+    from transformers import DynamicCache
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("tierkv.integrations.hf needs transformers: pip install 'tierkv[hf]'") from exc
+
+
+# -- DynamicCache <-> engine layout ------------------------------------------------------------
+def cache_layers(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) of a ``DynamicCache`` (or legacy tuple), each ``[batch, heads, tokens, head_size]``."""
+    if hasattr(past_key_values, "layers"):  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in past_key_values.layers]
+    if hasattr(past_key_values, "key_cache"):
+        return list(zip(past_key_values.key_cache, past_key_values.value_cache))
+    if isinstance(past_key_values, (tuple, list)):
+        return [(k, v) for k, v in past_key_values]
+    raise ValueError(f"expected a DynamicCache or a tuple of per-layer (K, V), got {type(past_key_values).__name__}")
+
+
+def make_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A ``DynamicCache`` holding per-layer (K, V) ``[batch, heads, tokens, head_size]``."""
+    cache = DynamicCache()
+    for index, (k, v) in enumerate(layers):
+        cache.update(k, v, index)
+    return cache
+
+
+def cache_to_kv(past_key_values: Any, fmt: str, num_tokens: int | None = None) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """The first ``num_tokens`` tokens of a batch-1 cache as per-layer (K, V) in engine format ``fmt``."""
+    out = []
+    for k, v in cache_layers(past_key_values):
+        if k.dim() != 4 or k.shape[0] != 1:
+            raise ValueError(f"only batch size 1 caches can be stored, got K of shape {tuple(k.shape)}")
+        k, v = k[0, :, :num_tokens], v[0, :, :num_tokens]
+        out.append((k, v) if fmt == "huggingface" else (k.transpose(0, 1), v.transpose(0, 1)))
+    return tuple(out)
+
+
+def kv_to_cache(kv: Sequence[Sequence[torch.Tensor]], fmt: str, num_tokens: int | None = None) -> DynamicCache:
+    """Per-layer (K, V) in engine format ``fmt`` (first ``num_tokens``) as a batch-1 ``DynamicCache``."""
+    layers = []
+    for k, v in kv:
+        if fmt == "vllm":
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        layers.append((k[:, :num_tokens].unsqueeze(0).contiguous(), v[:, :num_tokens].unsqueeze(0).contiguous()))
+    return make_cache(layers)
+
+
+def _token_list(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"only batch size 1 is supported, got input_ids of shape {tuple(input_ids.shape)}")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be [tokens] or [1, tokens], got shape {tuple(input_ids.shape)}")
+    return input_ids
+
+
+def store_cache(engine: Engine, input_ids: torch.Tensor, past_key_values: Any) -> int:
+    """Store the KV of the prompt ``input_ids`` (the cache may hold more tokens); returns chunks written."""
+    tokens = _token_list(input_ids)
+    return engine.store(tokens.cpu(), cache_to_kv(past_key_values, engine.metadata.fmt, tokens.numel()))
+
+
+def retrieve_cache(engine: Engine, input_ids: torch.Tensor, max_tokens: int | None = None,
+                   device: torch.device | str | None = None) -> tuple[DynamicCache | None, int]:
+    """The cached KV of the longest cached prefix of ``input_ids`` (at most ``max_tokens``) and its length."""
+    tokens = _token_list(input_ids)
+    kv, mask = engine.retrieve(tokens.cpu())
+    cached = int(mask.sum())
+    if max_tokens is not None:
+        cached = min(cached, max_tokens)
+    if cached == 0:
+        return None, 0
+    if device is not None:
+        kv = tuple((k.to(device), v.to(device)) for k, v in kv)
+    return kv_to_cache(kv, engine.metadata.fmt, cached), cached
+
+
+# -- prefix reuse ----------------------------------------------------------------------------------
+@dataclass
+class PrefillResult:
+    """Logits of the next token after the prompt, the prompt's cache, and how many tokens were reused."""
+
+    logits: torch.Tensor
+    past_key_values: Any
+    reused_tokens: int
+    computed_tokens: int
+
+
+@torch.inference_mode()
+def prefill_with_reuse(model: Any, engine: Engine, input_ids: torch.Tensor, store: bool = True) -> PrefillResult:
+    """Prefill ``input_ids`` reusing its longest cached prefix; the model runs only on the rest.
+
+    At least the last token is always computed (its logits are the output). With ``store``,
+    the prompt's KV is stored afterwards (chunks already cached are skipped).
+    """
+    tokens = _token_list(input_ids)
+    device = next(model.parameters()).device
+    cache, cached = retrieve_cache(engine, tokens, max_tokens=tokens.numel() - 1, device=device)
+    new_tokens = tokens[cached:].to(device)[None]
+    out = model(new_tokens, past_key_values=cache if cache is not None else DynamicCache(), use_cache=True)
+    if store:
+        store_cache(engine, tokens, out.past_key_values)
+    return PrefillResult(out.logits[0, -1], out.past_key_values, cached, tokens.numel() - cached)
+
+
+@torch.inference_mode()
+def generate_with_reuse(model: Any, engine: Engine, input_ids: torch.Tensor, store: bool = True,
+                        **generate_kwargs: Any) -> torch.Tensor:
+    """``model.generate`` for one prompt, starting from its cached prefix; stores the prompt's KV."""
+    tokens = _token_list(input_ids)
+    device = next(model.parameters()).device
+    cache, _cached = retrieve_cache(engine, tokens, max_tokens=tokens.numel() - 1, device=device)
+    output = model.generate(tokens[None].to(device), past_key_values=cache, use_cache=True,
+                            return_dict_in_generate=True, **generate_kwargs)
+    if store and output.past_key_values is not None:
+        store_cache(engine, tokens, output.past_key_values)
+    return output.sequences
+
+
+# -- CacheBlend for Llama-family models ------------------------------------------------------------
+def _decoder(model: Any) -> Any:
+    decoder = getattr(model, "model", model)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(decoder, name):
+            raise ValueError(f"blended prefill needs a Llama-family model (decoder with {name!r}); "
+                             f"got {type(model).__name__}")
+    return decoder
+
+
+def rope_cos_sin_cache(model: Any, max_position: int) -> torch.Tensor:
+    """The model's RoPE table in vLLM's ``[max_position, rot_dim]`` = ``[cos | sin]`` layout (float32).
+
+    Taken from the model's own rotary embedding, so RoPE scaling (llama3, linear, …) is honoured.
+    """
+    rotary = _decoder(model).rotary_emb
+    device = next(model.parameters()).device
+    positions = torch.arange(max_position, device=device)[None]
+    cos, sin = rotary(torch.empty(1, dtype=torch.float32, device=device), positions)
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    half = cos.shape[-1] // 2
+    return torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1).float() / scale
+
+
+def document_kv(model: Any, tokens: torch.Tensor) -> DynamicCache:
+    """Prefill one document on its own (positions from 0) and return its cache."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        return model(tokens[None].to(device), past_key_values=DynamicCache(), use_cache=True).past_key_values
+
+
+def store_documents(model: Any, engine: Engine, documents: Sequence[torch.Tensor]) -> int:
+    """Prefill each document alone and store its KV as a blend segment; returns segments written."""
+    fmt = engine.metadata.fmt
+    kvs = [tuple((k.cpu(), v.cpu()) for k, v in cache_to_kv(document_kv(model, doc), fmt)) for doc in documents]
+    return store_segments(engine, [doc.cpu() for doc in documents], kvs)
+
+
+@dataclass
+class BlendedPrefill:
+    """Logits of the next token, the blended cache (all tokens), and how many tokens were recomputed."""
+
+    logits: torch.Tensor
+    past_key_values: DynamicCache
+    recomputed_tokens: int
+    reused_tokens: int
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _attend(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+            k_positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of short Q over long K/V by position; token-first in and out."""
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    if q.shape[0] == k.shape[0]:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=attn.scaling, enable_gqa=True)
+    else:
+        mask = k_positions[None, :] <= q_positions[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@torch.inference_mode()
+def blended_prefill(model: Any, engine: Engine, segments: Sequence[torch.Tensor], recompute_ratio: float = 0.15,
+                    check_layer: int = 1) -> BlendedPrefill:
+    """Prefill the prompt ``concat(segments)`` reusing every segment's stored KV (CacheBlend).
+
+    Segments with no stored KV (typically the question at the end) are computed in full;
+    cached ones are re-rotated to their new positions and only their ``recompute_ratio`` most
+    deviating tokens are recomputed from ``check_layer`` on. Returns the next-token logits and
+    a ``DynamicCache`` of the whole prompt that ``generate`` can continue from.
+    """
+    decoder = _decoder(model)
+    if not segments:
+        raise ValueError("blended_prefill needs at least one segment")
+    device = next(model.parameters()).device
+    prompt = torch.cat([_token_list(s) for s in segments]).to(device)
+    num_tokens = prompt.numel()
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and num_tokens > window:
+        raise ValueError(f"blended prefill does not implement sliding-window attention ({num_tokens} tokens > "
+                         f"window {window})")
+    starts = torch.tensor([s.numel() for s in segments]).cumsum(0)[:-1].tolist()
+    task = SegmentBlendRetriever(engine, device=device).new_request([prompt.cpu()], [starts])
+    positions = torch.arange(num_tokens, device=device)
+    executor = CacheBlendExecutor(rope_cos_sin_cache(model, num_tokens + 1).to(device), recompute_ratio, check_layer)
+    query_start_loc = torch.tensor([0, num_tokens], device=device)
+    hidden = decoder.embed_tokens(prompt[None])[0]
+    q_positions = positions
+    layers_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer_id, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(x.shape[0], -1, attn.head_dim)
+        k = attn.k_proj(x).view(x.shape[0], -1, attn.head_dim)
+        v = attn.v_proj(x).view(x.shape[0], -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = decoder.rotary_emb(x[None], q_positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        if cos.shape[-1] != attn.head_dim:
+            raise ValueError(f"blended prefill needs full-dimension RoPE, got rot_dim {cos.shape[-1]} for head_dim "
+                             f"{attn.head_dim}")
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        retrieved = task.result(layer_id)
+        out = executor.blend(layer_id, retrieved.k, retrieved.v, retrieved.valid_mask, retrieved.original_positions,
+                             q, k, v, q_positions, query_start_loc, 0)
+        if out.query_start_loc is not None:
+            hidden = hidden[out.local_indices]
+        q_positions = out.positions
+        layers_kv.append((out.k.transpose(0, 1)[None], out.v.transpose(0, 1)[None]))
+        hidden = hidden + attn.o_proj(_attend(attn, out.q, out.k, out.v, q_positions, positions))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    logits = model.lm_head(decoder.norm(hidden[-1:]))[0]
+    recomputed = executor.num_selected if executor.num_selected is not None else num_tokens
+    return BlendedPrefill(logits, make_cache(layers_kv), recomputed, num_tokens - recomputed)
