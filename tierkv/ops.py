@@ -591,8 +591,8 @@ def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: b
     name = _build_name(with_cuda)
     directory = root / name
     directory.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-std=c++17"]
-    cuda_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+    flags = ["-O3"]
+    cuda_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     try:
         cpp_extension.load(
             name=name,
