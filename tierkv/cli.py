@@ -53,6 +53,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from tierkv import demo
+
+    demo.add_arguments(parser)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tierkv import demo
+
+    return demo.main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="open a YAML config and print per-tier occupancy")
     inspect.add_argument("config")
     inspect.set_defaults(func=_cmd_inspect)
+    demo = commands.add_parser("demo", help="prefix reuse and CacheBlend on a small random-weight Llama (CPU)")
+    _add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
