@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import sys
+import sysconfig
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -469,7 +470,10 @@ _state: dict[str, Any] = {"attempted": False, "loaded": False, "cuda": False, "r
 
 
 def _dispatch(tensor: Tensor) -> bool:
-    """Whether the extension should run an op on ``tensor``'s device."""
+    """Whether the extension should run an op on ``tensor``'s device (``TIERKV_NO_EXT`` is read
+    on every call, so it can be flipped at run time, e.g. to compare against the reference)."""
+    if _env_disabled():
+        return False
     if not _state["attempted"]:
         _try_load_prebuilt()
     if not _state["loaded"]:
@@ -480,11 +484,16 @@ def _dispatch(tensor: Tensor) -> bool:
 
 
 def source_dir() -> Path:
-    """Where the extension sources are: the installed copy (``tierkv/_cuda_ext``) or the checkout."""
-    installed = Path(__file__).resolve().parent / "_cuda_ext"
-    if (installed / "tierkv_ops.cpp").is_file():
-        return installed
-    return Path(__file__).resolve().parent.parent / "cuda_ext"
+    """Where the extension sources are: the checkout's ``cuda_ext/``, else the copy a wheel installs
+    under ``<prefix>/share/tierkv/cuda_ext``."""
+    candidates = [Path(__file__).resolve().parent.parent / "cuda_ext"]
+    for prefix in (sysconfig.get_paths().get("data"), sys.prefix, sysconfig.get_config_var("userbase")):
+        if prefix:
+            candidates.append(Path(prefix) / "share" / "tierkv" / "cuda_ext")
+    for candidate in candidates:
+        if (candidate / "tierkv_ops.cpp").is_file():
+            return candidate
+    return candidates[0]
 
 
 def _sources(with_cuda: bool) -> list[Path]:
@@ -528,8 +537,12 @@ def _library_path(build_root: Path, name: str) -> Path:
     return build_root / name / f"{name}.so"
 
 
+def _env_disabled() -> bool:
+    return os.environ.get("TIERKV_NO_EXT", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def _disabled() -> str | None:
-    if os.environ.get("TIERKV_NO_EXT", "").strip() not in ("", "0", "false", "no"):
+    if _env_disabled():
         return "disabled by TIERKV_NO_EXT"
     if not _sources(False):
         return f"extension sources not found in {source_dir()}"
