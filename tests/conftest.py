@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest_plugins = ["s3_fixtures"]  # the local S3 server fixture (issue 4)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
