@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from tierkv_redis.testing import RedisServer, server_binary
 
 

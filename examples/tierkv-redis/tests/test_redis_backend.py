@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 import torch
-
-from tierkv import CapacityError, ConfigError, Engine, TierUnavailableError
-from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 from tierkv_redis import RedisBackend
 from tierkv_redis.options import redact_url
 from tierkv_redis.testing import RedisServer, free_port
+
+from tierkv import CapacityError, ConfigError, Engine, TierUnavailableError
+from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 
 
 def fresh_prefix() -> str:

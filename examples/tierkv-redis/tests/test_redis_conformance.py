@@ -6,11 +6,11 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from tierkv_redis import RedisBackend
+from tierkv_redis.testing import RedisServer
 
 from tierkv.backend import StorageBackend
 from tierkv.testing import BackendTests
-from tierkv_redis import RedisBackend
-from tierkv_redis.testing import RedisServer
 
 
 class TestRedisBackend(BackendTests):
