@@ -124,7 +124,7 @@ def _check_blend_scatter(dst: Tensor, src: Tensor, indices: Tensor) -> None:
 def blend_scatter_reference(dst: Tensor, src: Tensor, indices: Tensor) -> Tensor:
     """Reference for :func:`blend_scatter`."""
     _check_blend_scatter(dst, src, indices)
-    dst.index_copy_(0, indices, src)
+    _as_raw(dst).index_copy_(0, indices, _as_raw(src))  # float8 as raw bytes
     return dst
 
 
@@ -634,11 +634,13 @@ def extension_status() -> dict[str, Any]:
     if not _state["attempted"]:
         _try_load_prebuilt()
     with_cuda, why_cuda = _cuda_buildable()
+    reason = "disabled by TIERKV_NO_EXT" if _env_disabled() else _state["reason"] if not _state["loaded"] else "loaded"
     return {
         "loaded": bool(_state["loaded"]),
+        "in_use": bool(_state["loaded"]) and not _env_disabled(),
         "cpu_kernels": bool(_state["loaded"]),
         "cuda_kernels": bool(_state["loaded"] and _state["cuda"]),
-        "reason": _state["reason"] if not _state["loaded"] else "loaded",
+        "reason": reason,
         "cuda_reason": "built with CUDA kernels" if _state["cuda"] else why_cuda,
         "library": _state["path"],
         "sources": str(source_dir()),
