@@ -1,26 +1,40 @@
-"""Benchmark entry point (the README's main job): runs the suites, prints a table,
-writes JSON and CSV under ``bench-results/``."""
+"""Benchmark entry point (the README's main job, ``tox -e bench``).
+
+Runs the core benchmark (cpu and lmdb tiers with 32-layer Llama-3-8B chunks, lookup,
+hashing; benchmarks/core.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
+sizes x batch sizes x concurrency, against same-run baselines), starting a local S3
+server (SeaweedFS, MinIO, or TIERKV_S3_ENDPOINT) when the matrix includes s3. Prints
+tables and writes JSON, CSV and a PNG plot under ``--out``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
+import os
 import platform
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from core import run_core  # noqa: E402
+from matrix import SETUPS, plan, plot, run_cell  # noqa: E402
+
+MATRIX_COLUMNS = ["tier", "op", "chunk_tokens", "batch", "concurrency", "ours_MBps", "baseline_MBps", "ratio",
+                  "baseline", "target", "meets"]
+CORE_COLUMNS = ["tier", "op", "batch", "ours_ms", "baseline_ms", "ours_GBps", "baseline_GBps", "ratio", "target",
+                "meets", "baseline"]
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    columns = ["tier", "op", "batch", "ours_ms", "baseline_ms", "ours_GBps", "baseline_GBps", "ratio", "target", "meets", "baseline"]
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     shown = [c for c in columns if any(c in r for r in rows)]
 
     def cell(value: Any) -> str:
@@ -36,28 +50,103 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(t, widths)))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="bench-results", help="directory for JSON/CSV results")
-    parser.add_argument("--batch", type=int, default=8, help="chunks per batch (32 MiB each)")
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-
-    started = time.time()
-    rows = run_core(batch=args.batch, repeats=args.repeats)
-    print_table(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-            "cpus": __import__("os").cpu_count(), "seconds": round(time.time() - started, 1)}
-    (out / "core.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    with open(out / "core.csv", "w", newline="") as handle:
-        fields = sorted({k for r in rows for k in r})
-        writer = csv.DictWriter(handle, fieldnames=fields)
+def write_results(out: Path, name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    with open(out / f"{name}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\nresults: {out / 'core.json'}, {out / 'core.csv'}")
+
+
+@contextlib.contextmanager
+def object_store(needed: bool) -> Iterator[dict[str, Any]]:
+    """A local S3 server with a fresh bucket, when the matrix includes s3."""
+    if not needed:
+        yield {}
+        return
+    from tierkv.testing.s3server import S3Server
+
+    with S3Server() as server:
+        bucket = f"tierkv-bench-{uuid.uuid4().hex[:8]}"
+        server.boto3_client().create_bucket(Bucket=bucket)
+        print(f"object store: {server.kind} at {server.endpoint_url} (data in {server.data_dir}), bucket {bucket}")
+        yield {"server": server, "bucket": bucket, "store": server.kind}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-results", help="directory for JSON/CSV/PNG results")
+    parser.add_argument("--tiers", default="cpu,lmdb,fs,s3", help=f"matrix tiers, from {','.join(SETUPS)}")
+    parser.add_argument("--chunk-tokens", type=int_list, default=[64, 256, 1024])
+    parser.add_argument("--batches", type=int_list, default=[1, 8])
+    parser.add_argument("--concurrency", type=int_list, default=[4, 16], help="s3 requests in flight")
+    parser.add_argument("--max-batch-mib", type=float, default=128.0,
+                        help="skip batch sizes above this many MiB (except the smallest batch)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--core", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the core benchmark (32-layer chunks, lookup)")
+    parser.add_argument("--core-batch", type=int, default=8)
+    args = parser.parse_args()
+
+    tiers = [t for t in args.tiers.split(",") if t]
+    unknown = [t for t in tiers if t not in SETUPS]
+    if unknown:
+        parser.error(f"unknown tier(s) {unknown}; choose from {list(SETUPS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "machine": platform.machine(), "cpus": os.cpu_count()}
+
+    if args.core:
+        started = time.time()
+        core_rows = run_core(batch=args.core_batch, repeats=args.repeats)
+        print("\n== core: 32-layer Llama-3-8B chunks (32 MiB), lookup ==")
+        print_table(core_rows, CORE_COLUMNS)
+        write_results(out, "core", core_rows, {**meta, "seconds": round(time.time() - started, 1)})
+
+    cells = plan(tiers, args.chunk_tokens, args.batches, args.concurrency, args.max_batch_mib)
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    with object_store("s3" in tiers) as context:
+        try:
+            from tqdm import tqdm
+            progress = tqdm(cells, desc="matrix", unit="cell", file=sys.stderr)
+        except ImportError:
+            progress = cells
+        for cell in progress:
+            if hasattr(progress, "set_postfix_str"):
+                progress.set_postfix_str(f"{cell.tier} {cell.chunk_tokens} tok x{cell.batch} c{cell.concurrency}")
+            rows.extend(run_cell(cell, args.repeats, **context))
+    meta.update(seconds=round(time.time() - started, 1), store=context.get("store"),
+                model="8 layers x 8 KV heads x 128, bfloat16 (32 KiB/token)")
+    print("\n== tier matrix: MB/s, ratio = baseline time / our time (>1: we are faster) ==")
+    print_table(rows, MATRIX_COLUMNS)
+    summarize(rows)
+    write_results(out, "matrix", rows, meta)
+    plot(rows, out / "matrix.png")
+    print(f"\nresults: {out}/core.json|csv, {out}/matrix.json|csv, {out}/matrix.png")
     return 0
+
+
+def summarize(rows: list[dict[str, Any]]) -> None:
+    """The issue's ratios: the worst cell per (tier, op, baseline) where a target applies."""
+    judged = [r for r in rows if r["target"]]
+    if not judged:
+        return
+    print("\n== targets (worst cell per tier/op/baseline) ==")
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in judged:
+        groups.setdefault((r["tier"], r["op"], r["baseline"]), []).append(r)
+    for (tier, op, baseline), group in sorted(groups.items()):
+        worst = min(group, key=lambda r: r["ratio"])
+        met = sum(1 for r in group if r["meets"])
+        print(f"{tier} {op} vs {baseline}: worst {worst['ratio']:.2f}x (target {worst['target']}; "
+              f"{worst['chunk_tokens']} tok x{worst['batch']} c{worst['concurrency']}), "
+              f"median {sorted(r['ratio'] for r in group)[len(group) // 2]:.2f}x, {met}/{len(group)} cells meet it")
 
 
 if __name__ == "__main__":
