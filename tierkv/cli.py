@@ -33,6 +33,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     from tierkv import __version__
     from tierkv.memory import can_pin_memory, cuda_available
+    from tierkv.ops import extension_status
 
     info = {
         "tierkv": __version__,
@@ -40,6 +41,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "cuda_available": cuda_available(),
         "pinned_memory": can_pin_memory(),
         "backends": sorted(registry.installed()),
+        "kernels": extension_status(),
     }
     print(json.dumps(info, indent=2))
     return 0
