@@ -9,6 +9,7 @@ never silently skipped.
 from __future__ import annotations
 
 import difflib
+import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -74,6 +75,11 @@ def installed() -> dict[str, list[BackendInfo]]:
         return _installed
 
 
+def normalize_distribution(name: str) -> str:
+    """PEP 503 form of a distribution name: ``Acme.KV``, ``acme_kv`` and ``acme-kv`` are one."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _installed_summary() -> str:
     listing = [info.describe() for claims in installed().values() for info in claims]
     return ", ".join(sorted(listing)) or "none"
@@ -85,7 +91,7 @@ def resolve(name: str, where: str = "backend") -> BackendInfo:
     distribution, _, short = name.rpartition(":")
     claims = table.get(short, [])
     if distribution:
-        claims = [c for c in claims if c.distribution.lower().replace("_", "-") == distribution.lower().replace("_", "-")]
+        claims = [c for c in claims if normalize_distribution(c.distribution) == normalize_distribution(distribution)]
     if not claims:
         hint = difflib.get_close_matches(short, list(table), n=1)
         suggestion = f"; did you mean {hint[0]!r}?" if hint else ""

@@ -1,0 +1,65 @@
+"""Registry edge cases a real plugin package runs into: how users spell a pinned
+distribution name, and what ``tierkv backends --load`` says about broken plugins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_registry import PLUGIN, make_distribution  # noqa: I001  (sibling test module: real dist-info helpers)
+
+from tierkv import BackendNotFoundError, Engine, registry
+
+
+@pytest.fixture
+def dotted_and_dashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Two distributions claiming ``dict``: one named with dashes, one with dots."""
+    root = tmp_path / "site"
+    make_distribution(root, "tierkv-dict", "tierkv_dict", {
+        "dict": "tierkv_dict:DictBackend",
+        "notabackend": "tierkv_dict:NotABackend",
+        "broken": "tierkv_dict_missing_module:Thing",
+    }, PLUGIN)
+    other = tmp_path / "site2"
+    make_distribution(other, "acme.kv", "acme_kv", {"dict": "acme_kv:DictBackend"}, PLUGIN)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.syspath_prepend(str(other))
+    registry.refresh()
+    yield root
+    registry.refresh()
+
+
+@pytest.mark.parametrize("pin", ["tierkv-dict:dict", "tierkv_dict:dict", "TierKV-Dict:dict", "tierkv.dict:dict"])
+def test_pin_accepts_any_normalized_spelling_of_the_distribution(dotted_and_dashed: Path, pin: str) -> None:
+    # PEP 503: names differing only in case and runs of '-', '_', '.' are the same distribution
+    with Engine({"model": "m", "tiers": [{"name": "t", "backend": pin}]}) as engine:
+        assert type(engine.tiers[0]).__module__ == "tierkv_dict"
+
+
+@pytest.mark.parametrize("pin", ["acme.kv:dict", "acme-kv:dict", "ACME_KV:dict"])
+def test_pin_of_a_dotted_distribution_name(dotted_and_dashed: Path, pin: str) -> None:
+    with Engine({"model": "m", "tiers": [{"name": "t", "backend": pin}]}) as engine:
+        assert type(engine.tiers[0]).__module__ == "acme_kv"
+
+
+def test_pin_of_a_distribution_that_is_not_installed(dotted_and_dashed: Path) -> None:
+    with pytest.raises(BackendNotFoundError) as info:
+        Engine({"model": "m", "tiers": [{"name": "t", "backend": "nobody-ships-this:dict"}]})
+    text = str(info.value)
+    assert "tiers[0].backend" in text and "'nobody-ships-this:dict'" in text
+    assert "tierkv-dict 1.2.3" in text and "acme.kv 1.2.3" in text, "the error lists what is installed"
+
+
+def test_cli_load_marks_each_broken_plugin_and_keeps_listing(dotted_and_dashed: Path, tmp_path: Path) -> None:
+    paths = f"{tmp_path / 'site'}:{tmp_path / 'site2'}"
+    result = subprocess.run([sys.executable, "-m", "tierkv.cli", "backends", "--load"], capture_output=True,
+                            text=True, env={"PYTHONPATH": paths, "PATH": "/usr/bin:/bin"}, timeout=120)
+    rows = {line.split()[0] + " " + line.split()[1]: line for line in result.stdout.splitlines() if line.strip()}
+    assert "BROKEN" in rows["broken tierkv-dict"] and "failed to import" in rows["broken tierkv-dict"]
+    assert "ModuleNotFoundError" in rows["broken tierkv-dict"]
+    assert "not a subclass of tierkv.StorageBackend" in rows["notabackend tierkv-dict"]
+    # both claims of the shared name load once pinned, and the built-ins are still listed as fine
+    assert rows["dict tierkv-dict"].rstrip().endswith("ok") and rows["dict acme.kv"].rstrip().endswith("ok")
+    assert rows["lmdb tierkv"].rstrip().endswith("ok")
