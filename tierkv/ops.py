@@ -385,8 +385,13 @@ def paged_gather_reference(
     _check_paged(keys, out, slot_mapping, order, "out")
     positions, slots = _valid(slot_mapping)
     raw_out = _as_raw(out)
+    every_slot = positions.numel() == slot_mapping.numel()
     for layer, pair in enumerate(zip(keys, values)):
         for kv, cache in enumerate(pair):
+            flat = _flat_slots(_as_raw(cache))
+            if every_slot and order == "vllm" and flat is not None and raw_out[layer, kv].is_contiguous():
+                torch.index_select(flat, 0, slots, out=raw_out[layer, kv])  # one pass, the common case
+                continue
             rows = _read_slots(_as_raw(cache), slots)  # [valid, heads, head_size]
             if order == "vllm":
                 raw_out[layer, kv].index_copy_(0, positions, rows)
