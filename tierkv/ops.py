@@ -35,7 +35,7 @@ import sysconfig
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 # Per layer: a (K, V) pair of [num_blocks, block_size, heads, head_size], or one fused
 # [2, num_blocks, block_size, heads, head_size] tensor.
-PagedKVCache = Sequence[Union[Tensor, Sequence[Tensor]]]
+PagedKVCache = Sequence[Tensor | Sequence[Tensor]]
 
 _ORDERS = ("vllm", "huggingface")
 
