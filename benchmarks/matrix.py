@@ -260,34 +260,37 @@ def plan(tiers: list[str], chunk_tokens: list[int], batches: list[int], concurre
     return cells
 
 
+def plot_points(rows: list[dict[str, Any]], tier: str, op: str, baseline: str) -> list[tuple[int, float, float]]:
+    """(chunk tokens, our MB/s, baseline MB/s) at the largest batch and concurrency run for each size."""
+    mine = [r for r in rows if r["tier"] == tier and r["op"] == op and r["baseline"] == baseline]
+    points = []
+    for tokens in sorted({r["chunk_tokens"] for r in mine}):
+        at_size = [r for r in mine if r["chunk_tokens"] == tokens]
+        best = max(at_size, key=lambda r: (r["batch"], r["concurrency"]))
+        points.append((tokens, best["ours_MBps"], best["baseline_MBps"]))
+    return points
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Throughput per tier and chunk size (largest batch and concurrency of each), ours vs baselines."""
+    """Throughput per tier and chunk size, ours (solid) vs each same-run baseline (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = ["batched_put", "batched_get"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
-    for ax, op in zip(axes, ops):
-        for tier in sorted({r["tier"] for r in rows}):
-            mine = [r for r in rows if r["tier"] == tier and r["op"] == op]
-            if not mine:
-                continue
-            batch = max(r["batch"] for r in mine)
-            conc = max(r["concurrency"] for r in mine)
-            for baseline in sorted({r["baseline"] for r in mine}):
-                pts = sorted((r["chunk_tokens"], r["ours_MBps"], r["baseline_MBps"]) for r in mine
-                             if r["baseline"] == baseline and r["concurrency"] == conc
-                             and r["batch"] == max(x["batch"] for x in mine if x["chunk_tokens"] == r["chunk_tokens"]))
-                if not pts:
-                    continue
-                xs = [p[0] for p in pts]
-                if baseline == sorted({r["baseline"] for r in mine})[0]:
-                    ax.plot(xs, [p[1] for p in pts], marker="o", label=f"{tier} (tierkv)")
-                ax.plot(xs, [p[2] for p in pts], linestyle="--", marker="x", alpha=0.7, label=f"{tier}: {baseline}")
-            del batch
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, op in zip(axes, ("batched_put", "batched_get")):
+        for tier in dict.fromkeys(r["tier"] for r in rows):
+            baselines = list(dict.fromkeys(r["baseline"] for r in rows if r["tier"] == tier and r["op"] == op))
+            for index, baseline in enumerate(baselines):
+                points = plot_points(rows, tier, op, baseline)
+                xs = [p[0] for p in points]
+                if index == 0:
+                    ax.plot(xs, [p[1] for p in points], marker="o", label=f"{tier} (tierkv)")
+                ax.plot(xs, [p[2] for p in points], linestyle="--", marker="x", alpha=0.7, label=f"{tier}: {baseline}")
+        sizes = sorted({r["chunk_tokens"] for r in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(t) for t in sizes])
         ax.set_yscale("log")
         ax.set_xlabel("chunk size (tokens; 32 KiB per token)")
         ax.set_ylabel("MB/s")
