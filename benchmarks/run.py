@@ -128,7 +128,8 @@ def main() -> int:
     summarize(rows)
     write_results(out, "matrix", rows, meta)
     plot(rows, out / "matrix.png")
-    print(f"\nresults: {out}/core.json|csv, {out}/matrix.json|csv, {out}/matrix.png")
+    written = (["core.json", "core.csv"] if args.core else []) + ["matrix.json", "matrix.csv", "matrix.png"]
+    print(f"\nresults in {out}/: {', '.join(written)}")
     return 0
 
 
