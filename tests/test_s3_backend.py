@@ -92,7 +92,7 @@ def test_missing_bucket_is_an_error_unless_create_bucket(s3_server: S3Server) ->
 @pytest.fixture(scope="module")
 def strict_server() -> Iterator[S3Server]:
     """A second server that enforces its credentials (the session one accepts any)."""
-    with S3Server(credentials=("TIERKVSTRICTKEY", "strict-secret-value-123")) as server:
+    with S3Server(credentials=("TIERKVSTRICTKEY", "strict-secret-value-123"), allow_external=False) as server:
         yield server
 
 
@@ -265,7 +265,7 @@ def wait_until(condition: Any, what: str, deadline_s: float = 20.0) -> None:
 
 
 def test_engine_keeps_serving_while_s3_is_killed_and_s3_comes_back(tmp_path: Path) -> None:
-    with S3Server(data_dir=tmp_path / "store") as server:
+    with S3Server(data_dir=tmp_path / "store", allow_external=False) as server:
         server.boto3_client().create_bucket(Bucket="restart")
         s3_options = s3_tier_options(server, "restart", "replicas")
 

@@ -45,6 +45,7 @@ from tierkv.backend import BlobBackend
 from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.health import CircuitBreaker
 from tierkv.keys import CacheKey
+from tierkv.memory import as_bytes, contiguous_host
 from tierkv.options import Option
 
 try:
@@ -306,7 +307,7 @@ class S3Backend(BlobBackend):
         except ChunkFormatError as exc:
             return exc
 
-    def _store(self, name: str, data: bytes, deadline: float) -> None:
+    def _store(self, name: str, data: bytes | bytearray, deadline: float) -> None:
         key = self._object_key(name)
         if len(data) < self.multipart_threshold:
             self._request(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=data), deadline)
@@ -314,7 +315,7 @@ class S3Backend(BlobBackend):
             self._store_multipart(key, data, deadline)
         self._count("bytes_written", len(data))
 
-    def _store_multipart(self, key: str, data: bytes, deadline: float) -> None:
+    def _store_multipart(self, key: str, data: bytes | bytearray, deadline: float) -> None:
         upload = self._request(lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=key), deadline)
         upload_id = upload["UploadId"]
         view = memoryview(data)
@@ -340,7 +341,13 @@ class S3Backend(BlobBackend):
         self._count("multipart_puts")
 
     def _encode_and_store(self, name: str, chunk: torch.Tensor, fmt: str, deadline: float) -> None:
-        self._store(name, serde.encode(chunk, fmt if fmt in ("vllm", "huggingface") else None), deadline)
+        """Header and payload written once into one buffer (serde.encode would copy the payload twice)."""
+        payload = as_bytes(contiguous_host(chunk.detach()))
+        header = serde.encode_header(chunk, fmt if fmt in ("vllm", "huggingface") else None, payload)
+        data = bytearray(len(header) + payload.nbytes)
+        data[: len(header)] = header
+        memoryview(data)[len(header) :] = memoryview(payload).cast("B")
+        self._store(name, data, deadline)
 
     def _head(self, name: str, deadline: float) -> bool:
         try:

