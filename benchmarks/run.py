@@ -1,7 +1,7 @@
 """Benchmark entry point (the README's main job, ``tox -e bench``).
 
 Runs the core benchmark (cpu and lmdb tiers with 32-layer Llama-3-8B chunks, lookup,
-hashing; benchmarks/core.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
+hashing; benchmarks/core.py), the tier-policy suite (benchmarks/policy.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
 sizes x batch sizes x concurrency, against same-run baselines), starting a local S3
 server (SeaweedFS, MinIO, or TIERKV_S3_ENDPOINT) when the matrix includes s3. Prints
 tables and writes JSON, CSV and a PNG plot under ``--out``.
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from core import run_core  # noqa: E402
 from matrix import SETUPS, plan, plot, run_cell  # noqa: E402
+from policy import print_rows, run_policy  # noqa: E402
 
 MATRIX_COLUMNS = ["tier", "op", "chunk_tokens", "batch", "concurrency", "ours_MBps", "baseline_MBps", "ratio",
                   "baseline", "target", "meets"]
@@ -90,6 +91,8 @@ def main() -> int:
     parser.add_argument("--core", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the core benchmark (32-layer chunks, lookup)")
     parser.add_argument("--core-batch", type=int, default=8)
+    parser.add_argument("--policy", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
     args = parser.parse_args()
 
     tiers = [t for t in args.tiers.split(",") if t]
@@ -107,6 +110,13 @@ def main() -> int:
         print("\n== core: 32-layer Llama-3-8B chunks (32 MiB), lookup ==")
         print_table(core_rows, CORE_COLUMNS)
         write_results(out, "core", core_rows, {**meta, "seconds": round(time.time() - started, 1)})
+
+    if args.policy:
+        started = time.time()
+        policy_rows = run_policy()
+        print("\n== tier policy: Zipf trace replay (cpu+lmdb), bookkeeping overhead, memory pressure ==")
+        print_rows(policy_rows)
+        write_results(out, "policy", policy_rows, {**meta, "seconds": round(time.time() - started, 1)})
 
     cells = plan(tiers, args.chunk_tokens, args.batches, args.concurrency, args.max_batch_mib)
     started = time.time()
@@ -128,7 +138,8 @@ def main() -> int:
     summarize(rows)
     write_results(out, "matrix", rows, meta)
     plot(rows, out / "matrix.png")
-    written = (["core.json", "core.csv"] if args.core else []) + ["matrix.json", "matrix.csv", "matrix.png"]
+    written = (["core.json", "core.csv"] if args.core else []) + (["policy.json", "policy.csv"] if args.policy else [])
+    written += ["matrix.json", "matrix.csv", "matrix.png"]
     print(f"\nresults in {out}/: {', '.join(written)}")
     return 0
 
