@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_registry import PLUGIN, make_distribution  # noqa: I001  (sibling test module: real dist-info helpers)
+from test_registry import PLUGIN, make_distribution  # sibling test module: real dist-info helpers
 
 from tierkv import BackendNotFoundError, Engine, registry
 
