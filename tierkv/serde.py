@@ -28,6 +28,8 @@ VERSION = 1
 _FIXED = struct.Struct("<4sHHBBBBQQ")
 _CHECKSUM_XXH3_64 = 1
 _MAX_NDIM = 8
+# Bytes to read to be sure of holding a whole header (fixed part + largest shape).
+MAX_HEADER_BYTES = _FIXED.size + 8 * _MAX_NDIM
 
 # Codes are part of the on-disk format: append only, never renumber.
 _DTYPE_CODES: dict[torch.dtype, int] = {
@@ -129,6 +131,14 @@ def decode_header(data: bytes | memoryview) -> ChunkHeader:
     return ChunkHeader(dtype, tuple(shape), _CODE_FORMATS[fmt_code], payload_len, digest, header_len)
 
 
+def verify_payload(header: ChunkHeader, payload: np.ndarray) -> None:
+    """Raise ChunkFormatError unless ``payload`` (read in place) matches ``header``."""
+    if payload.nbytes != header.payload_len:
+        raise ChunkFormatError(f"truncated chunk: payload has {payload.nbytes} bytes, header says {header.payload_len}")
+    if checksum(payload) != header.checksum:
+        raise ChunkFormatError("chunk checksum mismatch: the stored bytes were altered or torn")
+
+
 def decode_payload(
     header: ChunkHeader,
     payload: bytes | memoryview | np.ndarray,
@@ -136,10 +146,7 @@ def decode_payload(
 ) -> torch.Tensor:
     """Verify ``payload`` against ``header`` and copy it once into a fresh tensor."""
     raw = np.frombuffer(payload, dtype=np.uint8)
-    if raw.nbytes != header.payload_len:
-        raise ChunkFormatError(f"truncated chunk: payload has {raw.nbytes} bytes, header says {header.payload_len}")
-    if checksum(raw) != header.checksum:
-        raise ChunkFormatError("chunk checksum mismatch: the stored bytes were altered or torn")
+    verify_payload(header, raw)
     out = allocate(header.shape, header.dtype)
     if raw.nbytes:
         as_bytes(out)[:] = raw

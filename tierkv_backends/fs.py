@@ -9,22 +9,59 @@ restart) are deleted to make room.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import os
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import aiofiles
-import aiofiles.os
+import numpy as np
+import torch
 
+from tierkv import serde
 from tierkv.backend import BlobBackend
-from tierkv.errors import CapacityError, ConfigError
+from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
+from tierkv.keys import CacheKey
+from tierkv.memory import as_bytes, contiguous_host, empty_host
 from tierkv.options import Option, format_size
 from tierkv.policy import LRUIndex
 from tierkv_backends.lmdb import ensure_writable_dir
 
+logger = logging.getLogger(__name__)
+
 _SUFFIX = ".tkv"
+_IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
+
+
+def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes, np.ndarray]:
+    """Header bytes and a zero-copy view of the payload, written with one writev."""
+    payload = as_bytes(contiguous_host(chunk.detach()))
+    return serde.encode_header(chunk, key.fmt if key.fmt in ("vllm", "huggingface") else None, payload), payload
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    pending = [b.cast("B") for b in buffers if b.nbytes]
+    while pending:
+        written = os.writev(fd, pending)
+        while pending and written >= pending[0].nbytes:
+            written -= pending[0].nbytes
+            pending.pop(0)
+        if pending and written:
+            pending[0] = pending[0][written:]
+
+
+def _read_all(fd: int, into: memoryview, offset: int) -> int:
+    """Read until ``into`` is full or the file ends; the number of bytes read."""
+    got = 0
+    while got < into.nbytes:
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 class FSBackend(BlobBackend):
@@ -78,11 +115,120 @@ class FSBackend(BlobBackend):
             self._lock = asyncio.Lock()
         return self._lock
 
+    # -- batched paths: one worker-thread hop per batch, one copy per chunk -------------------
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        self._ensure_open()
+        if len(keys) != len(chunks):
+            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
+        # encode on the loop thread: bad dtypes fail before anything is written or evicted
+        encoded = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
+        for header, payload in encoded.values():
+            self._check_fits(len(header) + payload.nbytes)
+        async with self._write_lock():
+            await self._make_room({d: len(h) + p.nbytes for d, (h, p) in encoded.items()})
+            await self._in_threads(list(encoded.items()), self._write_files)
+            for digest, (header, payload) in encoded.items():
+                self._index.add(digest, len(header) + payload.nbytes)
+        return len(keys)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        self._ensure_open()
+        names = [key.to_string() for key in keys]
+        digests = [self._digest(name) for name in names]
+        results = await self._in_threads(digests, self._read_files)
+        out: list[torch.Tensor | None] = []
+        for name, digest, result in zip(names, digests, results):
+            if isinstance(result, ChunkFormatError):
+                self.counters["corrupt_chunks"] += 1
+                logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, result)
+                await self.delete_bytes(name)
+                result = None
+            elif result is not None:
+                self._index.touch(digest)
+            out.append(result)
+        return out
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        self._ensure_open()
+        paths = [self._file(self._digest(key.to_string())) for key in keys]
+        return await asyncio.to_thread(lambda: [path.exists() for path in paths])
+
+    async def _in_threads(self, items: list[Any], work: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """Run ``work`` over ``items`` in worker threads: one slice per thread, in order."""
+        if not items:
+            return []
+        slices = min(_IO_THREADS, len(items))
+        size = -(-len(items) // slices)
+        parts = [items[i : i + size] for i in range(0, len(items), size)]
+        done = await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))
+        return [result for part in done for result in part]
+
+    def _write_files(self, items: list[tuple[str, tuple[bytes, np.ndarray]]]) -> list[None]:
+        for digest, (header, payload) in items:
+            final = self._file(digest)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            temporary = final.parent / f".{digest}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    _write_all(fd, [memoryview(header), memoryview(payload)])
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(temporary, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(temporary)
+                raise
+        return [None] * len(items)
+
+    def _read_files(self, digests: list[str]) -> list[torch.Tensor | ChunkFormatError | None]:
+        return [self._read_file(digest) for digest in digests]
+
+    def _read_file(self, digest: str) -> torch.Tensor | ChunkFormatError | None:
+        """The chunk read straight into a pooled tensor (one copy), or why it is unusable."""
+        try:
+            fd = os.open(self._file(digest), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            head = os.pread(fd, serde.MAX_HEADER_BYTES, 0)
+            try:
+                header = serde.decode_header(head)
+            except ChunkFormatError as exc:
+                return exc
+            out = empty_host(header.shape, header.dtype)
+            payload = as_bytes(out)
+            got = _read_all(fd, memoryview(payload), header.header_len)
+            try:
+                serde.verify_payload(header, payload[:got])
+                if os.fstat(fd).st_size != header.header_len + header.payload_len:
+                    raise ChunkFormatError("chunk file is longer than its header says")
+            except ChunkFormatError as exc:
+                return exc
+            return out
+        finally:
+            os.close(fd)
+
+    async def _make_room(self, sizes: dict[str, int]) -> None:
+        if self.capacity is None:
+            return
+        need = sum(sizes.values()) - sum(self._index.size_of(d) or 0 for d in sizes)
+        victims = self._index.victims(need, self.capacity, protect=list(sizes))
+        if victims is None:
+            raise CapacityError(f"tier {self.name!r}: no room for {format_size(need)}")
+        if victims:
+            await asyncio.to_thread(lambda: [self._unlink_sync(v) for v in victims])
+            for victim in victims:
+                self._count_eviction(self._index.remove(victim))
+
+    # -- single-key byte interface (BlobBackend) -----------------------------------------------
     async def get_bytes(self, key: str) -> bytes | None:
         digest = self._digest(key)
         try:
-            async with aiofiles.open(self._file(digest), "rb") as handle:
-                data = await handle.read()
+            data = await asyncio.to_thread(self._file(digest).read_bytes)
         except FileNotFoundError:
             return None
         self._index.touch(digest)
@@ -92,50 +238,25 @@ class FSBackend(BlobBackend):
         digest = self._digest(key)
         self._check_fits(len(data))
         async with self._write_lock():
-            if self.capacity is not None:
-                replaced = self._index.size_of(digest) or 0
-                victims = self._index.victims(len(data) - replaced, self.capacity, protect=[digest])
-                if victims is None:
-                    raise CapacityError(f"tier {self.name!r}: no room for {format_size(len(data))}")
-                for victim in victims:
-                    await self._unlink(victim)
-                    self._count_eviction(self._index.remove(victim))
-            final = self._file(digest)
-            await aiofiles.os.makedirs(final.parent, exist_ok=True)
-            temporary = final.parent / f".{digest}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-            try:
-                async with aiofiles.open(temporary, "wb") as handle:
-                    await handle.write(data)
-                    if self.fsync:
-                        await handle.flush()
-                        await asyncio.to_thread(os.fsync, handle.fileno())
-                await aiofiles.os.replace(temporary, final)
-            except BaseException:
-                await self._remove_quietly(temporary)
-                raise
+            await self._make_room({digest: len(data)})
+            await asyncio.to_thread(self._write_files, [(digest, (data, np.empty(0, dtype=np.uint8)))])
             self._index.add(digest, len(data))
 
-    async def _remove_quietly(self, path: Path) -> None:
+    def _unlink_sync(self, digest: str) -> bool:
         try:
-            await aiofiles.os.remove(path)
-        except OSError:
-            pass
-
-    async def _unlink(self, digest: str) -> bool:
-        try:
-            await aiofiles.os.remove(self._file(digest))
+            os.remove(self._file(digest))
         except FileNotFoundError:
             return False
         return True
 
     async def delete_bytes(self, key: str) -> bool:
         digest = self._digest(key)
-        existed = await self._unlink(digest)
+        existed = await asyncio.to_thread(self._unlink_sync, digest)
         self._index.remove(digest)
         return existed
 
     async def exists(self, key: str) -> bool:
-        return await aiofiles.os.path.exists(self._file(self._digest(key)))
+        return await asyncio.to_thread(self._file(self._digest(key)).exists)
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "chunks": len(self._index), "path": str(self.root)}
