@@ -93,6 +93,8 @@ def main() -> int:
     parser.add_argument("--core-batch", type=int, default=8)
     parser.add_argument("--policy", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
+    parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the paged gather/scatter kernel benchmark (builds the C++ extension)")
     args = parser.parse_args()
 
     tiers = [t for t in args.tiers.split(",") if t]
@@ -118,6 +120,22 @@ def main() -> int:
         print_rows(policy_rows)
         write_results(out, "policy", policy_rows, {**meta, "seconds": round(time.time() - started, 1)})
 
+    if args.kernels:
+        print("\n== kernels: paged gather/scatter, extension vs pure-torch reference ==")
+        try:
+            from kernels import run_kernels
+
+            kernel_rows = run_kernels(args.repeats)
+        except Exception as exc:  # no compiler, no ninja: say so, keep the rest of the job
+            kernel_rows = [{"section": "cpu", "skipped": f"extension unavailable: {type(exc).__name__}: {exc}"}]
+        for row in kernel_rows:
+            if "skipped" in row:
+                print(f"{row['section']}: skipped: {row['skipped']}")
+            else:
+                print(f"{row['section']:4} {row['op']:34} ours {row['ours_GBps']:6.2f} GB/s  baseline "
+                      f"{row['baseline_GBps']:6.2f} GB/s  ratio {row['ratio']:.2f} (target {row['target']})")
+        write_results(out, "kernels", kernel_rows, meta)
+
     cells = plan(tiers, args.chunk_tokens, args.batches, args.concurrency, args.max_batch_mib)
     started = time.time()
     rows: list[dict[str, Any]] = []
@@ -139,6 +157,7 @@ def main() -> int:
     write_results(out, "matrix", rows, meta)
     plot(rows, out / "matrix.png")
     written = (["core.json", "core.csv"] if args.core else []) + (["policy.json", "policy.csv"] if args.policy else [])
+    written += ["kernels.json", "kernels.csv"] if args.kernels else []
     written += ["matrix.json", "matrix.csv", "matrix.png"]
     print(f"\nresults in {out}/: {', '.join(written)}")
     return 0

@@ -63,3 +63,4 @@ def test_cli_load_marks_each_broken_plugin_and_keeps_listing(dotted_and_dashed: 
     # both claims of the shared name load once pinned, and the built-ins are still listed as fine
     assert rows["dict tierkv-dict"].rstrip().endswith("ok") and rows["dict acme.kv"].rstrip().endswith("ok")
     assert rows["lmdb tierkv"].rstrip().endswith("ok")
+    assert result.returncode == 1, "--load fails when any plugin is broken, so it works as a CI check"

@@ -16,6 +16,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print("no backends installed (entry-point group 'tierkv.backends' is empty)")
         return 1
     width = max(len(name) for name in table)
+    broken = 0
     for name in sorted(table):
         for info in table[name]:
             status = "ok"
@@ -24,8 +25,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
                     registry.load(info.qualified_name if len(table[name]) > 1 else name)
                 except Exception as exc:  # report every broken plugin, keep listing
                     status = f"BROKEN: {exc}"
+                    broken += 1
             print(f"{name:<{width}}  {info.distribution} {info.version}  {info.target}  {status}")
-    return 0
+    return 1 if broken else 0  # usable as a CI check: --load fails when a plugin cannot be imported
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -9,11 +9,10 @@ A KV cache is either one blob tensor — ``vllm``: ``[layers, 2, tokens, heads, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 
-KVCache = Union[torch.Tensor, Sequence[Sequence[torch.Tensor]]]
+KVCache = torch.Tensor | Sequence[Sequence[torch.Tensor]]
 
 _LAYOUT = {
     "vllm": "[num_layers, 2, num_tokens, num_kv_heads, head_size]",
