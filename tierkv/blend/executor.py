@@ -109,9 +109,10 @@ class CacheBlendExecutor(BlendExecutor):
             self.reset()
         self._last_layer = layer_id
         if token_dim == 1:
-            out = self.blend(layer_id, *(None if t is None else t.transpose(0, 1) for t in (retrieved_k, retrieved_v)),
-                             valid_mask, original_positions, fresh_q.transpose(0, 1), fresh_k.transpose(0, 1),
-                             fresh_v.transpose(0, 1), positions, query_start_loc, 0)
+            cached_k = None if retrieved_k is None else retrieved_k.transpose(0, 1)
+            cached_v = None if retrieved_v is None else retrieved_v.transpose(0, 1)
+            out = self.blend(layer_id, cached_k, cached_v, valid_mask, original_positions, fresh_q.transpose(0, 1),
+                             fresh_k.transpose(0, 1), fresh_v.transpose(0, 1), positions, query_start_loc, 0)
             out.q, out.k, out.v = out.q.transpose(0, 1), out.k.transpose(0, 1), out.v.transpose(0, 1)
             return out
         num_fresh = fresh_q.shape[0]
