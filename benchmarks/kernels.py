@@ -114,17 +114,21 @@ def run_kernels(repeats: int = 15) -> list[dict[str, Any]]:
     return [*bench_cpu(repeats), *bench_gpu(repeats)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args(argv)
-    rows = run_kernels(args.repeats)
+def print_kernel_rows(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         if "skipped" in row:
             print(f"{row['section']}: skipped: {row['skipped']}")
         else:
             print(f"{row['section']:4} {row['op']:34} ours {row['ours_GBps']:6.2f} GB/s  baseline "
                   f"{row['baseline_GBps']:6.2f} GB/s  ratio {row['ratio']:.2f} (target {row['target']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    rows = run_kernels(args.repeats)
+    print_kernel_rows(rows)
     print(json.dumps(rows, indent=1))
     return 0
 

@@ -122,18 +122,13 @@ def main() -> int:
 
     if args.kernels:
         print("\n== kernels: paged gather/scatter, extension vs pure-torch reference ==")
-        try:
-            from kernels import run_kernels
+        from kernels import print_kernel_rows, run_kernels
 
+        try:
             kernel_rows = run_kernels(args.repeats)
         except Exception as exc:  # no compiler, no ninja: say so, keep the rest of the job
             kernel_rows = [{"section": "cpu", "skipped": f"extension unavailable: {type(exc).__name__}: {exc}"}]
-        for row in kernel_rows:
-            if "skipped" in row:
-                print(f"{row['section']}: skipped: {row['skipped']}")
-            else:
-                print(f"{row['section']:4} {row['op']:34} ours {row['ours_GBps']:6.2f} GB/s  baseline "
-                      f"{row['baseline_GBps']:6.2f} GB/s  ratio {row['ratio']:.2f} (target {row['target']})")
+        print_kernel_rows(kernel_rows)
         write_results(out, "kernels", kernel_rows, meta)
 
     cells = plan(tiers, args.chunk_tokens, args.batches, args.concurrency, args.max_batch_mib)

@@ -85,8 +85,7 @@ class StorageBackend(abc.ABC):
     # -- batched defaults ---------------------------------------------------------------
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         """Store many chunks; returns how many were stored. Later duplicates win."""
-        if len(keys) != len(chunks):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks)
         for key, chunk in zip(keys, chunks):
             await self.put(key, chunk)
         return len(keys)
@@ -144,6 +143,12 @@ class StorageBackend(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r}, capacity={self.capacity!r})"
 
 
+def check_batch(keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> None:
+    """A batched put needs one chunk per key (a ValueError saying how many of each)."""
+    if len(keys) != len(chunks):
+        raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+
+
 class BlobBackend(StorageBackend):
     """Helper base for byte stores: implement four methods on string keys and bytes.
 
@@ -183,10 +188,14 @@ class BlobBackend(StorageBackend):
         try:
             return serde.decode(data)
         except ChunkFormatError as exc:
-            self.counters["corrupt_chunks"] += 1
-            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
-            await self.delete_bytes(name)
+            await self._drop_corrupt(name, exc)
             return None
+
+    async def _drop_corrupt(self, name: str, exc: ChunkFormatError) -> None:
+        """A value that failed to decode: count it, say why, delete it (it becomes a miss)."""
+        self.counters["corrupt_chunks"] += 1
+        logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+        await self.delete_bytes(name)
 
     async def contains(self, key: CacheKey) -> bool:
         self._ensure_open()

@@ -322,12 +322,7 @@ async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | No
     """The tokens and how many leading tokens need no store (masked out or already cached)."""
     token_array = as_token_array(tokens)
     num_tokens = len(token_array)
-    skip = kvlayout.suffix_mask_skip(mask, num_tokens)
-    if skip % engine.chunk_size:
-        raise ValueError(
-            f"store mask must be aligned to chunks: it skips {skip} tokens, not a multiple of chunk_size "
-            f"{engine.chunk_size}"
-        )
+    skip = kvlayout.store_mask_skip(mask, num_tokens, engine.chunk_size)
     keys = engine.keys_for(token_array)[skip // engine.chunk_size :]
     if keys:
         skip += policy.first_missing(await engine.batched_contains(keys)) * engine.chunk_size

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tierkv import kvlayout, policy, registry
-from tierkv.backend import StorageBackend
+from tierkv.backend import StorageBackend, check_batch
 from tierkv.config import EngineConfig, load_config
 from tierkv.errors import (
     BackendClosedError,
@@ -175,12 +175,7 @@ class AsyncEngine:
         self._ensure_open()
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
-        skip = kvlayout.suffix_mask_skip(mask, num_tokens)
-        if skip % self.chunk_size:
-            raise ValueError(
-                f"store mask must be aligned to chunks: it skips {skip} tokens, not a multiple of chunk_size "
-                f"{self.chunk_size}"
-            )
+        skip = kvlayout.store_mask_skip(mask, num_tokens, self.chunk_size)
         blob = kvlayout.as_blob(kv, self.metadata.fmt)
         dim = kvlayout.token_dim(self.metadata.fmt)
         if blob.shape[dim] != num_tokens - skip:
@@ -291,8 +286,7 @@ class AsyncEngine:
         """
         self._ensure_open()
         await self._start()
-        if len(keys) != len(chunks):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks)
         if not keys:
             return 0
         keys, chunks = list(keys), list(chunks)

@@ -59,6 +59,16 @@ def as_tuple(blob: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...
     return tuple((blob[layer, 0], blob[layer, 1]) for layer in range(blob.shape[0]))
 
 
+def store_mask_skip(mask: torch.Tensor | None, num_tokens: int, chunk_size: int) -> int:
+    """Leading tokens a store's suffix mask leaves out; they must be whole chunks."""
+    skip = suffix_mask_skip(mask, num_tokens)
+    if skip % chunk_size:
+        raise ValueError(
+            f"store mask must be aligned to chunks: it skips {skip} tokens, not a multiple of chunk_size {chunk_size}"
+        )
+    return skip
+
+
 def suffix_mask_skip(mask: torch.Tensor | None, num_tokens: int) -> int:
     """Number of leading tokens a suffix mask leaves out (0 for no mask).
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tierkv import serde
-from tierkv.backend import BlobBackend
+from tierkv.backend import BlobBackend, check_batch
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
 from tierkv.keys import CacheKey
 from tierkv.memory import as_bytes, contiguous_host, empty_host
@@ -118,8 +118,7 @@ class FSBackend(BlobBackend):
     # -- batched paths: one worker-thread hop per batch, one copy per chunk -------------------
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         self._ensure_open()
-        if len(keys) != len(chunks):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks)
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         encoded = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
@@ -140,9 +139,7 @@ class FSBackend(BlobBackend):
         out: list[torch.Tensor | None] = []
         for name, digest, result in zip(names, digests, results):
             if isinstance(result, ChunkFormatError):
-                self.counters["corrupt_chunks"] += 1
-                logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, result)
-                await self.delete_bytes(name)
+                await self._drop_corrupt(name, result)
                 result = None
             elif result is not None:
                 self._index.touch(digest)

@@ -24,7 +24,7 @@ import lmdb
 import torch
 
 from tierkv import serde
-from tierkv.backend import StorageBackend
+from tierkv.backend import StorageBackend, check_batch
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.keys import CacheKey
 from tierkv.memory import as_bytes, contiguous_host
@@ -140,8 +140,7 @@ class LMDBBackend(StorageBackend):
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         self._ensure_open()
-        if len(keys) != len(chunks):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks)
         latest = {encode_key(key): (key, chunk) for key, chunk in zip(keys, chunks)}
         sizes = {}
         for kb, (_, chunk) in latest.items():

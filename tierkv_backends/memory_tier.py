@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tierkv.backend import StorageBackend
+from tierkv.backend import StorageBackend, check_batch
 from tierkv.errors import CapacityError
 from tierkv.keys import CacheKey
 from tierkv.memory import can_pin_memory, copy_into, empty_host, size_class
@@ -159,8 +159,7 @@ class MemoryTier(StorageBackend):
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         self._ensure_open()
-        if len(keys) != len(chunks):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks)
         latest = dict(zip(keys, chunks))  # later duplicates win
         sizes = {key: size_class(chunk.numel() * chunk.element_size()) for key, chunk in latest.items()}
         for size in sizes.values():

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from tierkv import serde
-from tierkv.backend import BlobBackend
+from tierkv.backend import BlobBackend, check_batch
 from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.health import CircuitBreaker
 from tierkv.keys import CacheKey
@@ -435,8 +435,7 @@ class S3Backend(BlobBackend):
         return (await self.batched_get([key]))[0]
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        if len(keys) != len(chunks):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks)
         latest = {key.to_string(): (key, chunk) for key, chunk in zip(keys, chunks)}  # later duplicates win
         for _, chunk in latest.values():
             self._check_fits(chunk.numel() * chunk.element_size())
