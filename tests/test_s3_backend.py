@@ -18,7 +18,8 @@ import pytest
 import torch
 from s3_fixtures import s3_tier_options
 
-from tierkv import Engine, load_config
+from tierkv import CacheKey, Engine, load_config
+from tierkv.backend import StorageBackend
 from tierkv.engine import build_tiers
 from tierkv.errors import ConfigError, TierUnavailableError
 from tierkv.testing import BackendTests, make_chunk, make_key, same_bytes
@@ -45,6 +46,13 @@ class TestS3Conformance(BackendTests):
     def make_backend(self, tmp_path: Path, capacity: int | None = None) -> S3Backend:
         # the prefix follows tmp_path, so reopening for the same test sees the same objects
         return make_s3(self.server, self.bucket, f"conformance/{tmp_path.name}", capacity)
+
+    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
+        assert isinstance(backend, S3Backend)
+        raw = self.server.boto3_client()
+        name = backend._object_key(key.to_string())
+        data = raw.get_object(Bucket=self.bucket, Key=name)["Body"].read()
+        raw.put_object(Bucket=self.bucket, Key=name, Body=data[:-1] + bytes([data[-1] ^ 0xFF]))
 
 
 # -- configuration mistakes fail at start-up, clearly ------------------------------------------

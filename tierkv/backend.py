@@ -9,6 +9,9 @@ Contract, checked by :class:`tierkv.testing.BackendTests`:
 - ``get`` of a missing key is ``None``, never an exception; batched results keep input order.
 - ``put`` copies the chunk: the caller may reuse its tensor as soon as ``put`` returns,
   and a tensor returned by ``get`` is the caller's own (mutating it changes nothing stored).
+- ``batched_get_into`` writes each found chunk into the caller's destination tensor and
+  reports True only for a destination that now holds the whole, verified chunk. A chunk
+  whose shape or dtype differs from its destination is a miss.
 - Any method after ``close()`` raises :class:`~tierkv.errors.BackendClosedError`.
 - A chunk that cannot fit raises :class:`~tierkv.errors.CapacityError` and loses nothing
   stored before; a bounded backend evicts least-recently-used chunks to make room.
@@ -27,6 +30,7 @@ import torch
 from tierkv import serde
 from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError
 from tierkv.keys import CacheKey
+from tierkv.memory import copy_into
 from tierkv.options import Option, format_size, parse_options
 
 logger = logging.getLogger(__name__)
@@ -38,12 +42,16 @@ class StorageBackend(abc.ABC):
     Class attributes describe capabilities so the engine and the conformance suite can
     adapt: ``persistent`` (survives close and reopen), ``bounded`` (evicts to stay within
     ``capacity``), ``requires_capacity`` (YAML must give one), ``options`` (backend-specific
-    YAML keys, validated by :func:`tierkv.options.parse_options`).
+    YAML keys, validated by :func:`tierkv.options.parse_options`),
+    ``streams_into_destination`` (``batched_get_into`` may leave bytes in the destination
+    of a chunk it then reports missing, because it reads before it can verify; the engine
+    then reads into a staging buffer rather than straight into memory the caller owns).
     """
 
     persistent: ClassVar[bool] = False
     bounded: ClassVar[bool] = True
     requires_capacity: ClassVar[bool] = False
+    streams_into_destination: ClassVar[bool] = False
     options: ClassVar[Mapping[str, Option]] = {}
 
     def __init__(self, name: str, capacity: int | None = None) -> None:
@@ -97,6 +105,27 @@ class StorageBackend(abc.ABC):
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         return list(await asyncio.gather(*(self.contains(key) for key in keys)))
 
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read each chunk into ``outs[i]``; True where the destination now holds it.
+
+        The default reads with :meth:`batched_get` and copies, so it costs a second copy;
+        override it to read straight into the destination (one copy) when the medium
+        allows. A miss leaves its destination untouched unless the class declares
+        ``streams_into_destination``; a destination reported True holds the whole chunk.
+        """
+        check_destinations(keys, outs)
+        chunks = await self.batched_get(keys)
+        return [fill_destination(out, chunk) for out, chunk in zip(outs, chunks)]
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """Whether each key is held, answered from memory at once, or None when that needs I/O.
+
+        Called from any thread (a scheduler asking "how much is cached?" must not wait on
+        the engine's event loop): read shared state only, never mutate it. Tiers with an
+        in-memory index override it; the engine falls back to ``batched_contains``.
+        """
+        return None
+
     async def close(self) -> None:
         """Release resources; later calls raise BackendClosedError. Idempotent."""
         self._closed = True
@@ -147,6 +176,28 @@ def check_batch(keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> Non
     """A batched put needs one chunk per key (a ValueError saying how many of each)."""
     if len(keys) != len(chunks):
         raise ValueError(f"batched_put got {len(keys)} keys but {len(chunks)} chunks")
+
+
+def check_destinations(keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> None:
+    """A batched read into destinations needs one tensor per key (a ValueError otherwise)."""
+    if len(keys) != len(outs):
+        raise ValueError(f"batched_get_into got {len(keys)} keys but {len(outs)} destinations")
+    for index, out in enumerate(outs):
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"batched_get_into destination {index}: expected a tensor, got {type(out).__name__}")
+
+
+def fits_destination(out: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether a stored chunk of ``shape``/``dtype`` is the chunk ``out`` is waiting for."""
+    return out.dtype == dtype and tuple(out.shape) == tuple(shape)
+
+
+def fill_destination(out: torch.Tensor, chunk: torch.Tensor | None) -> bool:
+    """Copy ``chunk`` into ``out`` when it fits; whether it did."""
+    if chunk is None or not fits_destination(out, chunk.shape, chunk.dtype):
+        return False
+    copy_into(out, chunk)
+    return True
 
 
 class BlobBackend(StorageBackend):

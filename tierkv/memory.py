@@ -16,6 +16,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from tierkv import copies
+
 logger = logging.getLogger(__name__)
 
 @functools.cache
@@ -160,7 +162,11 @@ def _wide_view(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for tensors of equal shape and dtype, at memcpy speed where possible."""
+    """``dst.copy_(src)`` for tensors of equal shape and dtype, at memcpy speed where possible.
+
+    Counted as one copy of ``dst``'s bytes on the current copy path (:mod:`tierkv.copies`).
+    """
+    copies.count(dst.numel() * dst.element_size())
     if dst.dtype == src.dtype and dst.shape == src.shape and src.dim() > 0:
         wide_dst, wide_src = _wide_view(dst), _wide_view(src)
         if wide_dst is not None and wide_src is not None:
@@ -177,6 +183,67 @@ def as_bytes(tensor: torch.Tensor) -> np.ndarray:
     if flat.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return flat.view(torch.uint8).numpy()
+
+
+def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
+    """The bytes of a CPU tensor as memoryviews of its contiguous runs, in element order.
+
+    A token slice of a KV blob is not contiguous, but each (layer, K/V) piece of it is:
+    file reads and writes, checksums and copies can then work on those pieces directly
+    (``preadv`` / ``writev`` into / out of the caller's memory) instead of gathering them
+    into a temporary first. Raises ValueError for a tensor whose innermost dimension is
+    strided (no runs to speak of).
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"byte_runs needs a CPU tensor, got one on {tensor.device}")
+    if tensor.numel() == 0:
+        return []
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
+        raise ValueError(f"byte_runs needs a unit innermost stride, got strides {tuple(tensor.stride())}")
+    array = tensor.detach().view(torch.uint8).numpy()
+    dense_from = array.ndim
+    expected = array.itemsize
+    while dense_from > 0 and (array.shape[dense_from - 1] == 1 or array.strides[dense_from - 1] == expected):
+        expected *= array.shape[dense_from - 1]
+        dense_from -= 1
+    if dense_from == 0:
+        return [memoryview(array).cast("B")]
+    return [memoryview(array[index]).cast("B") for index in np.ndindex(*array.shape[:dense_from])]
+
+
+def scatter_bytes(source: memoryview, runs: list[memoryview]) -> None:
+    """Copy contiguous ``source`` bytes, in order, into ``runs`` (of equal total size); counted."""
+    total = sum(run.nbytes for run in runs)
+    if total != source.nbytes:
+        raise ValueError(f"scatter_bytes: {source.nbytes} source bytes for {total} destination bytes")
+    copies.count(total)
+    offset = 0
+    for run in runs:
+        run[:] = source[offset : offset + run.nbytes]
+        offset += run.nbytes
+
+
+def gather_bytes(runs: list[memoryview], target: memoryview) -> None:
+    """Copy ``runs`` one after another into the contiguous ``target`` (of equal total size); counted."""
+    total = sum(run.nbytes for run in runs)
+    if total != target.nbytes:
+        raise ValueError(f"gather_bytes: {total} source bytes for {target.nbytes} destination bytes")
+    copies.count(total)
+    offset = 0
+    for run in runs:
+        target[offset : offset + run.nbytes] = run
+        offset += run.nbytes
+
+
+def direct_target(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Where a byte-level reader should put a chunk meant for ``out``: ``out`` itself when it
+    is host memory whose bytes come in contiguous runs, else a pooled host temporary (the
+    second value is True; copy it into ``out`` once the chunk has been verified)."""
+    if out.device.type == "cpu" and (out.dim() == 0 or out.stride(-1) == 1 or out.shape[-1] == 1):
+        return out, False
+    return empty_host(tuple(out.shape), out.dtype), True
 
 
 def contiguous_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 import xxhash
 
+from tierkv import copies
 from tierkv.errors import ChunkFormatError
-from tierkv.memory import as_bytes, contiguous_host, empty_host
+from tierkv.memory import as_bytes, byte_runs, contiguous_host, empty_host, gather_bytes, scatter_bytes
 
 MAGIC = b"TKVC"
 VERSION = 1
@@ -74,8 +75,32 @@ def checksum(data: np.ndarray | memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]  # ndarray is a buffer
 
 
-def encode_header(tensor: torch.Tensor, kv_format: str | None = None, payload: np.ndarray | None = None) -> bytes:
-    """Header for ``tensor``; pass ``payload`` (its bytes) when already at hand."""
+def checksum_runs(runs: list[memoryview]) -> int:
+    """XXH3-64 of the concatenation of ``runs`` (equal to :func:`checksum` of the joined bytes)."""
+    if len(runs) == 1:
+        return checksum(runs[0])
+    state = xxhash.xxh3_64()
+    for run in runs:
+        state.update(run)
+    return state.intdigest()
+
+
+def payload_runs(tensor: torch.Tensor) -> list[memoryview]:
+    """The chunk's bytes in element order, without gathering a token slice into a temporary
+    when its pieces are contiguous (host tensors); a pooled contiguous copy otherwise."""
+    if tensor.device.type == "cpu" and (tensor.dim() == 0 or tensor.stride(-1) == 1):
+        return byte_runs(tensor)
+    return [memoryview(as_bytes(contiguous_host(tensor.detach())))]
+
+
+def contiguous_payload(tensor: torch.Tensor) -> np.ndarray:
+    """The chunk's bytes as one contiguous host array (a pooled, counted copy when it is not
+    already one), for stores that take a single buffer."""
+    return as_bytes(contiguous_host(tensor.detach()))
+
+
+def check_encodable(tensor: torch.Tensor, kv_format: str | None = None) -> None:
+    """Raise ValueError, saying what is supported, for a chunk this format cannot store."""
     if tensor.dtype not in _DTYPE_CODES:
         raise ValueError(
             f"cannot store dtype {tensor.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
@@ -84,8 +109,21 @@ def encode_header(tensor: torch.Tensor, kv_format: str | None = None, payload: n
         raise ValueError(f"kv_format must be one of {[f for f in _FORMAT_CODES if f]}, got {kv_format!r}")
     if tensor.dim() > _MAX_NDIM:
         raise ValueError(f"chunks have at most {_MAX_NDIM} dimensions, got {tensor.dim()}")
+
+
+def encode_header(tensor: torch.Tensor, kv_format: str | None = None,
+                  payload: np.ndarray | list[memoryview] | None = None, digest: int | None = None) -> bytes:
+    """Header for ``tensor``; pass ``payload`` (its bytes, or their runs) when already at hand,
+    and its ``digest`` when already computed."""
+    check_encodable(tensor, kv_format)
     if payload is None:
-        payload = as_bytes(contiguous_host(tensor))
+        payload = payload_runs(tensor)
+    if isinstance(payload, list):
+        nbytes = sum(run.nbytes for run in payload)
+        digest = checksum_runs(payload) if digest is None else digest
+    else:
+        nbytes = payload.nbytes
+        digest = checksum(payload) if digest is None else digest
     header_len = _FIXED.size + 8 * tensor.dim()
     fixed = _FIXED.pack(
         MAGIC,
@@ -95,16 +133,21 @@ def encode_header(tensor: torch.Tensor, kv_format: str | None = None, payload: n
         _FORMAT_CODES[kv_format],
         tensor.dim(),
         _CHECKSUM_XXH3_64,
-        payload.nbytes,
-        checksum(payload),
+        nbytes,
+        digest,
     )
     return fixed + struct.pack(f"<{tensor.dim()}Q", *tensor.shape)
 
 
-def encode(tensor: torch.Tensor, kv_format: str | None = None) -> bytes:
-    """Header and payload as one buffer, for stores that take a single value."""
-    payload = as_bytes(contiguous_host(tensor))
-    return encode_header(tensor, kv_format, payload) + payload.tobytes()
+def encode(tensor: torch.Tensor, kv_format: str | None = None) -> bytearray:
+    """Header and payload as one buffer, for stores that take a single value (one copy)."""
+    runs = payload_runs(tensor)
+    header = encode_header(tensor, kv_format, runs)
+    data = bytearray(len(header) + sum(run.nbytes for run in runs))
+    view = memoryview(data)
+    view[: len(header)] = header
+    gather_bytes(runs, view[len(header) :])
+    return data
 
 
 def decode_header(data: bytes | memoryview) -> ChunkHeader:
@@ -131,12 +174,33 @@ def decode_header(data: bytes | memoryview) -> ChunkHeader:
     return ChunkHeader(dtype, tuple(shape), _CODE_FORMATS[fmt_code], payload_len, digest, header_len)
 
 
-def verify_payload(header: ChunkHeader, payload: np.ndarray) -> None:
-    """Raise ChunkFormatError unless ``payload`` (read in place) matches ``header``."""
-    if payload.nbytes != header.payload_len:
-        raise ChunkFormatError(f"truncated chunk: payload has {payload.nbytes} bytes, header says {header.payload_len}")
-    if checksum(payload) != header.checksum:
+def verify_payload(header: ChunkHeader, payload: np.ndarray | memoryview | list[memoryview]) -> None:
+    """Raise ChunkFormatError unless ``payload`` (read in place, or as runs) matches ``header``."""
+    runs = payload if isinstance(payload, list) else [memoryview(payload).cast("B")]
+    nbytes = sum(run.nbytes for run in runs)
+    if nbytes != header.payload_len:
+        raise ChunkFormatError(f"truncated chunk: payload has {nbytes} bytes, header says {header.payload_len}")
+    if checksum_runs(runs) != header.checksum:
         raise ChunkFormatError("chunk checksum mismatch: the stored bytes were altered or torn")
+
+
+def fits(header: ChunkHeader, out: torch.Tensor) -> bool:
+    """Whether the chunk ``header`` describes is the one destination ``out`` is waiting for."""
+    return out.dtype == header.dtype and tuple(out.shape) == header.shape
+
+
+def copy_payload_into(header: ChunkHeader, payload: bytes | memoryview | np.ndarray, out: torch.Tensor) -> bool:
+    """Verify ``payload`` in place, then copy it once into the host tensor ``out``.
+
+    False (``out`` untouched) when the chunk is not the one ``out`` waits for (another shape
+    or dtype); raises ChunkFormatError, ``out`` untouched, for a damaged payload.
+    """
+    if not fits(header, out):
+        return False
+    raw = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) else memoryview(payload.reshape(-1))
+    verify_payload(header, [raw])
+    scatter_bytes(raw, byte_runs(out))
+    return True
 
 
 def decode_payload(
@@ -149,6 +213,7 @@ def decode_payload(
     verify_payload(header, raw)
     out = allocate(header.shape, header.dtype)
     if raw.nbytes:
+        copies.count(raw.nbytes)
         as_bytes(out)[:] = raw
     return out
 

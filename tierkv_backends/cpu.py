@@ -1,8 +1,9 @@
 """``cpu`` tier: chunks in host memory (pinned when CUDA is present), bounded, with LRU
 (or S3-FIFO) eviction.
 
-Chunks are copied into recycled slabs rather than fresh allocations: allocating large
-host buffers (pinned ones especially) costs far more than the copy itself.
+Chunks are copied into slabs of a pool allocated and touched once at start-up
+(``preallocate: true``, the default): allocating large host buffers, pinned ones
+especially, costs far more than the copy itself, so no put or get allocates.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from tierkv.options import Option
-from tierkv_backends.memory_tier import EVICTION_OPTION, MemoryTier, pinned_default
+from tierkv_backends.memory_tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier, pinned_default
 
 
 class CPUBackend(MemoryTier):
@@ -21,8 +22,9 @@ class CPUBackend(MemoryTier):
     options: ClassVar[dict[str, Option]] = {
         "pinned": Option("bool", None, doc="pin host memory (default: when CUDA is available)"),
         "eviction": EVICTION_OPTION,
+        "preallocate": PREALLOCATE_OPTION,
     }
 
     def __init__(self, name: str, capacity: int | None = None, pinned: bool | None = None,
-                 eviction: str = "lru") -> None:
-        super().__init__(name, capacity, torch.device("cpu"), pinned_default(pinned, name), eviction)
+                 eviction: str = "lru", preallocate: bool = True) -> None:
+        super().__init__(name, capacity, torch.device("cpu"), pinned_default(pinned, name), eviction, preallocate)

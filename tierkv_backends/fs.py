@@ -1,9 +1,18 @@
-"""``fs`` tier: one file per chunk in a sharded directory (local or shared filesystem).
+r"""``fs`` tier: one file per chunk in a sharded directory (local or shared filesystem).
 
 A chunk is written to a temporary name in its final directory and renamed into place,
 so a crash or a concurrent reader never sees a half-written chunk. With a capacity,
 least-recently-used files (by this process's accesses; by modification time after a
 restart) are deleted to make room.
+
+Bytes move once: a put ``writev``\ s the header and the chunk's contiguous pieces
+straight from the caller's tensor (a token slice of a KV blob is not gathered first);
+``batched_get_into`` ``preadv``\ s straight into the destination's pieces and verifies the
+checksum after, so a damaged file can leave bytes in a destination it reports missing
+(``streams_into_destination``). Which chunks exist is answered from an in-memory index
+filled by a scan at start-up and by this process's writes (and, with
+``rescan_interval_s``, refreshed from the directory for writers in other processes), so
+a lookup never touches the filesystem.
 """
 
 from __future__ import annotations
@@ -13,19 +22,19 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
-from tierkv import serde
-from tierkv.backend import BlobBackend, check_batch
+from tierkv import copies, serde
+from tierkv.backend import BlobBackend, check_batch, check_destinations
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
-from tierkv.keys import CacheKey
-from tierkv.memory import as_bytes, contiguous_host, empty_host
+from tierkv.keys import KV_FORMATS, CacheKey
+from tierkv.memory import as_bytes, byte_runs, copy_into, direct_target, empty_host
 from tierkv.options import Option, format_size
 from tierkv.policy import LRUIndex
 from tierkv_backends.lmdb import ensure_writable_dir
@@ -34,33 +43,43 @@ logger = logging.getLogger(__name__)
 
 _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
+_IOV_MAX = 1024
 
 
-def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes, np.ndarray]:
-    """Header bytes and a zero-copy view of the payload, written with one writev."""
-    payload = as_bytes(contiguous_host(chunk.detach()))
-    return serde.encode_header(chunk, key.fmt if key.fmt in ("vllm", "huggingface") else None, payload), payload
+def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes, list[memoryview]]:
+    """Header bytes and zero-copy views of the payload's pieces, written with one writev."""
+    runs = serde.payload_runs(chunk)
+    return serde.encode_header(chunk, key.fmt if key.fmt in KV_FORMATS else None, runs), runs
+
+
+def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
+    """``pending`` without its first ``done`` bytes."""
+    index = 0
+    while index < len(pending) and done >= pending[index].nbytes:
+        done -= pending[index].nbytes
+        index += 1
+    rest = pending[index:]
+    if rest and done:
+        rest[0] = rest[0][done:]
+    return rest
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
     pending = [b.cast("B") for b in buffers if b.nbytes]
     while pending:
-        written = os.writev(fd, pending)
-        while pending and written >= pending[0].nbytes:
-            written -= pending[0].nbytes
-            pending.pop(0)
-        if pending and written:
-            pending[0] = pending[0][written:]
+        pending = _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
 
 
-def _read_all(fd: int, into: memoryview, offset: int) -> int:
-    """Read until ``into`` is full or the file ends; the number of bytes read."""
+def _read_all(fd: int, into: list[memoryview], offset: int) -> int:
+    """Read into the buffers until they are full or the file ends; the number of bytes read."""
+    pending = [b for b in into if b.nbytes]
     got = 0
-    while got < into.nbytes:
-        n = os.preadv(fd, [into[got:]], offset + got)
+    while pending:
+        n = os.preadv(fd, pending[:_IOV_MAX], offset + got)
         if n == 0:
             break
         got += n
+        pending = _advance(pending, n)
     return got
 
 
@@ -69,16 +88,24 @@ class FSBackend(BlobBackend):
 
     persistent: ClassVar[bool] = True
     bounded: ClassVar[bool] = True
+    streams_into_destination: ClassVar[bool] = True
     options: ClassVar[dict[str, Option]] = {
         "path": Option("path", required=True, doc="root directory of the chunk files"),
         "fsync": Option("bool", False, doc="fsync each file before renaming it into place"),
+        "rescan_interval_s": Option("float", None, minimum=0.0,
+                                    doc="refresh the index from the directory this often (other writers "
+                                        "sharing the directory); default: only at start-up"),
     }
 
-    def __init__(self, name: str, capacity: int | None = None, path: str = "", fsync: bool = False) -> None:
+    def __init__(self, name: str, capacity: int | None = None, path: str = "", fsync: bool = False,
+                 rescan_interval_s: float | None = None) -> None:
         super().__init__(name, capacity)
         ensure_writable_dir(path, f"tier {name!r} path")
         self.root = Path(path)
         self.fsync = fsync
+        self.rescan_interval_s = rescan_interval_s
+        self._scanned_at = time.monotonic()
+        self._rescan: asyncio.Task[None] | None = None
         probe = self.root / f".probe-{uuid.uuid4().hex}"
         try:
             probe.write_bytes(b"")
@@ -90,14 +117,44 @@ class FSBackend(BlobBackend):
         self._scan()
 
     def _scan(self) -> None:
+        for _, digest, size in sorted(self._list_files(known=set())):
+            self._index.add(digest, size)
+
+    def _list_files(self, known: set[str]) -> list[tuple[float, str, int]]:
+        """(mtime, digest, size) of every chunk file; ``known`` digests are listed without a stat."""
         found = []
         for dirpath, _, files in os.walk(self.root):
             for file in files:
-                if file.endswith(_SUFFIX):
+                if not file.endswith(_SUFFIX):
+                    continue
+                digest = file[: -len(_SUFFIX)]
+                if digest in known:
+                    found.append((0.0, digest, -1))
+                    continue
+                try:
                     stat = os.stat(os.path.join(dirpath, file))
-                    found.append((stat.st_mtime, file[: -len(_SUFFIX)], stat.st_size))
-        for _, digest, size in sorted(found):
-            self._index.add(digest, size)
+                except FileNotFoundError:  # deleted by another process meanwhile
+                    continue
+                found.append((stat.st_mtime, digest, stat.st_size))
+        return found
+
+    def _maybe_rescan(self) -> None:
+        """Refresh the index in the background when ``rescan_interval_s`` has passed."""
+        if self.rescan_interval_s is None or (self._rescan is not None and not self._rescan.done()):
+            return
+        if time.monotonic() - self._scanned_at < self.rescan_interval_s:
+            return
+        self._scanned_at = time.monotonic()
+        self._rescan = asyncio.get_running_loop().create_task(self._refresh_index())
+
+    async def _refresh_index(self) -> None:
+        listed = await asyncio.to_thread(self._list_files, set(self._index.keys()))
+        present = {digest for _, digest, _ in listed}
+        for digest in [d for d in self._index.keys() if d not in present and not self._index.is_pinned(d)]:
+            self._index.remove(digest)  # deleted by another process
+        for _, digest, size in sorted(listed):
+            if size >= 0 and digest not in self._index:
+                self._index.add(digest, size)
 
     @property
     def used_bytes(self) -> int:
@@ -122,13 +179,14 @@ class FSBackend(BlobBackend):
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         encoded = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
-        for header, payload in encoded.values():
-            self._check_fits(len(header) + payload.nbytes)
+        sizes = {digest: len(header) + sum(run.nbytes for run in runs) for digest, (header, runs) in encoded.items()}
+        for size in sizes.values():
+            self._check_fits(size)
         async with self._write_lock():
-            await self._make_room({d: len(h) + p.nbytes for d, (h, p) in encoded.items()})
+            await self._make_room(sizes)
             await self._in_threads(list(encoded.items()), self._write_files)
-            for digest, (header, payload) in encoded.items():
-                self._index.add(digest, len(header) + payload.nbytes)
+            for digest, size in sizes.items():
+                self._index.add(digest, size)
         return len(keys)
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
@@ -136,20 +194,41 @@ class FSBackend(BlobBackend):
         names = [key.to_string() for key in keys]
         digests = [self._digest(name) for name in names]
         results = await self._in_threads(digests, self._read_files)
-        out: list[torch.Tensor | None] = []
+        return await self._settle(names, digests, results)
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """``preadv`` straight into each destination's pieces, checksum verified after."""
+        self._ensure_open()
+        check_destinations(keys, outs)
+        names = [key.to_string() for key in keys]
+        digests = [self._digest(name) for name in names]
+        results = await self._in_threads(list(zip(digests, outs)), self._read_files_into)
+        settled = await self._settle(names, digests, results)
+        return [hit is True for hit in settled]
+
+    async def _settle(self, names: list[str], digests: list[str], results: list[Any]) -> list[Any]:
+        """Corrupt files become misses (deleted, counted); hits are marked as recently used."""
+        settled = []
         for name, digest, result in zip(names, digests, results):
             if isinstance(result, ChunkFormatError):
+                self._index.remove(digest)
                 await self._drop_corrupt(name, result)
                 result = None
-            elif result is not None:
+            elif result is not None and result is not False:
                 self._index.touch(digest)
-            out.append(result)
-        return out
+            settled.append(result)
+        return settled
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         self._ensure_open()
-        paths = [self._file(self._digest(key.to_string())) for key in keys]
-        return await asyncio.to_thread(lambda: [path.exists() for path in paths])
+        self._maybe_rescan()
+        return [self._digest(key.to_string()) in self._index for key in keys]
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        if self._closed:
+            return None
+        index = self._index
+        return [self._digest(key.to_string()) in index for key in keys]
 
     async def _in_threads(self, items: list[Any], work: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """Run ``work`` over ``items`` in worker threads: one slice per thread, in order."""
@@ -161,15 +240,16 @@ class FSBackend(BlobBackend):
         done = await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))
         return [result for part in done for result in part]
 
-    def _write_files(self, items: list[tuple[str, tuple[bytes, np.ndarray]]]) -> list[None]:
-        for digest, (header, payload) in items:
+    def _write_files(self, items: list[tuple[str, tuple[bytes, list[memoryview]]]]) -> list[None]:
+        for digest, (header, runs) in items:
             final = self._file(digest)
             final.parent.mkdir(parents=True, exist_ok=True)
             temporary = final.parent / f".{digest}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
             try:
                 fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    _write_all(fd, [memoryview(header), memoryview(payload)])
+                    _write_all(fd, [memoryview(header), *runs])
+                    copies.count(sum(run.nbytes for run in runs))
                     if self.fsync:
                         os.fsync(fd)
                 finally:
@@ -197,17 +277,59 @@ class FSBackend(BlobBackend):
             except ChunkFormatError as exc:
                 return exc
             out = empty_host(header.shape, header.dtype)
-            payload = as_bytes(out)
-            got = _read_all(fd, memoryview(payload), header.header_len)
-            try:
-                serde.verify_payload(header, payload[:got])
-                if os.fstat(fd).st_size != header.header_len + header.payload_len:
-                    raise ChunkFormatError("chunk file is longer than its header says")
-            except ChunkFormatError as exc:
-                return exc
-            return out
+            problem = self._read_payload(fd, header, [memoryview(as_bytes(out))])
+            return out if problem is None else problem
         finally:
             os.close(fd)
+
+    def _read_files_into(self, items: list[tuple[str, torch.Tensor]]) -> list[bool | ChunkFormatError]:
+        fds = []
+        for digest, _ in items:  # open and hint the whole slice first: the disk sees every read at once
+            try:
+                fd = os.open(self._file(digest), os.O_RDONLY)
+            except FileNotFoundError:
+                fds.append(None)
+                continue
+            if len(items) > 1:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            fds.append(fd)
+        try:
+            return [False if fd is None else self._read_file_into(fd, out) for fd, (_, out) in zip(fds, items)]
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+
+    def _read_file_into(self, fd: int, out: torch.Tensor) -> bool | ChunkFormatError:
+        """Read one chunk file into ``out`` (one copy); False when it holds another layout."""
+        try:
+            header = serde.decode_header(os.pread(fd, serde.MAX_HEADER_BYTES, 0))
+        except ChunkFormatError as exc:
+            return exc
+        if not serde.fits(header, out):
+            return False
+        target, staged = direct_target(out)
+        problem = self._read_payload(fd, header, byte_runs(target))
+        if problem is not None:
+            return problem
+        if staged:
+            copy_into(out, target)
+        return True
+
+    @staticmethod
+    def _read_payload(fd: int, header: serde.ChunkHeader, runs: list[memoryview]) -> ChunkFormatError | None:
+        """Read the payload into ``runs`` and verify it; the problem, if any."""
+        try:
+            if os.fstat(fd).st_size != header.header_len + header.payload_len:
+                raise ChunkFormatError("chunk file size differs from what its header says (torn or appended)")
+            got = _read_all(fd, runs, header.header_len)
+            copies.count(got)
+            if got != header.payload_len:
+                raise ChunkFormatError(f"truncated chunk file: read {got} payload bytes, header says {header.payload_len}")
+            serde.verify_payload(header, runs)
+        except ChunkFormatError as exc:
+            return exc
+        return None
 
     async def _make_room(self, sizes: dict[str, int]) -> None:
         if self.capacity is None:
@@ -223,6 +345,7 @@ class FSBackend(BlobBackend):
 
     # -- single-key byte interface (BlobBackend) -----------------------------------------------
     async def get_bytes(self, key: str) -> bytes | None:
+        self._maybe_rescan()
         digest = self._digest(key)
         try:
             data = await asyncio.to_thread(self._file(digest).read_bytes)
@@ -236,7 +359,7 @@ class FSBackend(BlobBackend):
         self._check_fits(len(data))
         async with self._write_lock():
             await self._make_room({digest: len(data)})
-            await asyncio.to_thread(self._write_files, [(digest, (data, np.empty(0, dtype=np.uint8)))])
+            await asyncio.to_thread(self._write_files, [(digest, (data, []))])
             self._index.add(digest, len(data))
 
     def _unlink_sync(self, digest: str) -> bool:

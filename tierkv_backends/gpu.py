@@ -18,10 +18,11 @@ from typing import ClassVar
 
 import torch
 
+from tierkv import copies
 from tierkv.errors import ConfigError
 from tierkv.memory import copy_into, cuda_available, empty_host
 from tierkv.options import Option
-from tierkv_backends.memory_tier import EVICTION_OPTION, MemoryTier
+from tierkv_backends.memory_tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,11 @@ class GPUBackend(MemoryTier):
     options: ClassVar[dict[str, Option]] = {
         "device": Option(parse_device, "cuda:0", doc="device of the pool: cuda:N, or cpu for tests"),
         "eviction": EVICTION_OPTION,
+        "preallocate": PREALLOCATE_OPTION,
     }
 
-    def __init__(self, name: str, capacity: int | None = None, device: str = "cuda:0", eviction: str = "lru") -> None:
+    def __init__(self, name: str, capacity: int | None = None, device: str = "cuda:0", eviction: str = "lru",
+                 preallocate: bool = True) -> None:
         target = torch.device(device)
         if target.type == "cuda":
             if not cuda_available():
@@ -62,7 +65,7 @@ class GPUBackend(MemoryTier):
                                   "(use device: cpu to run the gpu tier's logic without a GPU)")
             if target.index is None:
                 target = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(name, capacity, target, pinned=False, eviction=eviction)
+        super().__init__(name, capacity, target, pinned=False, eviction=eviction, preallocate=preallocate)
         self._stream = torch.cuda.Stream(device=target) if target.type == "cuda" else None
 
     def empty_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -84,6 +87,7 @@ class GPUBackend(MemoryTier):
                         copy_into(pinned, src)
                         staged.append(pinned)
                         src = pinned
+                    copies.count(dst.numel() * dst.element_size())
                     dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)

@@ -13,6 +13,7 @@ transaction of their own and the batch is retried, instead of failing with MapFu
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -23,11 +24,11 @@ from typing import Any, ClassVar
 import lmdb
 import torch
 
-from tierkv import serde
-from tierkv.backend import StorageBackend, check_batch
+from tierkv import copies, serde
+from tierkv.backend import StorageBackend, check_batch, check_destinations
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
-from tierkv.keys import CacheKey
-from tierkv.memory import as_bytes, contiguous_host
+from tierkv.keys import KV_FORMATS, CacheKey
+from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option, format_size
 from tierkv.policy import LRUIndex
 
@@ -36,6 +37,15 @@ logger = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")  # write sequence number in front of each header: LRU order survives restarts
 _MAX_KEY_BYTES = 500  # LMDB's default key limit is 511 bytes
 _MAP_HEADROOM = 64 << 20
+_checksum_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _checksum_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread that checksums payloads while the writing thread copies them into LMDB."""
+    global _checksum_executor
+    if _checksum_executor is None:
+        _checksum_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-lmdb-checksum")
+    return _checksum_executor
 
 
 def encode_key(key: CacheKey) -> bytes:
@@ -184,19 +194,26 @@ class LMDBBackend(StorageBackend):
 
     def _write(self, victims: list[bytes], records: list[tuple[bytes, str, torch.Tensor]], first_seq: int
                ) -> list[tuple[bytes, int]]:
-        encoded = []
-        for offset, (kb, fmt, chunk) in enumerate(records):
-            payload = as_bytes(contiguous_host(chunk.detach()))
-            header = serde.encode_header(chunk, fmt if fmt in ("vllm", "huggingface") else None, payload)
-            encoded.append((kb, _SEQ.pack(first_seq + offset) + header, payload))
+        formats = [fmt if fmt in KV_FORMATS else None for _, fmt, _ in records]
+        for (_, _, chunk), fmt in zip(records, formats):
+            serde.check_encodable(chunk, fmt)
+        payloads = [serde.contiguous_payload(chunk) for _, _, chunk in records]  # LMDB takes one buffer per value
+        # checksums overlap the data puts: LMDB copies with the GIL released
+        digests = _checksum_pool().submit(lambda: [serde.checksum(p) for p in payloads])
+        written: list[tuple[bytes, int]] = []
         with self._env.begin(write=True) as txn:
             for victim in victims:
                 txn.delete(victim, db=self._meta)
                 txn.delete(victim, db=self._data)
-            for kb, meta, payload in encoded:
-                txn.put(kb, meta, db=self._meta)
+            for (kb, _, _), payload in zip(records, payloads):
                 txn.put(kb, payload, db=self._data)
-        return [(kb, len(meta) - _SEQ.size + payload.nbytes) for kb, meta, payload in encoded]
+                copies.count(payload.nbytes)
+            for offset, ((kb, _, chunk), fmt, payload, digest) in enumerate(
+                    zip(records, formats, payloads, digests.result())):
+                header = serde.encode_header(chunk, fmt, payload, digest)
+                txn.put(kb, _SEQ.pack(first_seq + offset) + header, db=self._meta)
+                written.append((kb, len(header) + payload.nbytes))
+        return written
 
     async def delete(self, key: CacheKey) -> bool:
         self._ensure_open()
@@ -222,8 +239,21 @@ class LMDBBackend(StorageBackend):
         self._ensure_open()
         kbs = [encode_key(key) for key in keys]
         results, corrupt = await self._in_thread(self._read, kbs)
-        for kb, chunk in zip(kbs, results):
-            if chunk is not None:
+        await self._after_read(kbs, [chunk is not None for chunk in results], corrupt)
+        return results
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Verified in the map, then copied once from the map into each destination."""
+        self._ensure_open()
+        check_destinations(keys, outs)
+        kbs = [encode_key(key) for key in keys]
+        hits, corrupt = await self._in_thread(self._read_into, kbs, list(outs))
+        await self._after_read(kbs, hits, corrupt)
+        return hits
+
+    async def _after_read(self, kbs: list[bytes], hits: list[bool], corrupt: list[bytes]) -> None:
+        for kb, hit in zip(kbs, hits):
+            if hit:
                 self._index.touch(kb)
         if corrupt:
             self.counters["corrupt_chunks"] += len(corrupt)
@@ -232,7 +262,28 @@ class LMDBBackend(StorageBackend):
                 await self._in_thread(self._delete, corrupt)
                 for kb in corrupt:
                     self._index.remove(kb)
-        return results
+
+    def _read_into(self, kbs: list[bytes], outs: list[torch.Tensor]) -> tuple[list[bool], list[bytes]]:
+        hits: list[bool] = []
+        corrupt: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for kb, out in zip(kbs, outs):
+                meta = txn.get(kb, db=self._meta)
+                payload = txn.get(kb, db=self._data)
+                if meta is None or payload is None:
+                    hits.append(False)
+                    continue
+                target, staged = direct_target(out)
+                try:
+                    header = serde.decode_header(meta[_SEQ.size:])
+                    hit = serde.copy_payload_into(header, payload, target)
+                except ChunkFormatError:
+                    corrupt.append(kb)
+                    hit = False
+                if hit and staged:
+                    copy_into(out, target)
+                hits.append(hit)
+        return hits, corrupt
 
     def _read(self, kbs: list[bytes]) -> tuple[list[torch.Tensor | None], list[bytes]]:
         results: list[torch.Tensor | None] = []
@@ -254,6 +305,21 @@ class LMDBBackend(StorageBackend):
 
     async def contains(self, key: CacheKey) -> bool:
         return (await self.batched_contains([key]))[0]
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """This process's index first; keys it does not know are looked up in a read
+        transaction (another process sharing the environment may have written them)."""
+        if self._closed:
+            return None
+        kbs = [encode_key(key) for key in keys]
+        found = [kb in self._index for kb in kbs]
+        if all(found):
+            return found
+        try:
+            with self._env.begin(db=self._meta, buffers=True) as txn:
+                return [hit or txn.get(kb) is not None for kb, hit in zip(kbs, found)]
+        except lmdb.Error:
+            return None
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         self._ensure_open()

@@ -1,9 +1,19 @@
 """Shared machinery of the memory tiers (``cpu`` and ``gpu``): slabs on one device,
 bounded by an effective capacity, with a pluggable eviction policy and demotion.
 
+Chunks live in slabs from :mod:`tierkv_backends.slabs` (by default a pool allocated and
+touched once at start-up). Besides the backend contract, a memory tier lets the engine
+move bytes without intermediate copies:
+
+- :meth:`MemoryTier.reserve` sets slabs aside for chunks that a caller then writes in place
+  (a connector gathers a paged cache straight into them) and :meth:`~MemoryTier.commit`\\ s;
+- :meth:`MemoryTier.hold` hands out the bytes of resident chunks, valid until released even
+  if the chunk is evicted or replaced meanwhile (a background fill reads from them; a
+  connector scatters from them).
+
 When a tier must make room it hands its victims to ``demote_sink`` (set by the engine
 in write-back mode, or under memory pressure) before freeing them, so a chunk leaves a
-memory tier only after the tier below holds it. Victims are pinned while they are being
+memory tier only after the tier below holds it. Victims are held while they are being
 demoted, and a chunk being read is never chosen.
 """
 
@@ -11,19 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from tierkv.backend import StorageBackend, check_batch
+from tierkv.backend import StorageBackend, check_batch, check_destinations, fits_destination
 from tierkv.errors import CapacityError
 from tierkv.keys import CacheKey
 from tierkv.memory import can_pin_memory, copy_into, empty_host, size_class
 from tierkv.options import Option, format_size
 from tierkv.policy import EVICTION_POLICIES, make_index
+from tierkv_backends.slabs import LazySlabs, SlabArena
 
 logger = logging.getLogger(__name__)
 
@@ -32,48 +42,17 @@ THREAD_COPY_BYTES = 1 << 20
 _MAX_ROOM_ATTEMPTS = 8
 
 DemoteSink = Callable[[list[CacheKey], list[torch.Tensor]], Awaitable[None]]
+ChunkLayout = tuple[tuple[int, ...], torch.dtype]
 EVICTION_OPTION = Option("str", "lru", choices=EVICTION_POLICIES, doc="eviction policy")
+PREALLOCATE_OPTION = Option("bool", True, doc="allocate and touch the whole capacity at start-up "
+                                              "(false: grow slab by slab on first use)")
 
 
-class SlabAllocator:
-    """Slabs by size class on one device, never more than ``limit`` bytes allocated.
-
-    Released slabs are kept for reuse; idle slabs of other sizes are freed when a new
-    size does not otherwise fit.
-    """
-
-    def __init__(self, limit: int, device: torch.device, pinned: bool) -> None:
-        self.limit = limit
-        self.device = device
-        self.pinned = pinned
-        self.allocated = 0
-        self._idle: dict[int, list[torch.Tensor]] = defaultdict(list)
-
-    def allocate(self, nbytes: int) -> torch.Tensor | None:
-        size = size_class(nbytes)
-        idle = self._idle.get(size)
-        if idle:
-            return idle.pop()
-        for other in list(self._idle):
-            while self._idle[other] and self.allocated + size > self.limit:
-                self.allocated -= self._idle[other].pop().numel()
-        if self.allocated + size > self.limit:
-            return None
-        self.allocated += size
-        return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
-
-    def release(self, slab: torch.Tensor) -> None:
-        self._idle[slab.numel()].append(slab)
-
-    def trim(self) -> None:
-        """Free every idle slab (give memory back now, e.g. under pressure)."""
-        for slabs in self._idle.values():
-            self.allocated -= sum(s.numel() for s in slabs)
-        self._idle.clear()
-
-    def clear(self) -> None:
-        self._idle.clear()
-        self.allocated = 0
+def layout_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -85,10 +64,39 @@ class Resident:
     shape: tuple[int, ...]
     nbytes: int
     readers: int = 0
-    retired: bool = False  # replaced or evicted while in use: free after the last reader
+    retired: bool = False  # replaced or evicted while held: free after the last holder
 
     def view(self) -> torch.Tensor:
         return self.slab[: self.nbytes].view(self.dtype).view(self.shape)
+
+
+class Hold:
+    """The bytes of one resident chunk, kept valid until :meth:`release` (idempotent)."""
+
+    __slots__ = ("_tier", "_resident", "_pinned_key", "chunk")
+
+    def __init__(self, tier: MemoryTier, resident: Resident, pinned_key: CacheKey | None) -> None:
+        self._tier: MemoryTier | None = tier
+        self._resident = resident
+        self._pinned_key = pinned_key
+        self.chunk = resident.view()
+
+    def release(self) -> None:
+        tier, self._tier = self._tier, None
+        if tier is not None:
+            tier._unhold(self._resident, self._pinned_key)
+
+
+@dataclass
+class Reservation:
+    """A slab set aside for ``key``; write ``chunk`` in place, then commit or abort."""
+
+    key: CacheKey
+    resident: Resident
+
+    @property
+    def chunk(self) -> torch.Tensor:
+        return self.resident.view()
 
 
 class MemoryTier(StorageBackend):
@@ -97,7 +105,7 @@ class MemoryTier(StorageBackend):
     requires_capacity: ClassVar[bool] = True
 
     def __init__(self, name: str, capacity: int | None, device: torch.device, pinned: bool,
-                 eviction: str = "lru") -> None:
+                 eviction: str = "lru", preallocate: bool = True) -> None:
         super().__init__(name, capacity)
         assert self.capacity is not None  # requires_capacity guarantees it
         self.device = device
@@ -108,7 +116,13 @@ class MemoryTier(StorageBackend):
         self._resident: dict[CacheKey, Resident] = {}
         self._index = make_index(eviction)
         self._reserved = 0
-        self._slabs = SlabAllocator(self.capacity, device, pinned)
+        self._slabs: SlabArena | LazySlabs
+        if preallocate:
+            self._slabs = SlabArena(self.capacity, device, pinned)
+            logger.info("tier %r: preallocated %s on %s%s in %.2fs", name, format_size(self._slabs.allocated),
+                        device, " (pinned)" if pinned else "", self._slabs.startup_s)
+        else:
+            self._slabs = LazySlabs(self.capacity, device, pinned)
         self.counters.update({"demotions": 0, "demotion_failures": 0})
 
     # -- accounting --------------------------------------------------------------------
@@ -123,17 +137,24 @@ class MemoryTier(StorageBackend):
     def set_capacity_limit(self, limit: int) -> None:
         """Effective capacity (memory pressure), never above the configured one."""
         self.capacity_limit = max(0, min(int(limit), self.capacity or 0))
-        self._slabs.limit = self.capacity or 0
 
     async def shrink_to_limit(self) -> int:
-        """Demote and free chunks until usage is within the effective capacity; returns bytes freed."""
+        """Demote and free chunks until usage is within the effective capacity, and give the
+        memory back; returns the bytes of chunks freed."""
         before = self.used_bytes
         victims = self._index.victims(0, self.capacity_limit)
-        if victims is None:  # pinned readers hold the rest: free what we can
+        if victims is None:  # held readers pin the rest: free what we can
             victims = [k for k in self._index.keys() if not self._index.is_pinned(k)]
         if victims:
             await self._evict(victims, must_free=True)
-        self._slabs.trim()
+        self._slabs.trim(self.capacity_limit)
+        if self._slabs.allocated > self.capacity_limit:  # a pool gives memory back by whole segments
+            segments = self._slabs.segments_to_empty(self.capacity_limit)
+            emptied = [key for key, resident in self._resident.items()
+                       if self._slabs.segment_of(resident.slab) in segments and not self._index.is_pinned(key)]
+            if emptied:
+                await self._evict(emptied, must_free=True)
+            self._slabs.trim(self.capacity_limit)
         return before - self.used_bytes
 
     # -- copies (overridden by devices with their own streams) --------------------------
@@ -153,15 +174,18 @@ class MemoryTier(StorageBackend):
         """The tensor a get hands to the caller (pooled host memory by default)."""
         return empty_host(shape, dtype)
 
-    # -- writes ---------------------------------------------------------------------------
-    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
-        await self.batched_put([key], [chunk])
+    # -- writes in place ------------------------------------------------------------------
+    async def reserve(self, keys: Sequence[CacheKey], layouts: Sequence[ChunkLayout]) -> list[Reservation]:
+        """Set slabs aside for chunks of the given (shape, dtype), making room as a put would.
 
-    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        The caller writes each reservation's ``chunk`` and then calls :meth:`commit` (the
+        chunks become visible) or :meth:`abort`. Later duplicate keys win.
+        """
         self._ensure_open()
-        check_batch(keys, chunks)
-        latest = dict(zip(keys, chunks))  # later duplicates win
-        sizes = {key: size_class(chunk.numel() * chunk.element_size()) for key, chunk in latest.items()}
+        if len(keys) != len(layouts):
+            raise ValueError(f"reserve got {len(keys)} keys but {len(layouts)} layouts")
+        latest = dict(zip(keys, layouts))
+        sizes = {key: size_class(layout_nbytes(*layout)) for key, layout in latest.items()}
         for size in sizes.values():
             self._check_fits(size)
             if size > self.capacity_limit:
@@ -169,25 +193,58 @@ class MemoryTier(StorageBackend):
                                     f"too little for a {format_size(size)} chunk")
         need = sum(sizes.values()) - sum(self._index.size_of(k) or 0 for k in latest)
         await self._make_room(need, protect=latest.keys())
-        placed: list[tuple[CacheKey, Resident, torch.Tensor]] = []
-        for key, chunk in latest.items():
-            slab = self._slabs.allocate(sizes[key])
+        reservations: list[Reservation] = []
+        for key, (shape, dtype) in latest.items():
+            slab = await self._allocate(sizes[key], protect=latest.keys())
             if slab is None:
-                for _, resident, _ in placed:
-                    self._slabs.release(resident.slab)
-                self._reserved -= sum(r.slab.numel() for _, r, _ in placed)
-                raise CapacityError(f"tier {self.name!r}: memory for a {format_size(sizes[key])} chunk is exhausted")
+                self.abort(reservations)
+                raise CapacityError(f"tier {self.name!r}: memory for a {format_size(sizes[key])} chunk is exhausted "
+                                    "(the rest is held by readers or background fills)")
             self._reserved += slab.numel()
-            placed.append((key, Resident(slab, chunk.dtype, tuple(chunk.shape), chunk.numel() * chunk.element_size()),
-                           chunk))
+            reservations.append(Reservation(key, Resident(slab, dtype, tuple(shape), layout_nbytes(shape, dtype))))
+        return reservations
+
+    def commit(self, reservations: Iterable[Reservation]) -> None:
+        """Make reserved chunks resident (replacing older values of their keys)."""
+        for reservation in reservations:
+            self._reserved -= reservation.resident.slab.numel()
+            self._drop(reservation.key)
+            self._resident[reservation.key] = reservation.resident
+            self._index.add(reservation.key, reservation.resident.slab.numel())
+
+    def abort(self, reservations: Iterable[Reservation]) -> None:
+        """Give reserved slabs back unused."""
+        for reservation in reservations:
+            self._reserved -= reservation.resident.slab.numel()
+            self._slabs.release(reservation.resident.slab)
+
+    async def _allocate(self, size: int, protect: Iterable[CacheKey]) -> torch.Tensor | None:
+        """A slab, evicting further least-recently-used chunks while the pool is fragmented
+        or held by readers."""
+        protected = set(protect)
+        while True:
+            slab = self._slabs.allocate(size)
+            if slab is not None:
+                return slab
+            victim = next((k for k in self._index.keys() if k not in protected and not self._index.is_pinned(k)), None)
+            if victim is None:
+                return None
+            await self._evict([victim], must_free=False)
+
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        await self.batched_put([key], [chunk])
+
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        self._ensure_open()
+        check_batch(keys, chunks)
+        latest = dict(zip(keys, chunks))  # later duplicates win
+        reservations = await self.reserve(list(latest), [(tuple(c.shape), c.dtype) for c in latest.values()])
         try:
-            await self.copy_chunks([(resident.view(), chunk.detach()) for _, resident, chunk in placed])
-        finally:
-            self._reserved -= sum(r.slab.numel() for _, r, _ in placed)
-        for key, resident, _ in placed:
-            self._drop(key)
-            self._resident[key] = resident
-            self._index.add(key, resident.slab.numel())
+            await self.copy_chunks([(r.chunk, latest[r.key].detach()) for r in reservations])
+        except BaseException:
+            self.abort(reservations)
+            raise
+        self.commit(reservations)
         return len(keys)
 
     async def _make_room(self, need: int, protect: Any) -> None:
@@ -225,14 +282,15 @@ class MemoryTier(StorageBackend):
                                         f"failed ({exc})") from exc
             finally:
                 for key, resident in residents.items():
-                    self._index.unpin(key)
-                    self._release_reader(resident)
+                    self._unhold(resident, key)
         for key, resident in residents.items():
             if self._resident.get(key) is resident:  # not replaced while it was being demoted
                 self._count_eviction(resident.slab.numel())
                 self._drop(key)
 
-    def _release_reader(self, resident: Resident) -> None:
+    def _unhold(self, resident: Resident, pinned_key: CacheKey | None) -> None:
+        if pinned_key is not None:
+            self._index.unpin(pinned_key)
         resident.readers -= 1
         if resident.retired and not resident.readers:
             self._slabs.release(resident.slab)
@@ -253,32 +311,53 @@ class MemoryTier(StorageBackend):
         return self._drop(key)
 
     # -- reads ---------------------------------------------------------------------------------
+    def hold(self, keys: Sequence[CacheKey], pin: bool = True) -> list[Hold | None]:
+        """The bytes of each resident chunk (None for misses), valid until each hold is released.
+
+        ``pin``: the chunk is not evicted while held (a short read). Without it the chunk may
+        be evicted or replaced meanwhile, and its slab is reused only after the release (a
+        background fill reading from it must not block eviction).
+        """
+        self._ensure_open()
+        holds: list[Hold | None] = []
+        for key in keys:
+            resident = self._resident.get(key)
+            if resident is None:
+                holds.append(None)
+                continue
+            resident.readers += 1
+            self._index.touch(key)
+            if pin:
+                self._index.pin(key)
+            holds.append(Hold(self, resident, key if pin else None))
+        return holds
+
     async def get(self, key: CacheKey) -> torch.Tensor | None:
         return (await self.batched_get([key]))[0]
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        self._ensure_open()
-        found = [self._resident.get(key) for key in keys]
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        results: list[torch.Tensor | None] = []
-        for key, resident in zip(keys, found):
-            if resident is None:
-                results.append(None)
-                continue
-            resident.readers += 1
-            self._index.pin(key)
-            self._index.touch(key)
-            out = self.empty_output(resident.shape, resident.dtype)
-            pairs.append((out, resident.view()))
-            results.append(out)
+        holds = self.hold(keys)
+        outs = [None if h is None else self.empty_output(tuple(h.chunk.shape), h.chunk.dtype) for h in holds]
         try:
-            await self.copy_chunks(pairs)
+            await self.copy_chunks([(out, h.chunk) for out, h in zip(outs, holds) if out is not None and h])
         finally:
-            for key, resident in zip(keys, found):
-                if resident is not None:
-                    self._index.unpin(key)
-                    self._release_reader(resident)
-        return results
+            for hold in holds:
+                if hold is not None:
+                    hold.release()
+        return outs
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """One copy per chunk, slab -> destination, while the chunk is pinned."""
+        check_destinations(keys, outs)
+        holds = self.hold(keys)
+        hits = [h is not None and fits_destination(out, h.chunk.shape, h.chunk.dtype) for h, out in zip(holds, outs)]
+        try:
+            await self.copy_chunks([(out, h.chunk) for out, h, hit in zip(outs, holds, hits) if hit and h])
+        finally:
+            for hold in holds:
+                if hold is not None:
+                    hold.release()
+        return hits
 
     async def contains(self, key: CacheKey) -> bool:
         self._ensure_open()
@@ -287,6 +366,10 @@ class MemoryTier(StorageBackend):
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         self._ensure_open()
         return [key in self._resident for key in keys]
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        resident = self._resident
+        return [key in resident for key in keys]
 
     def resident_keys(self) -> list[CacheKey]:
         """Keys held now, first to be evicted first."""
@@ -301,7 +384,7 @@ class MemoryTier(StorageBackend):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "chunks": len(self._resident), "device": str(self.device), "pinned": self.pinned,
                 "eviction": self.eviction, "configured_capacity_bytes": self.capacity,
-                "allocated_bytes": self._slabs.allocated}
+                "allocated_bytes": self._slabs.allocated, "preallocated": self._slabs.preallocated}
 
 
 def pinned_default(requested: bool | None, tier: str) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import random
 import re
@@ -41,11 +42,11 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from tierkv import serde
-from tierkv.backend import BlobBackend, check_batch
+from tierkv.backend import BlobBackend, check_batch, check_destinations
 from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.health import CircuitBreaker
-from tierkv.keys import CacheKey
-from tierkv.memory import as_bytes, contiguous_host
+from tierkv.keys import KV_FORMATS, CacheKey
+from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option
 
 try:
@@ -341,13 +342,23 @@ class S3Backend(BlobBackend):
         self._count("multipart_puts")
 
     def _encode_and_store(self, name: str, chunk: torch.Tensor, fmt: str, deadline: float) -> None:
-        """Header and payload written once into one buffer (serde.encode would copy the payload twice)."""
-        payload = as_bytes(contiguous_host(chunk.detach()))
-        header = serde.encode_header(chunk, fmt if fmt in ("vllm", "huggingface") else None, payload)
-        data = bytearray(len(header) + payload.nbytes)
-        data[: len(header)] = header
-        memoryview(data)[len(header) :] = memoryview(payload).cast("B")
-        self._store(name, data, deadline)
+        """Header and payload gathered once into the request body."""
+        self._store(name, serde.encode(chunk, fmt if fmt in KV_FORMATS else None), deadline)
+
+    def _load_into(self, name: str, out: torch.Tensor, deadline: float) -> bool | ChunkFormatError:
+        """Fetch an object, verify it in the response buffer, copy it once into ``out``."""
+        data = self._fetch(name, deadline)
+        if data is None:
+            return False
+        target, staged = direct_target(out)
+        try:
+            header = serde.decode_header(data)
+            hit = serde.copy_payload_into(header, memoryview(data)[header.header_len :], target)
+        except ChunkFormatError as exc:
+            return exc
+        if hit and staged:
+            copy_into(out, target)
+        return hit
 
     def _head(self, name: str, deadline: float) -> bool:
         try:
@@ -379,7 +390,8 @@ class S3Backend(BlobBackend):
             return []
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout_s
-        futures = [loop.run_in_executor(self._pool, call, deadline) for call in calls]
+        # each request carries the caller's context (copy accounting follows it into the pool)
+        futures = [loop.run_in_executor(self._pool, contextvars.copy_context().run, call, deadline) for call in calls]
         done, pending = await asyncio.wait(futures, timeout=self.timeout_s)
         for future in pending:
             future.cancel()
@@ -416,20 +428,30 @@ class S3Backend(BlobBackend):
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         names = [key.to_string() for key in keys]
         results = await self._batch("get", [lambda d, n=n: self._load(n, d) for n in names])
-        out: list[torch.Tensor | None] = []
-        corrupt = []
-        for name, result in zip(names, results):
-            if isinstance(result, ChunkFormatError):
-                corrupt.append(name)
-                logger.warning("tier %r: dropping corrupt object %s: %s", self.name, self._object_key(name), result)
-            out.append(result if isinstance(result, torch.Tensor) else None)
-        if corrupt:
-            self.counters["corrupt_chunks"] += len(corrupt)
-            try:
-                await self._batch("delete", [lambda d, n=n: self._remove(n, d) for n in corrupt])
-            except TierUnavailableError as exc:  # the reads stand; the next reader deletes it
-                logger.warning("tier %r: could not delete corrupt object(s): %s", self.name, exc)
-        return out
+        await self._drop_corrupt_objects([n for n, r in zip(names, results) if isinstance(r, ChunkFormatError)],
+                                         [r for r in results if isinstance(r, ChunkFormatError)])
+        return [r if isinstance(r, torch.Tensor) else None for r in results]
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Every object fetched in parallel, verified, and copied once into its destination."""
+        check_destinations(keys, outs)
+        names = [key.to_string() for key in keys]
+        results = await self._batch("get", [lambda d, n=n, o=o: self._load_into(n, o, d) for n, o in zip(names, outs)])
+        await self._drop_corrupt_objects([n for n, r in zip(names, results) if isinstance(r, ChunkFormatError)],
+                                         [r for r in results if isinstance(r, ChunkFormatError)])
+        return [r is True for r in results]
+
+    async def _drop_corrupt_objects(self, names: list[str], problems: list[ChunkFormatError]) -> None:
+        """Count, log and delete objects that failed to decode (they are misses)."""
+        if not names:
+            return
+        for name, problem in zip(names, problems):
+            logger.warning("tier %r: dropping corrupt object %s: %s", self.name, self._object_key(name), problem)
+        self.counters["corrupt_chunks"] += len(names)
+        try:
+            await self._batch("delete", [lambda d, n=n: self._remove(n, d) for n in names])
+        except TierUnavailableError as exc:  # the reads stand; the next reader deletes it
+            logger.warning("tier %r: could not delete corrupt object(s): %s", self.name, exc)
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
         return (await self.batched_get([key]))[0]

@@ -9,6 +9,10 @@ Subclass :class:`BackendTests` in a pytest module and implement :meth:`make_back
 Every test builds its backend inside its own event loop, so backends may create asyncio
 primitives in ``__init__`` or lazily. Tests that need a property a backend does not
 have (persistence, a capacity bound) skip with the reason.
+
+Byte stores can also implement the bypass hook :meth:`BackendTests.corrupt_stored`
+(damage a stored value behind the backend's back), which enables the tests of corrupt
+data; without it those tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class BackendTests:
 
     def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
         """A new backend instance. Persistent backends must reopen the same data for the same tmp_path."""
+        raise NotImplementedError
+
+    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
+        """Flip a byte of the payload stored under ``key``, bypassing ``backend`` (optional hook)."""
         raise NotImplementedError
 
     # -- helpers ---------------------------------------------------------------------------
@@ -170,6 +178,74 @@ class BackendTests:
         async def body(backend: StorageBackend) -> None:
             assert await backend.batched_get([]) == []
             assert await backend.batched_contains([]) == []
+        self.with_backend(tmp_path, body)
+
+    # -- reads into the caller's memory ---------------------------------------------------------
+    def test_get_into_contiguous_and_strided_destinations(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            chunks = [make_chunk(40), make_chunk(41)]
+            await backend.batched_put([make_key(40), make_key(41)], chunks)
+            blob = torch.full((2, 2, 48, 2, 8), -7.0, dtype=torch.bfloat16)
+            outs = [torch.empty_like(chunks[0]), blob.narrow(2, 16, 16)]  # the second as a token slice of a blob
+            assert not outs[1].is_contiguous()
+            assert await backend.batched_get_into([make_key(40), make_key(41)], outs) == [True, True]
+            assert same_bytes(outs[0], chunks[0]) and same_bytes(outs[1], chunks[1])
+            assert bool((blob[:, :, :16] == -7).all()) and bool((blob[:, :, 32:] == -7).all()), \
+                "bytes outside the destination slice changed"
+        self.with_backend(tmp_path, body)
+
+    def test_get_into_misses_leave_destinations_untouched(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            await backend.put(make_key(42), make_chunk(42))
+            absent = torch.full((2, 2, 16, 2, 8), 3.0, dtype=torch.bfloat16)
+            wrong_shape = torch.full((2, 2, 8, 2, 8), 3.0, dtype=torch.bfloat16)
+            wrong_dtype = torch.full((2, 2, 16, 2, 8), 3.0, dtype=torch.float32)
+            hits = await backend.batched_get_into([make_key(404), make_key(42), make_key(42)],
+                                                  [absent, wrong_shape, wrong_dtype])
+            assert hits == [False, False, False], "a chunk of another shape or dtype is not this destination's chunk"
+            for out in (absent, wrong_shape, wrong_dtype):
+                assert bool((out == 3).all())
+            assert same_bytes(await backend.get(make_key(42)), make_chunk(42)), "a mismatched read lost the chunk"
+        self.with_backend(tmp_path, body)
+
+    @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+    def test_get_into_dtypes_bit_exact(self, tmp_path: Path, dtype: torch.dtype) -> None:
+        async def body(backend: StorageBackend) -> None:
+            raw = torch.randint(0, 256, (2, 2, 8, 2, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+            if dtype == torch.bool:
+                raw = raw % 2
+            chunk = raw.view(dtype).view(2, 2, 8, 2, 8 // torch.empty((), dtype=dtype).element_size())
+            await backend.put(make_key(43), chunk)
+            out = torch.empty_like(chunk)
+            assert await backend.batched_get_into([make_key(43)], [out]) == [True]
+            assert same_bytes(out, chunk)
+        self.with_backend(tmp_path, body)
+
+    def test_get_into_length_mismatch(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            with pytest.raises(ValueError, match="destinations"):
+                await backend.batched_get_into([make_key(1), make_key(2)], [torch.empty(1)])
+            assert await backend.batched_get_into([], []) == []
+        self.with_backend(tmp_path, body)
+
+    def test_corrupt_value_is_a_miss_and_is_dropped(self, tmp_path: Path) -> None:
+        async def body(backend: StorageBackend) -> None:
+            chunk = make_chunk(44)
+            await backend.batched_put([make_key(44), make_key(45)], [chunk, make_chunk(45)])
+            try:
+                self.corrupt_stored(backend, make_key(44))
+            except NotImplementedError:
+                pytest.skip(f"{type(self).__name__} has no corrupt_stored hook (memory tiers keep no checksum)")
+            out = torch.full_like(chunk, 5.0)
+            second = torch.empty_like(chunk)
+            hits = await backend.batched_get_into([make_key(44), make_key(45)], [out, second])
+            assert hits == [False, True], "a damaged chunk must be a miss, its neighbour still a hit"
+            assert same_bytes(second, make_chunk(45))
+            if not type(backend).streams_into_destination:
+                assert bool((out == 5).all()), "a verify-first backend wrote a destination it reported missing"
+            assert await backend.get(make_key(44)) is None
+            assert not await backend.contains(make_key(44)), "the corrupt value should have been deleted"
+            assert backend.stats()["corrupt_chunks"] >= 1
         self.with_backend(tmp_path, body)
 
     # -- capacity -----------------------------------------------------------------------------

@@ -6,10 +6,12 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import redis
 from tierkv_redis import RedisBackend
 from tierkv_redis.testing import RedisServer
 
 from tierkv.backend import StorageBackend
+from tierkv.keys import CacheKey
 from tierkv.testing import BackendTests
 
 
@@ -23,6 +25,15 @@ class TestRedisBackend(BackendTests):
         # persistence test reopens the same namespace for the same tmp_path
         prefix = "conformance:" + hashlib.sha1(str(tmp_path).encode()).hexdigest()[:12] + ":"
         return RedisBackend(name="redis", capacity=capacity, url=self.url, key_prefix=prefix)
+
+    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
+        assert isinstance(backend, RedisBackend)
+        client = redis.Redis.from_url(self.url)
+        name = backend.key_prefix + key.to_string()
+        value = client.get(name)
+        assert value is not None
+        client.set(name, value[:-1] + bytes([value[-1] ^ 0xFF]))
+        client.close()
 
 
 class TestRedisBackendWithTTL(TestRedisBackend):

@@ -27,10 +27,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from tierkv import serde
-from tierkv.backend import BlobBackend
+from tierkv.backend import BlobBackend, check_destinations
 from tierkv.errors import CapacityError, ChunkFormatError, TierUnavailableError
-from tierkv.keys import CacheKey
-from tierkv.memory import as_bytes, contiguous_host, empty_host
+from tierkv.keys import KV_FORMATS, CacheKey
+from tierkv.memory import as_bytes, copy_into, direct_target, empty_host, gather_bytes
 from tierkv.options import Option, format_size
 from tierkv_redis.options import REDIS_MAX_VALUE_BYTES, duration, redact_url, redis_url, value_limit
 
@@ -145,13 +145,13 @@ class RedisBackend(BlobBackend):
         more time in first-touch page faults than in the copy. The slab goes back to the
         pool once redis-py has sent it and the last reference is dropped.
         """
-        payload = as_bytes(contiguous_host(chunk))
-        header = serde.encode_header(chunk, key.fmt if key.fmt in ("vllm", "huggingface") else None, payload)
-        total = len(header) + payload.nbytes
+        runs = serde.payload_runs(chunk)  # a token slice's pieces, gathered straight into the value
+        header = serde.encode_header(chunk, key.fmt if key.fmt in KV_FORMATS else None, runs)
+        total = len(header) + sum(run.nbytes for run in runs)
         self._check_value_size(total)
         buffer = as_bytes(empty_host((total,), torch.uint8))
         buffer[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        buffer[len(header) :] = payload
+        gather_bytes(runs, buffer.data[len(header) :])
         return buffer.data
 
     def _check_value_size(self, nbytes: int) -> None:
@@ -219,6 +219,39 @@ class RedisBackend(BlobBackend):
         if corrupt:
             await self._call("DEL", client.delete(*corrupt))
         return out
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """One round trip per group; each reply verified in place and copied once into its destination."""
+        check_destinations(keys, outs)
+        client = self._client()
+        names = [self._redis_key(key) for key in keys]
+        hits: list[bool] = []
+        corrupt: list[str] = []
+        for start in range(0, len(names), _GET_BATCH_KEYS):
+            group = names[start : start + _GET_BATCH_KEYS]
+            values = await self._fetch(client, group)
+            hits.extend(self._decode_into(name, data, out, corrupt)
+                        for name, data, out in zip(group, values, outs[start : start + _GET_BATCH_KEYS]))
+        if corrupt:
+            await self._call("DEL", client.delete(*corrupt))
+        return hits
+
+    def _decode_into(self, name: str, data: bytes | None, out: torch.Tensor, corrupt: list[str]) -> bool:
+        if data is None:
+            return False
+        self.counters["bytes_read"] += len(data)
+        target, staged = direct_target(out)
+        try:
+            header = serde.decode_header(data)
+            hit = serde.copy_payload_into(header, memoryview(data)[header.header_len :], target)
+        except ChunkFormatError as exc:
+            self.counters["corrupt_chunks"] += 1
+            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+            corrupt.append(name)
+            return False
+        if hit and staged:
+            copy_into(out, target)
+        return hit
 
     async def _fetch(self, client: Redis, names: list[str]) -> list[bytes | None]:
         # replies are bytes: the client is built without decode_responses
