@@ -22,8 +22,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -170,6 +170,31 @@ class StorageBackend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, capacity={self.capacity!r})"
+
+
+class ChunkHold(Protocol):
+    """The bytes of one stored chunk, valid until :meth:`release` (see :class:`InPlaceTier`)."""
+
+    chunk: torch.Tensor
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class InPlaceTier(Protocol):
+    """A tier whose chunks live in memory that may be written and read in place (the memory
+    tiers): the engine fills lower tiers from the copy such a tier holds, and connectors
+    gather into, and scatter out of, its slabs, so no byte is copied twice."""
+
+    async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]) -> int:
+        """Store chunks of the given (shape, dtype) by letting ``write`` fill their memory in place."""
+        ...
+
+    def hold(self, keys: Sequence[CacheKey], pin: bool = True) -> Sequence[ChunkHold | None]:
+        """The bytes of each stored chunk (None for misses), valid until released; ``pin``
+        keeps the chunk from eviction meanwhile."""
+        ...
 
 
 def check_batch(keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> None:

@@ -13,15 +13,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
-from tierkv import kvlayout, policy, registry
-from tierkv.backend import StorageBackend, check_batch
+from tierkv import copies, kvlayout, policy, registry, transfer
+from tierkv.backend import InPlaceTier, StorageBackend, check_batch, fits_destination
 from tierkv.config import EngineConfig, load_config
 from tierkv.errors import (
     BackendClosedError,
@@ -134,6 +134,10 @@ class AsyncEngine:
         self._probes = dict(probes or {})
         self._pressure: dict[str, TierPressure] = {}
         self._nvml_state = nvml_status()
+        self._in_place = [isinstance(tier, InPlaceTier) for tier in self.tiers]
+        self._copies = copies.CopyCounter()
+        # (blob shape with 0 tokens, dtype) of the chunks seen last: sizes retrieve outputs, checks `out`
+        self._layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self._hit_tokens = 0
         self._miss_tokens = 0
         self._last_lookup: dict[str, Any] | None = None
@@ -170,62 +174,127 @@ class AsyncEngine:
         With a suffix ``mask``, ``kv`` holds only the masked tokens and the number of
         unmasked (skipped) tokens must be a multiple of the chunk size. With
         ``skip_existing``, chunks already cached at the start of the prompt are not
-        written again.
+        written again. Each byte is copied once, from ``kv`` into the first tier that
+        takes it; lower tiers are filled from that copy.
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
         skip = kvlayout.store_mask_skip(mask, num_tokens, self.chunk_size)
-        blob = kvlayout.as_blob(kv, self.metadata.fmt)
-        dim = kvlayout.token_dim(self.metadata.fmt)
-        if blob.shape[dim] != num_tokens - skip:
+        source = transfer.source_for(kv, self.metadata.fmt, skip)
+        if source.num_tokens != num_tokens - skip:
+            dim = kvlayout.token_dim(self.metadata.fmt)
             raise ValueError(
-                f"KV holds {blob.shape[dim]} tokens (dim {dim} of {self.metadata.fmt} shape {tuple(blob.shape)}) but "
-                f"{num_tokens - skip} tokens are to be stored ({num_tokens} tokens, {skip} masked out)"
+                f"KV holds {source.num_tokens} tokens (dim {dim} of the {self.metadata.fmt} layout "
+                f"{kvlayout.layout_text(self.metadata.fmt)}) but {num_tokens - skip} tokens are to be stored "
+                f"({num_tokens} tokens, {skip} masked out)"
             )
-        if self.config.dtype is not None and blob.dtype != self.config.dtype:
-            raise ValueError(f"KV dtype {blob.dtype} does not match the configured dtype {self.config.dtype}")
+        if self.config.dtype is not None and source.dtype != self.config.dtype:
+            raise ValueError(f"KV dtype {source.dtype} does not match the configured dtype {self.config.dtype}")
         keys = self.keys_for(token_array)[skip // self.chunk_size :]
-        chunks = [blob.narrow(dim, start, min(self.chunk_size, blob.shape[dim] - start))
-                  for start in range(0, blob.shape[dim], self.chunk_size)]
+        ranges = transfer.chunk_ranges(skip, num_tokens, self.chunk_size)
         if skip_existing and keys:
             first = policy.first_missing(await self.batched_contains(keys))
-            keys, chunks = keys[first:], chunks[first:]
+            keys, ranges = keys[first:], ranges[first:]
         if not keys:
             return 0
-        return await self.batched_put(keys, chunks)
+        return await self.store_from(keys, source, ranges)
+
+    async def store_from(self, keys: Sequence[CacheKey], source: transfer.ChunkSource,
+                         ranges: Sequence[tuple[int, int]]) -> int:
+        """Store the chunks ``source`` gives for token ``ranges`` under ``keys``; chunks written.
+
+        The first tier that admits the batch gets one copy of each byte, straight from the
+        source (a memory tier lets the source write into its slabs in place); the tiers
+        below are filled from that copy. Connectors call this with a paged-cache source.
+        """
+        self._ensure_open()
+        await self._start()
+        keys, ranges = list(keys), list(ranges)
+        layouts = [(source.chunk_shape(end - start), source.dtype) for start, end in ranges]
+        self._layout = (kvlayout.with_tokens(layouts[0][0], self.metadata.fmt, 0), source.dtype)
+        with copies.on_path(self._copies, "store"):
+            self._copies.add_delivered("store", sum(_nbytes(shape, dtype) for shape, dtype in layouts))
+            errors: list[BaseException] = []
+            for level in range(len(self.tiers)):
+                if not self._admits(level):
+                    continue
+                chunks: list[torch.Tensor] = []
+                owned: list[bool] = []
+                try:
+                    if self._in_place[level]:
+                        stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges))
+                    else:
+                        views = [source.view(start, end) for start, end in ranges]
+                        owned = [view is None for view in views]
+                        chunks = [view if view is not None else await _gathered(source, shape, rng)
+                                  for view, (shape, _), rng in zip(views, layouts, ranges)]
+                        stored = await self._tier_put(level, keys, chunks)
+                except Exception as exc:
+                    errors.append(exc)
+                    continue
+                await self._queue_fill(level, keys, chunks, owned)
+                return stored
+        if errors:
+            raise errors[0]
+        raise TierUnavailableError("no tier is available to take the chunks (all unhealthy or under pressure)")
 
     async def retrieve(
         self,
         tokens: torch.Tensor | Sequence[int],
         mask: torch.Tensor | None = None,
         return_tuple: bool = True,
+        out: KVCache | None = None,
     ) -> tuple[Any, torch.Tensor]:
         """The cached KV of the longest cached prefix of ``tokens`` and a mask of the tokens it covers.
 
         With a suffix ``mask``, only the masked tokens are returned. When nothing is
         cached the KV is an empty tuple (as in the seed engine, whatever ``return_tuple``).
+
+        ``out`` (a blob in the engine's ``kv_format`` holding the masked tokens, or per-layer
+        (K, V) pairs) receives the KV straight from the tiers, and the KV returned is a view
+        of it; without ``out`` the KV is allocated once and filled straight from the tiers.
+        Tokens of ``out`` past the returned mask are not meant to be read: they keep their
+        old bytes, except where a chunk after a damaged or vanished one was read (then they
+        hold that chunk's correct KV).
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
         skip = kvlayout.suffix_mask_skip(mask, num_tokens)
+        fmt = self.metadata.fmt
+        sink = None
+        if out is not None:
+            sink = transfer.sink_for(out, fmt, skip, num_tokens - skip, self._layout, self.config.dtype)
+            if not return_tuple and isinstance(sink, transfer.TupleSink):
+                raise ValueError("out is per-layer tensors that do not form one blob: pass return_tuple=True")
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         keys = self.keys_for(token_array)[skip // self.chunk_size :]
         await self._await_inflight(keys)
-        present = await self.batched_contains(keys)
-        keys = keys[: policy.first_missing(present)]
-        chunks = await self._get_tiered(keys) if keys else []
-        found = [c for c in chunks[: policy.first_missing([c is not None for c in chunks])] if c is not None]
-        usable = self._consistent_prefix(found)
-        if not usable:
-            self._miss_tokens += num_tokens - skip
+        levels = await self.locate_keys(keys)
+        keys = keys[: policy.first_missing([level is not None for level in levels])]
+        ranges = transfer.chunk_ranges(skip - skip % self.chunk_size, num_tokens, self.chunk_size)[: len(keys)]
+        hits = 0
+        if keys:
+            with copies.on_path(self._copies, "retrieve"):
+                if sink is None:
+                    sink, preloaded = await self._fresh_sink(keys, ranges, skip, num_tokens)
+                else:
+                    preloaded = None
+                if sink is not None:
+                    hits = await self._read_chunks(keys, levels, ranges, sink, out is not None, preloaded)
+        retrieved = min(ranges[hits - 1][1], num_tokens) - skip if hits else 0
+        self._miss_tokens += num_tokens - skip - retrieved
+        if not retrieved or sink is None:
             return (), ret_mask
-        blob = await self._assemble(usable, skip % self.chunk_size)
-        retrieved = blob.shape[kvlayout.token_dim(self.metadata.fmt)]
         ret_mask[skip : skip + retrieved] = True
         self._hit_tokens += retrieved
-        self._miss_tokens += num_tokens - skip - retrieved
+        if isinstance(sink, transfer.TupleSink):
+            kv: Any = sink.narrowed(retrieved)
+            self._copies.add_delivered("retrieve", retrieved * _nbytes(sink.chunk_shape(1), sink.dtype))
+            return kv, ret_mask
+        blob = sink.blob.narrow(kvlayout.token_dim(fmt), 0, retrieved)
+        self._copies.add_delivered("retrieve", blob.numel() * blob.element_size())
         return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
 
     async def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
@@ -235,15 +304,50 @@ class AsyncEngine:
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
-        levels = await self.locate_keys(self.keys_for(token_array))
+        return self._record_lookup(len(token_array), await self.locate_keys(self.keys_for(token_array)))
+
+    def lookup_nowait(self, tokens: torch.Tensor | Sequence[int]) -> int | None:
+        """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
+        None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
+        self._ensure_open()
+        token_array = as_token_array(tokens)
+        levels = self._locate_nowait(self.keys_for(token_array))
+        return None if levels is None else self._record_lookup(len(token_array), levels)
+
+    def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> int:
         hit_chunks = policy.first_missing([level is not None for level in levels])
-        cached = min(hit_chunks * self.chunk_size, len(token_array))
+        cached = min(hit_chunks * self.chunk_size, num_tokens)
         per_tier = {tier.name: 0 for tier in self.tiers}
         for level in levels[:hit_chunks]:
             if level is not None and level >= 0:
                 per_tier[self.tiers[level].name] += 1
-        self._last_lookup = {"tokens": len(token_array), "cached_tokens": cached, "chunks_per_tier": per_tier}
+        self._last_lookup = {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier}
         return cached
+
+    def _locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
+        """:meth:`locate_keys` from in-memory indexes only (reads shared state, changes nothing)."""
+        found: list[int | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        now = time.monotonic()
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            if not self._health[tier.name].available(now):
+                continue
+            flags = tier.batched_contains_nowait([keys[i] for i in missing] if len(missing) < len(keys) else keys)
+            if flags is None:
+                return None
+            still = []
+            for index, flag in zip(missing, flags):
+                if flag:
+                    found[index] = level
+                else:
+                    still.append(index)
+            missing = still
+        for index in missing:
+            if self._fill.pending(keys[index]) is not None:
+                found[index] = -1
+        return found
 
     async def locate(self, tokens: torch.Tensor | Sequence[int]) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
@@ -290,19 +394,19 @@ class AsyncEngine:
         if not keys:
             return 0
         keys, chunks = list(keys), list(chunks)
-        errors: list[BaseException] = []
-        for level in range(len(self.tiers)):
-            if not self._admits(level):
-                continue
-            try:
-                stored = await self._tier_put(level, keys, chunks)
-            except Exception as exc:
-                errors.append(exc)
-                continue
-            below = list(range(level + 1, len(self.tiers)))
-            if self.write_policy == "write_through" and below:
-                await self._queue_fill(keys, chunks, below)
-            return stored
+        with copies.on_path(self._copies, "store"):
+            self._copies.add_delivered("store", sum(c.numel() * c.element_size() for c in chunks))
+            errors: list[BaseException] = []
+            for level in range(len(self.tiers)):
+                if not self._admits(level):
+                    continue
+                try:
+                    stored = await self._tier_put(level, keys, chunks)
+                except Exception as exc:
+                    errors.append(exc)
+                    continue
+                await self._queue_fill(level, keys, chunks, [False] * len(chunks))
+                return stored
         if errors:
             raise errors[0]
         raise TierUnavailableError("no tier is available to take the chunks (all unhealthy or under pressure)")
@@ -400,6 +504,7 @@ class AsyncEngine:
             "pressure": {"nvml": self._nvml_state,
                          **{name: p.describe() for name, p in self._pressure.items()}},
             "last_lookup": self._last_lookup,
+            "copies": self._copies.snapshot(),
             "tiers": tiers,
         }
 
@@ -474,12 +579,22 @@ class AsyncEngine:
         self._health[tier.name].record_failure(time.monotonic(), f"{operation}: {type(exc).__name__}: {exc}")
         logger.warning("tier %r: %s failed: %s: %s", tier.name, operation, type(exc).__name__, exc)
 
-    async def _tier_put(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> int:
+    async def _tier_put(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor] | None = None, *,
+                        layouts: list[tuple[tuple[int, ...], torch.dtype]] | None = None,
+                        write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]] | None = None) -> int:
+        """Put ``chunks`` into tier ``level`` (or, for an in-place tier, let ``write`` fill
+        chunks of ``layouts`` in its memory), with timeout, metrics and health."""
         tier = self.tiers[level]
         metrics = self._metrics[tier.name]
         started = time.perf_counter()
         try:
-            stored = await self._timed(tier.batched_put(keys, chunks))
+            if write is not None and layouts is not None:
+                stored = await self._timed(tier.put_with(keys, layouts, write))  # type: ignore[attr-defined]
+                nbytes = sum(_nbytes(shape, dtype) for shape, dtype in layouts)
+            else:
+                assert chunks is not None  # one of the two forms is always given
+                stored = await self._timed(tier.batched_put(keys, chunks))
+                nbytes = sum(c.numel() * c.element_size() for c in chunks)
         except CapacityError as exc:  # the tier is fine, the chunk just does not fit
             metrics.add("errors")
             logger.info("tier %r: %s", tier.name, exc)
@@ -490,8 +605,26 @@ class AsyncEngine:
         metrics.put_latency.observe(time.perf_counter() - started)
         self._health[tier.name].record_success()
         metrics.add("puts", stored)
-        metrics.add("bytes_in", sum(c.numel() * c.element_size() for c in chunks))
+        metrics.add("bytes_in", nbytes)
         return stored
+
+    async def _tier_get_into(self, level: int, keys: list[CacheKey], outs: list[torch.Tensor]) -> list[bool]:
+        """``batched_get_into`` on tier ``level`` with timeout, metrics and health; errors are misses."""
+        tier = self.tiers[level]
+        metrics = self._metrics[tier.name]
+        started = time.perf_counter()
+        try:
+            got = await self._timed(tier.batched_get_into(keys, outs))
+        except Exception as exc:
+            self._tier_failed(level, "get", exc)
+            return [False] * len(keys)
+        metrics.get_latency.observe(time.perf_counter() - started)
+        self._health[tier.name].record_success()
+        hits = sum(got)
+        metrics.add("hits", hits)
+        metrics.add("misses", len(got) - hits)
+        metrics.add("bytes_out", sum(out.numel() * out.element_size() for out, hit in zip(outs, got) if hit))
+        return list(got)
 
     async def _tier_get(self, level: int, keys: list[CacheKey]) -> list[torch.Tensor | None]:
         tier = self.tiers[level]
@@ -555,14 +688,15 @@ class AsyncEngine:
         return results
 
     async def _promote_hits(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
-        for target in policy.promotion_targets(level):
-            if not self._promote[target] or not self._admits(target):
-                continue
-            try:
-                await self._tier_put(target, keys, chunks)
-            except Exception:
-                continue  # counted by _tier_put; the hit is still served
-            self._metrics[self.tiers[target].name].add("promotions", len(keys))
+        with copies.on_path(self._copies, "promote"):
+            for target in policy.promotion_targets(level):
+                if not self._promote[target] or not self._admits(target):
+                    continue
+                try:
+                    await self._tier_put(target, keys, chunks)
+                except Exception:
+                    continue  # counted by _tier_put; the hit is still served
+                self._metrics[self.tiers[target].name].add("promotions", len(keys))
 
     async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
         """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them.
@@ -589,16 +723,35 @@ class AsyncEngine:
         raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} demoted chunk(s)")
 
     # -- background fills ---------------------------------------------------------------------
-    async def _queue_fill(self, keys: list[CacheKey], chunks: list[torch.Tensor], levels: list[int]) -> None:
-        snapshot = [empty_host(tuple(c.shape), c.dtype) for c in chunks]
-        pairs = list(zip(snapshot, chunks))
-        if sum(c.numel() * c.element_size() for c in chunks) > _OFFLOAD_COPY_BYTES:
-            await asyncio.to_thread(_copy_pairs, pairs)
+    async def _queue_fill(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], owned: list[bool]) -> None:
+        """Write-through: queue copies of what tier ``level`` just took for the tiers below.
+
+        From a memory tier the fill reads the tier's own copy (held, so it stays valid even
+        if the tier evicts the chunk before the fill runs); otherwise chunks that are views
+        of the caller's memory are snapshotted first, since the caller may reuse it.
+        """
+        below = list(range(level + 1, len(self.tiers)))
+        if self.write_policy != "write_through" or not below:
+            return
+        release = None
+        if self._in_place[level]:
+            held = [(key, h) for key, h in zip(keys, self.tiers[level].hold(keys, pin=False))  # type: ignore[attr-defined]
+                    if h is not None]  # a key can only be missing if the batch repeated it
+            keys = [key for key, _ in held]
+            holds = [h for _, h in held]
+            chunks = [h.chunk for h in holds]
+
+            def release() -> None:
+                for hold in holds:
+                    hold.release()
         else:
-            _copy_pairs(pairs)
-        if not await self._fill.put(FillJob(keys, snapshot, levels)):
-            for level in levels:
-                self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
+            pairs = [(empty_host(tuple(c.shape), c.dtype), c) for c, mine in zip(chunks, owned) if not mine]
+            await _copy_pairs_off_loop(pairs)
+            fresh = iter(dst for dst, _ in pairs)
+            chunks = [c if mine else next(fresh) for c, mine in zip(chunks, owned)]
+        if not await self._fill.put(FillJob(keys, chunks, below, release)):
+            for target in below:
+                self._metrics[self.tiers[target].name].add("dropped_fills", len(keys))
 
     async def _run_fills(self) -> None:
         while True:
@@ -621,44 +774,112 @@ class AsyncEngine:
         except Exception:
             self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
 
-    # -- output assembly ------------------------------------------------------------------
-    def _consistent_prefix(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Chunks up to the first one whose layout disagrees with the first (a foreign value)."""
-        if not chunks:
-            return chunks
-        dim = kvlayout.token_dim(self.metadata.fmt)
-        ref = chunks[0]
-        for index, chunk in enumerate(chunks):
-            same = chunk.dim() == 5 and chunk.dtype == ref.dtype and all(
-                chunk.shape[d] == ref.shape[d] for d in range(5) if d != dim
-            )
-            if not same or chunk.shape[dim] > self.chunk_size:
-                logger.warning("chunk %d has layout %s %s, expected %s %s; stopping the prefix there",
-                               index, tuple(chunk.shape), chunk.dtype, tuple(ref.shape), ref.dtype)
-                return chunks[:index]
-        return chunks
+    # -- reading a prompt's chunks into a sink --------------------------------------------
+    async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int, num_tokens: int
+                          ) -> tuple[transfer.BlobSink | None, torch.Tensor | None]:
+        """The output of a retrieve without ``out``: allocated once, for the cached tokens.
 
-    async def _assemble(self, chunks: list[torch.Tensor], drop_first: int) -> torch.Tensor:
-        dim = kvlayout.token_dim(self.metadata.fmt)
-        pieces = [chunks[0].narrow(dim, drop_first, chunks[0].shape[dim] - drop_first), *chunks[1:]]
-        shape = list(chunks[0].shape)
-        shape[dim] = sum(p.shape[dim] for p in pieces)
-        out = empty_host(tuple(shape), chunks[0].dtype)
-        pairs = []
-        offset = 0
-        for piece in pieces:
-            pairs.append((out.narrow(dim, offset, piece.shape[dim]), piece))
-            offset += piece.shape[dim]
-        if out.numel() * out.element_size() > _OFFLOAD_COPY_BYTES:
-            await asyncio.to_thread(_copy_pairs, pairs)
-        else:
-            _copy_pairs(pairs)
-        return out
+        Its layout is that of the chunks seen last; when none was seen yet (a fresh process
+        over a persistent tier) the first chunk is read on its own to learn it.
+        """
+        preloaded = None
+        if self._layout is None:
+            preloaded = (await self._get_tiered(keys[:1]))[0]
+            if preloaded is None:
+                return None, None
+            self._layout = (kvlayout.with_tokens(tuple(preloaded.shape), self.metadata.fmt, 0), preloaded.dtype)
+        shape = kvlayout.with_tokens(self._layout[0], self.metadata.fmt, ranges[-1][1] - skip)
+        return transfer.BlobSink(empty_host(shape, self._layout[1]), self.metadata.fmt, skip), preloaded
+
+    async def _read_chunks(self, keys: list[CacheKey], levels: list[int | None], ranges: list[tuple[int, int]],
+                           sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None) -> int:
+        """Read each chunk into ``sink`` from the highest tier holding it; the number of
+        leading chunks delivered.
+
+        A chunk goes straight into the sink's destination (one copy) unless the sink has
+        none for it (an unaligned first chunk, per-layer tensors) or the tier streams before
+        it verifies and the destination is the caller's: then it is read into a pooled
+        chunk buffer and copied once verified. Hits below the top tier are promoted.
+        """
+        done = [False] * len(keys)
+        staged: dict[int, torch.Tensor] = {}
+        if preloaded is not None:
+            staged[0], done[0] = preloaded, True
+        for index in range(len(keys)):
+            if levels[index] == -1 and not done[index]:  # acknowledged, not yet written below
+                chunk = self._fill.pending(keys[index])
+                start, end = ranges[index]
+                if chunk is not None and fits_destination(chunk, sink.chunk_shape(end - start), sink.dtype):
+                    sink.read_from(chunk, start, end)  # now: the fill may release those bytes at the next await
+                    done[index] = True
+        pending = [i for i in range(len(keys)) if not done[i]]
+        for level in range(len(self.tiers)):
+            asked = [i for i in pending if levels[i] is not None and levels[i] <= level]  # type: ignore[operator]
+            if not asked or not self._available(level):
+                continue
+            streams = caller_owned and self.tiers[level].streams_into_destination
+            targets = []
+            for index in asked:
+                start, end = ranges[index]
+                target = None if streams else sink.destination(start, end)
+                if target is None:
+                    target = staged.get(index)
+                    if target is None:
+                        target = staged[index] = empty_host(sink.chunk_shape(end - start), sink.dtype)
+                targets.append(target)
+            got = await self._tier_get_into(level, [keys[i] for i in asked], targets)
+            for index, hit in zip(asked, got):
+                done[index] = done[index] or hit
+            if level > 0 and any(got):
+                await self._promote_hits(level, [keys[i] for i, hit in zip(asked, got) if hit],
+                                         [t for t, hit in zip(targets, got) if hit])
+            pending = [i for i in pending if not done[i]]
+            if not pending:
+                break
+        delivered = policy.first_missing(done)
+        late = [(staged[i], ranges[i]) for i in sorted(staged) if i < delivered]
+        if late:
+            await _off_loop(lambda: [sink.read_from(chunk, *rng) for chunk, rng in late],
+                            sum(chunk.numel() * chunk.element_size() for chunk, _ in late))
+        return delivered
 
 
-def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in pairs:
-        copy_into(dst, src)
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+async def _off_loop(work: Callable[[], Any], nbytes: int) -> None:
+    """Run a copy off the event loop when it is large, so other requests keep moving."""
+    if nbytes > _OFFLOAD_COPY_BYTES:
+        await asyncio.to_thread(work)
+    else:
+        work()
+
+
+async def _copy_pairs_off_loop(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    await _off_loop(lambda: [copy_into(dst, src) for dst, src in pairs],
+                    sum(dst.numel() * dst.element_size() for dst, _ in pairs))
+
+
+def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tuple[int, int]]
+            ) -> Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]:
+    """Fills a memory tier's reserved chunks from ``source`` (one copy each)."""
+    where = dict(zip(keys, ranges))
+
+    async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+        await _off_loop(lambda: [source.write_into(view, *where[key]) for key, view in views.items()],
+                        sum(view.numel() * view.element_size() for view in views.values()))
+    return write
+
+
+async def _gathered(source: transfer.ChunkSource, shape: tuple[int, ...], rng: tuple[int, int]) -> torch.Tensor:
+    """A pooled chunk buffer filled from ``source`` (for sources with no zero-copy view)."""
+    chunk = empty_host(shape, source.dtype)
+    await _off_loop(lambda: source.write_into(chunk, *rng), chunk.numel() * chunk.element_size())
+    return chunk
 
 
 class TierPressure:
@@ -778,11 +999,14 @@ class Engine:
         return self._run(self._core.store(tokens, kv, mask, skip_existing))
 
     def retrieve(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
-                 return_tuple: bool = True) -> tuple[Any, torch.Tensor]:
-        return self._run(self._core.retrieve(tokens, mask, return_tuple))
+                 return_tuple: bool = True, out: KVCache | None = None) -> tuple[Any, torch.Tensor]:
+        return self._run(self._core.retrieve(tokens, mask, return_tuple, out))
 
     def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
-        return self._run(self._core.lookup(tokens))
+        """Answered on the calling thread from the tiers' in-memory indexes when they all have
+        one (no hop to the engine's loop: a scheduler asks this for every request)."""
+        cached = self._core.lookup_nowait(tokens)
+        return cached if cached is not None else self._run(self._core.lookup(tokens))
 
     def prefetch(self, tokens: torch.Tensor | Sequence[int]) -> None:
         self._run(self._core.prefetch(tokens))

@@ -1,8 +1,9 @@
 """The bounded queue of background fills (write-through copies to lower tiers).
 
-A put is acknowledged once the top tier holds it; its copies to the lower tiers wait
-here as private snapshots, so the caller may reuse its buffers at once and the queue's
-memory is bounded. When the queue is full a put either waits for room (back-pressure)
+A put is acknowledged once the first tier that admits it holds it; its copies to the
+lower tiers wait here, reading either that tier's own copy (held until the fill is done,
+so a memory tier may evict the chunk meanwhile) or a private snapshot, so the caller may
+reuse its buffers at once and the queue's memory is bounded. When the queue is full a put either waits for room (back-pressure)
 or its fill is dropped and counted, as configured. Chunks waiting here are still served
 by reads, so an acknowledged chunk never goes missing between tiers.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,11 +22,13 @@ from tierkv.keys import CacheKey
 
 @dataclass
 class FillJob:
-    """Chunks to write to the tiers at ``levels``."""
+    """Chunks to write to the tiers at ``levels``; ``release`` is called once they are no
+    longer needed (written, given up or dropped)."""
 
     keys: list[CacheKey]
     chunks: list[torch.Tensor]
     levels: list[int]
+    release: Callable[[], None] | None = None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +68,8 @@ class FillQueue:
                 if self.when_full == "drop":
                     self.dropped_chunks += len(job.keys)
                     self.dropped_bytes += job.nbytes
+                    if job.release is not None:
+                        job.release()
                     return False
                 await self._changed.wait_for(has_room)
             self._jobs.append(job)
@@ -94,6 +100,8 @@ class FillQueue:
                 for key, chunk in zip(job.keys, job.chunks):
                     if self._pending.get(key) is chunk:
                         del self._pending[key]
+                if job.release is not None:
+                    job.release()
             self._active -= 1
             self._changed.notify_all()
 

@@ -26,12 +26,56 @@ def token_dim(fmt: str) -> int:
     return 2 if fmt == "vllm" else 3
 
 
+def layout_text(fmt: str) -> str:
+    """The blob layout of ``fmt``, for error messages."""
+    return _LAYOUT[fmt]
+
+
+def with_tokens(shape: tuple[int, ...], fmt: str, num_tokens: int) -> tuple[int, ...]:
+    """``shape`` of a blob with its token dimension set to ``num_tokens``."""
+    dim = token_dim(fmt)
+    return (*shape[:dim], num_tokens, *shape[dim + 1 :])
+
+
 def as_blob(kv: KVCache, fmt: str) -> torch.Tensor:
-    """The KV cache as one 5-D blob (stacking a tuple of per-layer pairs once)."""
+    """The KV cache as one 5-D blob (a view of per-layer pairs that share one buffer, else
+    stacking them once)."""
     if isinstance(kv, torch.Tensor):
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise ValueError(f"a {fmt} KV blob must be {_LAYOUT[fmt]}, got shape {tuple(kv.shape)}")
         return kv
+    check_layers(kv, fmt)
+    view = blob_view(kv)
+    return view if view is not None else torch.stack([torch.stack(tuple(layer)) for layer in kv])
+
+
+def blob_view(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
+    """The per-layer (K, V) tensors as one 5-D blob *view* when they live in one buffer at
+    regular offsets (e.g. the pairs of :func:`as_tuple`), else None (no copy either way)."""
+    first = layers[0][0]
+    storage = first.untyped_storage().data_ptr()
+    offsets = []
+    for pair in layers:
+        for tensor in pair:
+            if (tensor.untyped_storage().data_ptr() != storage or tensor.stride() != first.stride()
+                    or tensor.device != first.device):
+                return None
+            offsets.append(tensor.storage_offset())
+    base = offsets[0]
+    kv_stride = offsets[1] - base
+    layer_stride = offsets[2] - base if len(layers) > 1 else 0
+    if kv_stride < 0 or layer_stride < 0:
+        return None
+    for index in range(len(layers)):
+        for kv in range(2):
+            if offsets[2 * index + kv] != base + index * layer_stride + kv * kv_stride:
+                return None
+    return first.as_strided((len(layers), 2, *first.shape), (layer_stride, kv_stride, *first.stride()), base)
+
+
+def check_layers(kv: KVCache, fmt: str) -> None:
+    """Raise ValueError, naming what was expected, unless ``kv`` is a non-empty sequence of
+    per-layer (K, V) pairs of 3-D tensors of one shape and dtype."""
     if not isinstance(kv, Sequence) or not kv:
         raise ValueError(
             f"KV must be a tensor {_LAYOUT[fmt]} or a non-empty tuple of per-layer (K, V) pairs, got {type(kv).__name__}"
@@ -51,7 +95,6 @@ def as_blob(kv: KVCache, fmt: str) -> torch.Tensor:
                     f"KV layer {index} {part}: shape {tuple(tensor.shape)} {tensor.dtype} differs from layer 0 K "
                     f"{tuple(first.shape)} {first.dtype}"
                 )
-    return torch.stack([torch.stack(tuple(layer)) for layer in kv])
 
 
 def as_tuple(blob: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 # Batches that copy more than this run in a worker thread instead of on the event loop.
 THREAD_COPY_BYTES = 1 << 20
 _MAX_ROOM_ATTEMPTS = 8
+# A put waits at most this long for held slabs (of evicted chunks still being read) to come back.
+_HELD_WAIT_S = 10.0
 
 DemoteSink = Callable[[list[CacheKey], list[torch.Tensor]], Awaitable[None]]
 ChunkLayout = tuple[tuple[int, ...], torch.dtype]
@@ -116,6 +118,8 @@ class MemoryTier(StorageBackend):
         self._resident: dict[CacheKey, Resident] = {}
         self._index = make_index(eviction)
         self._reserved = 0
+        self._retired_held = 0  # bytes of evicted or replaced chunks whose slabs are still held
+        self._slab_freed: asyncio.Event | None = None
         self._slabs: SlabArena | LazySlabs
         if preallocate:
             self._slabs = SlabArena(self.capacity, device, pinned)
@@ -219,17 +223,43 @@ class MemoryTier(StorageBackend):
             self._slabs.release(reservation.resident.slab)
 
     async def _allocate(self, size: int, protect: Iterable[CacheKey]) -> torch.Tensor | None:
-        """A slab, evicting further least-recently-used chunks while the pool is fragmented
-        or held by readers."""
+        """A slab, evicting further least-recently-used chunks while the pool is fragmented,
+        and waiting (bounded) for slabs of evicted chunks that are still held (a background
+        fill reading them) to come back."""
         protected = set(protect)
+        deadline = asyncio.get_running_loop().time() + _HELD_WAIT_S
         while True:
+            if self._slab_freed is not None:
+                self._slab_freed.clear()
             slab = self._slabs.allocate(size)
             if slab is not None:
                 return slab
             victim = next((k for k in self._index.keys() if k not in protected and not self._index.is_pinned(k)), None)
-            if victim is None:
+            if victim is not None:
+                await self._evict([victim], must_free=False)
+                continue
+            left = deadline - asyncio.get_running_loop().time()
+            if not self._retired_held or left <= 0:
                 return None
-            await self._evict([victim], must_free=False)
+            if self._slab_freed is None:
+                self._slab_freed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._slab_freed.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+
+    async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[ChunkLayout],
+                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]) -> int:
+        """Reserve slabs, let ``write`` fill them (key -> chunk view), then commit them; nothing
+        is committed if ``write`` fails."""
+        reservations = await self.reserve(keys, layouts)
+        try:
+            await write({r.key: r.chunk for r in reservations})
+        except BaseException:
+            self.abort(reservations)
+            raise
+        self.commit(reservations)
+        return len(keys)
 
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
         await self.batched_put([key], [chunk])
@@ -238,13 +268,10 @@ class MemoryTier(StorageBackend):
         self._ensure_open()
         check_batch(keys, chunks)
         latest = dict(zip(keys, chunks))  # later duplicates win
-        reservations = await self.reserve(list(latest), [(tuple(c.shape), c.dtype) for c in latest.values()])
-        try:
-            await self.copy_chunks([(r.chunk, latest[r.key].detach()) for r in reservations])
-        except BaseException:
-            self.abort(reservations)
-            raise
-        self.commit(reservations)
+
+        async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+            await self.copy_chunks([(view, latest[key].detach()) for key, view in views.items()])
+        await self.put_with(list(latest), [(tuple(c.shape), c.dtype) for c in latest.values()], write)
         return len(keys)
 
     async def _make_room(self, need: int, protect: Any) -> None:
@@ -293,7 +320,10 @@ class MemoryTier(StorageBackend):
             self._index.unpin(pinned_key)
         resident.readers -= 1
         if resident.retired and not resident.readers:
+            self._retired_held -= resident.slab.numel()
             self._slabs.release(resident.slab)
+            if self._slab_freed is not None:
+                self._slab_freed.set()
 
     def _drop(self, key: CacheKey) -> bool:
         resident = self._resident.pop(key, None)
@@ -302,6 +332,7 @@ class MemoryTier(StorageBackend):
         self._index.remove(key)
         if resident.readers:
             resident.retired = True
+            self._retired_held += resident.slab.numel()
         else:
             self._slabs.release(resident.slab)
         return True
@@ -377,6 +408,7 @@ class MemoryTier(StorageBackend):
 
     async def close(self) -> None:
         self._resident.clear()
+        self._retired_held = 0
         self._index = make_index(self.eviction)
         self._slabs.clear()
         await super().close()
