@@ -178,3 +178,29 @@ def test_cuda_paged_round_trip(tmp_path: Path) -> None:
         store_paged(engine, connector, tokens, kvcaches=source, slot_mapping=source_slots)
         assert bool(retrieve_paged(engine, connector, tokens, kvcaches=target, slot_mapping=target_slots).all())
     assert same_bytes(ops.paged_gather_reference(target, target_slots), ops.paged_gather_reference(source, source_slots))
+
+
+@pytest.mark.parametrize("lower", [False, True], ids=["cpu-tier", "via-lmdb"])
+def test_connector_round_trip_copies_each_byte_once(tmp_path: Path, lower: bool) -> None:
+    """Gathered straight into the host tier's slabs, scattered straight out of them: one copy
+    each way, counted; a chunk that comes from lmdb costs one read (+ its promotion) more."""
+    num_tokens = 2 * CHUNK
+    tokens = torch.randint(0, 50_000, (num_tokens,))
+    source = make_cache("pairs", LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE, torch.bfloat16)
+    source_slots = shuffled_slots(num_tokens, 3)
+    target = [tuple(torch.zeros_like(t) for t in layer) for layer in source]
+    target_slots = shuffled_slots(num_tokens, 4)
+    connector = PagedConnector(LAYERS, HEADS, HEAD_SIZE)
+    nbytes = LAYERS * 2 * num_tokens * HEADS * HEAD_SIZE * 2
+    with Engine(config(tmp_path)) as engine:
+        store_paged(engine, connector, tokens, kvcaches=source, slot_mapping=source_slots)
+        engine.flush()
+        if lower:
+            for key in engine.keys_for(tokens):
+                asyncio.run_coroutine_threadsafe(engine.tiers[0].delete(key), engine._loop).result()
+        assert bool(retrieve_paged(engine, connector, tokens, kvcaches=target, slot_mapping=target_slots).all())
+        copies = engine.stats()["copies"]
+    assert same_bytes(ops.paged_gather_reference(target, target_slots), ops.paged_gather_reference(source, source_slots))
+    assert copies["store"]["copied_bytes"] == nbytes and copies["store"]["copies_per_byte"] == 1.0
+    assert copies["retrieve"]["delivered_bytes"] == nbytes
+    assert copies["retrieve"]["copied_bytes"] == (2 if lower else 1) * nbytes

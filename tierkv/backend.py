@@ -240,7 +240,7 @@ class BlobBackend(StorageBackend):
         """The value stored under ``key``, or None."""
 
     @abc.abstractmethod
-    async def put_bytes(self, key: str, data: bytes) -> None:
+    async def put_bytes(self, key: str, data: bytes | bytearray) -> None:
         """Store ``data`` under ``key`` atomically: a reader sees the old or the new value."""
 
     @abc.abstractmethod

@@ -26,21 +26,20 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from tierkv import kvlayout, ops, policy
-from tierkv.keys import as_token_array
-from tierkv.memory import can_pin_memory
+from tierkv import copies, kvlayout, ops, policy, transfer
+from tierkv.keys import KV_FORMATS, CacheKey, as_token_array
 
 if TYPE_CHECKING:
     from tierkv.engine import AsyncEngine, Engine
 
 T = TypeVar("T")
-_FORMATS = ("vllm", "huggingface")
 
 
 def _tensor_of(memory_obj: Any) -> torch.Tensor:
@@ -66,6 +65,7 @@ def _copy_between_devices(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Ev
     """
     host = dst if dst.device.type == "cpu" else src
     asynchronous = dst.device != src.device and host.is_pinned()
+    copies.count(dst.numel() * dst.element_size())
     dst.copy_(src, non_blocking=asynchronous)
     if not asynchronous:
         return None
@@ -95,8 +95,8 @@ class GPUConnector(abc.ABC):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if fmt not in _FORMATS:
-            raise ValueError(f"fmt must be one of {_FORMATS}, got {fmt!r}")
+        if fmt not in KV_FORMATS:
+            raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -310,44 +310,86 @@ def _check_format(engine: AsyncEngine, connector: GPUConnector) -> None:
         )
 
 
-def _suffix_mask(num_tokens: int, skip: int) -> torch.Tensor | None:
-    if skip == 0:
+class ConnectorSource:
+    """A store's chunks gathered by ``connector.from_gpu`` straight into the tier's memory.
+
+    The gather runs on the CUDA stream that was current where the source was made (the
+    serving engine's), whichever thread the engine copies on.
+    """
+
+    def __init__(self, connector: GPUConnector, kwargs: dict[str, Any], num_tokens: int) -> None:
+        self.connector = connector
+        self.kwargs = {**kwargs, "sync": True}
+        self.dtype = connector.dtype_of(**kwargs)
+        self.device = torch.device("cpu")
+        self.num_tokens = num_tokens
+        self._stream = _current_stream(kwargs)
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return tuple(self.connector.get_shape(num_tokens))
+
+    def view(self, start: int, end: int) -> None:
         return None
-    mask = torch.ones(num_tokens, dtype=torch.bool)
-    mask[:skip] = False
-    return mask
+
+    def write_into(self, dest: torch.Tensor, start: int, end: int) -> None:
+        with _on_stream(self._stream):
+            self.connector.from_gpu(dest, start, end, **self.kwargs)
+        copies.count(dest.numel() * dest.element_size())
 
 
-async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | None) -> tuple[Any, int]:
-    """The tokens and how many leading tokens need no store (masked out or already cached)."""
+class ConnectorSink:
+    """A retrieve's chunks scattered by ``connector.to_gpu`` straight out of the tier's memory
+    (tokens before ``offset`` in a chunk, an unaligned mask, are left alone)."""
+
+    def __init__(self, connector: GPUConnector, kwargs: dict[str, Any], offset: int) -> None:
+        self.connector = connector
+        self.kwargs = {**kwargs, "sync": True}
+        self.dtype = connector.dtype_of(**kwargs)
+        self.offset = offset
+        self._stream = _current_stream(kwargs)
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return tuple(self.connector.get_shape(num_tokens))
+
+    def destination(self, start: int, end: int) -> None:
+        return None
+
+    def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
+        skip = max(0, self.offset - start)
+        if skip:
+            dim = kvlayout.token_dim(self.connector.fmt)
+            chunk = chunk.narrow(dim, skip, end - start - skip).contiguous()
+        with _on_stream(self._stream):
+            self.connector.to_gpu(chunk, start + skip, end, **self.kwargs)
+        copies.count(chunk.numel() * chunk.element_size())
+
+
+def _current_stream(kwargs: dict[str, Any]) -> torch.cuda.Stream | None:
+    """The caller's current stream on the serving engine's cache device (None on the CPU)."""
+    try:
+        device = kwargs["kvcaches"][0][0].device  # a (K, V) pair's K, or a fused layer's K half
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _on_stream(stream: torch.cuda.Stream | None) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | None
+                       ) -> tuple[Any, int, list[CacheKey], list[tuple[int, int]]]:
+    """The tokens, how many leading tokens need no store (masked out or already cached), and
+    the keys and token ranges of the chunks to store."""
     token_array = as_token_array(tokens)
     num_tokens = len(token_array)
     skip = kvlayout.store_mask_skip(mask, num_tokens, engine.chunk_size)
     keys = engine.keys_for(token_array)[skip // engine.chunk_size :]
     if keys:
-        skip += policy.first_missing(await engine.batched_contains(keys)) * engine.chunk_size
-    return token_array, min(skip, num_tokens)
-
-
-def _gather_blob(
-    engine: AsyncEngine, connector: GPUConnector, num_tokens: int, skip: int, kwargs: dict[str, Any]
-) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    _check_format(engine, connector)
-    blob = torch.empty(
-        connector.get_shape(num_tokens - skip), dtype=connector.dtype_of(**kwargs), pin_memory=can_pin_memory()
-    )
-    event = connector.from_gpu(blob, skip, num_tokens, **{**kwargs, "sync": False})
-    return blob, event
-
-
-async def _wait_event(event: torch.cuda.Event | None) -> None:
-    """Wait for a CUDA event without blocking the event loop (polling, as the design asks)."""
-    if event is None:
-        return
-    delay = 20e-6
-    while not event.query():
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+        first = policy.first_missing(await engine.batched_contains(keys))
+        keys = keys[first:]
+        skip = min(skip + first * engine.chunk_size, num_tokens)
+    return token_array, skip, keys, transfer.chunk_ranges(skip, num_tokens, engine.chunk_size)
 
 
 async def store_with_connector(
@@ -355,21 +397,17 @@ async def store_with_connector(
 ) -> int:
     """Store the KV of ``tokens`` straight from the serving engine's cache; returns chunks written.
 
-    ``kwargs`` go to ``connector.from_gpu`` (``kvcaches``, ``slot_mapping``). Chunks already
-    cached at the start of the prompt are neither gathered nor written again; a suffix
-    ``mask`` (aligned to chunks) leaves its unmasked prefix out, as in ``AsyncEngine.store``.
+    ``kwargs`` go to ``connector.from_gpu`` (``kvcaches``, ``slot_mapping``). Each chunk is
+    gathered once, straight into the memory of the first tier that takes it (a chunk-sized
+    pooled buffer for tiers without memory of their own): no prompt-sized blob. Chunks
+    already cached at the start of the prompt are neither gathered nor written again; a
+    suffix ``mask`` (aligned to chunks) leaves its unmasked prefix out, as in ``AsyncEngine.store``.
     """
-    token_array, skip = await _store_range(engine, tokens, mask)
-    if skip >= len(token_array):
+    _check_format(engine, connector)
+    token_array, skip, keys, ranges = await _store_range(engine, tokens, mask)
+    if not keys:
         return 0
-    blob, event = _gather_blob(engine, connector, len(token_array), skip, kwargs)
-    await _wait_event(event)
-    return await engine.store(token_array, blob, _suffix_mask(len(token_array), skip), skip_existing=False)
-
-
-def _retrieved_range(ret_mask: torch.Tensor) -> tuple[int, int]:
-    covered = torch.nonzero(ret_mask).flatten()
-    return int(covered[0]), int(covered[-1]) + 1
+    return await engine.store_from(keys, ConnectorSource(connector, kwargs, len(token_array) - skip), ranges)
 
 
 async def retrieve_with_connector(
@@ -377,16 +415,13 @@ async def retrieve_with_connector(
 ) -> torch.Tensor:
     """Retrieve the cached prefix of ``tokens`` straight into the serving engine's cache.
 
-    ``kwargs`` go to ``connector.to_gpu``. Returns the mask of the tokens written (as
-    ``AsyncEngine.retrieve``'s ``ret_mask``); tokens outside it are left untouched.
+    ``kwargs`` go to ``connector.to_gpu``. Chunks in a memory tier are scattered straight out
+    of its slabs. Returns the mask of the tokens written (as ``AsyncEngine.retrieve``'s
+    ``ret_mask``); tokens outside it are left untouched.
     """
     _check_format(engine, connector)
-    blob, ret_mask = await engine.retrieve(tokens, mask, return_tuple=False)
-    if not isinstance(blob, torch.Tensor):
-        return ret_mask
-    start, end = _retrieved_range(ret_mask)
-    await _wait_event(connector.to_gpu(blob, start, end, **{**kwargs, "sync": False}))
-    return ret_mask
+    skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
+    return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask)
 
 
 def _on_loop(engine: Engine, coro: Coroutine[Any, Any, T]) -> T:
@@ -396,32 +431,30 @@ def _on_loop(engine: Engine, coro: Coroutine[Any, Any, T]) -> T:
 def store_paged(
     engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
 ) -> int:
-    """Blocking :func:`store_with_connector` for :class:`~tierkv.Engine`.
-
-    The gather runs on the calling thread (so on the caller's current CUDA stream); only the
-    engine calls run on the engine's loop thread.
-    """
+    """Blocking :func:`store_with_connector` for :class:`~tierkv.Engine` (the gathers run on the
+    caller's CUDA stream)."""
     core = engine._core
-    token_array, skip = _on_loop(engine, _store_range(core, tokens, mask))
-    if skip >= len(token_array):
-        return 0
-    blob, event = _gather_blob(core, connector, len(token_array), skip, kwargs)
-    _finish(event, sync=True)
-    return _on_loop(engine, core.store(token_array, blob, _suffix_mask(len(token_array), skip), skip_existing=False))
+    _check_format(core, connector)
+    source = ConnectorSource(connector, kwargs, 0)
+
+    async def store() -> int:
+        token_array, skip, keys, ranges = await _store_range(core, tokens, mask)
+        if not keys:
+            return 0
+        source.num_tokens = len(token_array) - skip
+        return await core.store_from(keys, source, ranges)
+    return _on_loop(engine, store())
 
 
 def retrieve_paged(
     engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
 ) -> torch.Tensor:
-    """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine`; the scatter runs on
-    the calling thread (the caller's CUDA stream)."""
+    """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine` (the scatters run on
+    the caller's CUDA stream)."""
     core = engine._core
     _check_format(core, connector)
-    blob, ret_mask = _on_loop(engine, core.retrieve(tokens, mask, return_tuple=False))
-    if isinstance(blob, torch.Tensor):
-        start, end = _retrieved_range(ret_mask)
-        connector.to_gpu(blob, start, end, **{**kwargs, "sync": True})
-    return ret_mask
+    skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
+    return _on_loop(engine, core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask))
 
 
 __all__ = [

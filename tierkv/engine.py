@@ -47,6 +47,8 @@ T = TypeVar("T")
 _OFFLOAD_COPY_BYTES = 4 << 20
 # A background fill writes up to this many bytes per batch (one LMDB transaction, say).
 _FILL_BATCH_BYTES = 256 << 20
+# Chunk keys kept for reuse by keys_for (a few MiB at most).
+_RECENT_KEYS = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class AsyncEngine:
         self.chunk_size = self.config.chunk_size
         self.write_policy = self.config.write_policy
         self._hasher = ChunkHasher(self.chunk_size)
+        self._recent_keys: dict[str, CacheKey] = {}
         self.tiers: list[StorageBackend] = build_tiers(self.config)
         self._promote = [tier.promote for tier in self.config.tiers]
         self._metrics = {tier.name: TierMetrics() for tier in self.tiers}
@@ -134,7 +137,6 @@ class AsyncEngine:
         self._probes = dict(probes or {})
         self._pressure: dict[str, TierPressure] = {}
         self._nvml_state = nvml_status()
-        self._in_place = [isinstance(tier, InPlaceTier) for tier in self.tiers]
         self._copies = copies.CopyCounter()
         # (blob shape with 0 tokens, dtype) of the chunks seen last: sizes retrieve outputs, checks `out`
         self._layout: tuple[tuple[int, ...], torch.dtype] | None = None
@@ -158,8 +160,21 @@ class AsyncEngine:
         return CacheKey(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, chunk_hash)
 
     def keys_for(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[CacheKey]:
-        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk)."""
-        return [self._make_key(h) for h in self._hasher.prefix_hashes(tokens)]
+        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk).
+
+        Keys of recently seen chunks are reused: a scheduler looks a prompt up, then
+        retrieves it, and each tier asks a key for its string form.
+        """
+        recent = self._recent_keys
+        keys = []
+        for chunk_hash in self._hasher.prefix_hashes(tokens):
+            key = recent.get(chunk_hash)
+            if key is None:
+                if len(recent) >= _RECENT_KEYS:
+                    recent.clear()
+                key = recent[chunk_hash] = self._make_key(chunk_hash)
+            keys.append(key)
+        return keys
 
     # -- prompt-level API -------------------------------------------------------------
     async def store(
@@ -222,7 +237,7 @@ class AsyncEngine:
                 chunks: list[torch.Tensor] = []
                 owned: list[bool] = []
                 try:
-                    if self._in_place[level]:
+                    if _in_place(self.tiers[level]):
                         stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges))
                     else:
                         views = [source.view(start, end) for start, end in ranges]
@@ -268,6 +283,30 @@ class AsyncEngine:
             sink = transfer.sink_for(out, fmt, skip, num_tokens - skip, self._layout, self.config.dtype)
             if not return_tuple and isinstance(sink, transfer.TupleSink):
                 raise ValueError("out is per-layer tensors that do not form one blob: pass return_tuple=True")
+        sink, retrieved, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=out is not None)
+        if not retrieved or sink is None:
+            return (), ret_mask
+        if isinstance(sink, transfer.TupleSink):
+            return sink.narrowed(retrieved), ret_mask
+        blob = sink.blob.narrow(kvlayout.token_dim(fmt), 0, retrieved)
+        return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
+
+    async def retrieve_to(self, tokens: torch.Tensor | Sequence[int], sink: transfer.ChunkSink,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Retrieve the cached prefix of ``tokens`` into ``sink`` (a connector's paged cache);
+        returns the mask of the tokens written. Chunks held by a memory tier are copied
+        straight out of its slabs into the sink."""
+        self._ensure_open()
+        token_array = as_token_array(tokens)
+        skip = kvlayout.suffix_mask_skip(mask, len(token_array))
+        _, _, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=True)
+        return ret_mask
+
+    async def _retrieve_into(self, token_array: np.ndarray, skip: int, sink: transfer.ChunkSink | None,
+                             caller_owned: bool) -> tuple[Any, int, torch.Tensor]:
+        """Locate the cached prefix and read it into ``sink`` (a fresh output when None);
+        the sink, the number of tokens delivered and the mask of them."""
+        num_tokens = len(token_array)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         keys = self.keys_for(token_array)[skip // self.chunk_size :]
         await self._await_inflight(keys)
@@ -277,25 +316,18 @@ class AsyncEngine:
         hits = 0
         if keys:
             with copies.on_path(self._copies, "retrieve"):
+                preloaded = None
                 if sink is None:
-                    sink, preloaded = await self._fresh_sink(keys, ranges, skip, num_tokens)
-                else:
-                    preloaded = None
+                    sink, preloaded = await self._fresh_sink(keys, ranges, skip)
                 if sink is not None:
-                    hits = await self._read_chunks(keys, levels, ranges, sink, out is not None, preloaded)
+                    hits = await self._read_chunks(keys, levels, ranges, sink, caller_owned, preloaded)
         retrieved = min(ranges[hits - 1][1], num_tokens) - skip if hits else 0
         self._miss_tokens += num_tokens - skip - retrieved
-        if not retrieved or sink is None:
-            return (), ret_mask
-        ret_mask[skip : skip + retrieved] = True
-        self._hit_tokens += retrieved
-        if isinstance(sink, transfer.TupleSink):
-            kv: Any = sink.narrowed(retrieved)
+        if retrieved and sink is not None:
+            ret_mask[skip : skip + retrieved] = True
+            self._hit_tokens += retrieved
             self._copies.add_delivered("retrieve", retrieved * _nbytes(sink.chunk_shape(1), sink.dtype))
-            return kv, ret_mask
-        blob = sink.blob.narrow(kvlayout.token_dim(fmt), 0, retrieved)
-        self._copies.add_delivered("retrieve", blob.numel() * blob.element_size())
-        return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
+        return sink, retrieved, ret_mask
 
     async def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Length in tokens of the longest prefix of ``tokens`` cached in any tier.
@@ -734,7 +766,7 @@ class AsyncEngine:
         if self.write_policy != "write_through" or not below:
             return
         release = None
-        if self._in_place[level]:
+        if _in_place(self.tiers[level]):
             held = [(key, h) for key, h in zip(keys, self.tiers[level].hold(keys, pin=False))  # type: ignore[attr-defined]
                     if h is not None]  # a key can only be missing if the batch repeated it
             keys = [key for key, _ in held]
@@ -769,13 +801,40 @@ class AsyncEngine:
         if not self._admits(level):
             self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
             return
-        try:
-            await self._tier_put(level, keys, chunks)
-        except Exception:
-            self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
+        with copies.on_path(self._copies, "fill"):
+            try:
+                await self._tier_put(level, keys, chunks)
+            except Exception:
+                self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
+                return
+            self._copies.add_delivered("fill", sum(c.numel() * c.element_size() for c in chunks))
 
     # -- reading a prompt's chunks into a sink --------------------------------------------
-    async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int, num_tokens: int
+    async def _read_held(self, level: int, keys: list[CacheKey], ranges: list[tuple[int, int]], indices: list[int],
+                         sink: transfer.ChunkSink) -> list[bool]:
+        """Copy chunks of an in-place tier straight from its (pinned) slabs into the sink."""
+        tier = self.tiers[level]
+        holds = tier.hold([keys[i] for i in indices], pin=True)  # type: ignore[attr-defined]
+        try:
+            hits = [h is not None and fits_destination(h.chunk, sink.chunk_shape(ranges[i][1] - ranges[i][0]),
+                                                       sink.dtype) for i, h in zip(indices, holds)]
+            work = [(h.chunk, ranges[i]) for i, h, hit in zip(indices, holds, hits) if hit and h is not None]
+            await _off_loop(functools.partial(_read_all, sink, work),
+                            sum(chunk.numel() * chunk.element_size() for chunk, _ in work))
+            if level > 0 and work:
+                await self._promote_hits(level, [keys[i] for i, hit in zip(indices, hits) if hit],
+                                         [chunk for chunk, _ in work])
+        finally:
+            for hold in holds:
+                if hold is not None:
+                    hold.release()
+        metrics = self._metrics[tier.name]
+        metrics.add("hits", sum(hits))
+        metrics.add("misses", len(hits) - sum(hits))
+        metrics.add("bytes_out", sum(chunk.numel() * chunk.element_size() for chunk, _ in work))
+        return hits
+
+    async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int
                           ) -> tuple[transfer.BlobSink | None, torch.Tensor | None]:
         """The output of a retrieve without ``out``: allocated once, for the cached tokens.
 
@@ -817,6 +876,15 @@ class AsyncEngine:
             asked = [i for i in pending if levels[i] is not None and levels[i] <= level]  # type: ignore[operator]
             if not asked or not self._available(level):
                 continue
+            if _in_place(self.tiers[level]):  # chunks the sink has no destination for are copied out of held slabs
+                borrowed = [i for i in asked if sink.destination(*ranges[i]) is None]
+                if borrowed:
+                    for index, hit in zip(borrowed, await self._read_held(level, keys, ranges, borrowed, sink)):
+                        done[index] = hit
+                    asked = [i for i in asked if i not in borrowed]
+                    pending = [i for i in pending if not done[i]]
+                    if not asked:
+                        continue
             streams = caller_owned and self.tiers[level].streams_into_destination
             targets = []
             for index in asked:
@@ -839,9 +907,20 @@ class AsyncEngine:
         delivered = policy.first_missing(done)
         late = [(staged[i], ranges[i]) for i in sorted(staged) if i < delivered]
         if late:
-            await _off_loop(lambda: [sink.read_from(chunk, *rng) for chunk, rng in late],
+            await _off_loop(functools.partial(_read_all, sink, late),
                             sum(chunk.numel() * chunk.element_size() for chunk, _ in late))
         return delivered
+
+
+_IN_PLACE_TYPES: dict[type, bool] = {}
+
+
+def _in_place(tier: StorageBackend) -> bool:
+    """Whether ``tier`` keeps chunks in memory the engine may write and read in place."""
+    kind = type(tier)
+    if kind not in _IN_PLACE_TYPES:
+        _IN_PLACE_TYPES[kind] = isinstance(tier, InPlaceTier)
+    return _IN_PLACE_TYPES[kind]
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -849,6 +928,12 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     for dim in shape:
         count *= int(dim)
     return count * torch.empty((), dtype=dtype).element_size()
+
+
+def _read_all(sink: transfer.ChunkSink, work: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
+    """Copy each whole chunk into the sink at its token range."""
+    for chunk, (start, end) in work:
+        sink.read_from(chunk, start, end)
 
 
 async def _off_loop(work: Callable[[], Any], nbytes: int) -> None:
@@ -860,8 +945,10 @@ async def _off_loop(work: Callable[[], Any], nbytes: int) -> None:
 
 
 async def _copy_pairs_off_loop(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    await _off_loop(lambda: [copy_into(dst, src) for dst, src in pairs],
-                    sum(dst.numel() * dst.element_size() for dst, _ in pairs))
+    def copy_all() -> None:
+        for dst, src in pairs:
+            copy_into(dst, src)
+    await _off_loop(copy_all, sum(dst.numel() * dst.element_size() for dst, _ in pairs))
 
 
 def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tuple[int, int]]
@@ -870,8 +957,10 @@ def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tup
     where = dict(zip(keys, ranges))
 
     async def write(views: dict[CacheKey, torch.Tensor]) -> None:
-        await _off_loop(lambda: [source.write_into(view, *where[key]) for key, view in views.items()],
-                        sum(view.numel() * view.element_size() for view in views.values()))
+        def write_all() -> None:
+            for key, view in views.items():
+                source.write_into(view, *where[key])
+        await _off_loop(write_all, sum(view.numel() * view.element_size() for view in views.values()))
     return write
 
 

@@ -9,9 +9,11 @@ every token before it, which makes a key stand for a whole prefix.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -23,7 +25,7 @@ KV_FORMATS = ("vllm", "huggingface")
 # narrower encoding halves the bytes hashed per lookup.
 _TOKEN_DTYPE = np.dtype("<i4")
 _TOKEN_MAX = 2**31 - 1
-_HASH_HEX_CHARS = 32  # 128 bits of the SHA-256 digest name the chunk
+_HASH_BYTES = 16  # 128 bits of the SHA-256 digest name the chunk
 _KEY_FIELDS = 5
 
 
@@ -40,6 +42,8 @@ class CacheKey:
     world_size: int
     worker_id: int
     chunk_hash: str
+    # the string form, computed once (tiers ask for it on every lookup)
+    _string: str | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def to_string(self) -> str:
         """Stable, escaped string form for byte stores: ``fmt@model@world@worker@hash``.
@@ -47,10 +51,11 @@ class CacheKey:
         Every field is percent-escaped, so ``@`` or ``/`` in a model name cannot collide
         with the separators.
         """
-        return "@".join(
-            quote(str(part), safe="-_.")
-            for part in (self.fmt, self.model_name, self.world_size, self.worker_id, self.chunk_hash)
-        )
+        if self._string is None:
+            tail = self.chunk_hash if _PLAIN.match(self.chunk_hash) else quote(str(self.chunk_hash), safe="-_.")
+            object.__setattr__(self, "_string",
+                               namespace_prefix(self.fmt, self.model_name, self.world_size, self.worker_id) + tail)
+        return self._string  # type: ignore[return-value]
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:
@@ -71,6 +76,15 @@ class CacheKey:
         return self.to_string()
 
 
+_PLAIN = re.compile(r"[0-9A-Za-z_.-]*\Z")
+
+
+@functools.lru_cache(maxsize=256)
+def namespace_prefix(fmt: str, model_name: str, world_size: int, worker_id: int) -> str:
+    """The escaped ``fmt@model@world@worker@`` part of every key of one namespace."""
+    return "".join(quote(str(part), safe="-_.") + "@" for part in (fmt, model_name, world_size, worker_id))
+
+
 def as_token_array(tokens: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndarray:
     """Validate token ids and return them as a little-endian int32 array.
 
@@ -89,9 +103,17 @@ def as_token_array(tokens: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndar
             raise ValueError(f"tokens must be 1-D, got an array of shape {array.shape}")
         if array.size and not np.issubdtype(array.dtype, np.integer):
             raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
-    if array.size and (int(array.min()) < 0 or int(array.max()) > _TOKEN_MAX):
+    if array.size and _out_of_range(array):
         raise ValueError(f"token ids must lie in [0, {_TOKEN_MAX}], got [{int(array.min())}, {int(array.max())}]")
     return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+def _out_of_range(array: np.ndarray) -> bool:
+    """Whether any id is negative or above the int32 range (one pass: negatives read as
+    huge unsigned values)."""
+    if array.dtype.itemsize in (4, 8) and array.dtype.kind == "i" and array.flags.c_contiguous:
+        return int(array.view(f"u{array.dtype.itemsize}").max()) > _TOKEN_MAX
+    return int(array.min()) < 0 or int(array.max()) > _TOKEN_MAX
 
 
 class ChunkHasher:
@@ -112,9 +134,10 @@ class ChunkHasher:
         step = self.chunk_size * _TOKEN_DTYPE.itemsize
         hashes: list[str] = []
         previous = b""
+        sha256 = hashlib.sha256
         for start in range(0, len(data), step):
-            digest = hashlib.sha256(previous)
+            digest = sha256(previous)
             digest.update(data[start : start + step])
             previous = digest.digest()
-            hashes.append(previous.hex()[:_HASH_HEX_CHARS])
+            hashes.append(previous[:_HASH_BYTES].hex())
         return hashes

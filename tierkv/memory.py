@@ -209,8 +209,8 @@ def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
         expected *= array.shape[dense_from - 1]
         dense_from -= 1
     if dense_from == 0:
-        return [memoryview(array).cast("B")]
-    return [memoryview(array[index]).cast("B") for index in np.ndindex(*array.shape[:dense_from])]
+        return [array.data.cast("B")]
+    return [array[index].data.cast("B") for index in np.ndindex(*array.shape[:dense_from])]
 
 
 def scatter_bytes(source: memoryview, runs: list[memoryview]) -> None:

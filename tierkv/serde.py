@@ -90,7 +90,7 @@ def payload_runs(tensor: torch.Tensor) -> list[memoryview]:
     when its pieces are contiguous (host tensors); a pooled contiguous copy otherwise."""
     if tensor.device.type == "cpu" and (tensor.dim() == 0 or tensor.stride(-1) == 1):
         return byte_runs(tensor)
-    return [memoryview(as_bytes(contiguous_host(tensor.detach())))]
+    return [as_bytes(contiguous_host(tensor.detach())).data]
 
 
 def contiguous_payload(tensor: torch.Tensor) -> np.ndarray:
@@ -176,7 +176,10 @@ def decode_header(data: bytes | memoryview) -> ChunkHeader:
 
 def verify_payload(header: ChunkHeader, payload: np.ndarray | memoryview | list[memoryview]) -> None:
     """Raise ChunkFormatError unless ``payload`` (read in place, or as runs) matches ``header``."""
-    runs = payload if isinstance(payload, list) else [memoryview(payload).cast("B")]
+    if isinstance(payload, list):
+        runs = payload
+    else:
+        runs = [payload.reshape(-1).data.cast("B") if isinstance(payload, np.ndarray) else payload.cast("B")]
     nbytes = sum(run.nbytes for run in runs)
     if nbytes != header.payload_len:
         raise ChunkFormatError(f"truncated chunk: payload has {nbytes} bytes, header says {header.payload_len}")
@@ -197,7 +200,7 @@ def copy_payload_into(header: ChunkHeader, payload: bytes | memoryview | np.ndar
     """
     if not fits(header, out):
         return False
-    raw = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) else memoryview(payload.reshape(-1))
+    raw = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) else payload.reshape(-1).data
     verify_payload(header, [raw])
     scatter_bytes(raw, byte_runs(out))
     return True

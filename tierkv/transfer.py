@@ -186,8 +186,8 @@ def sink_for(out: kvlayout.KVCache, fmt: str, offset: int, num_tokens: int,
     kvlayout.check_layers(out, fmt)
     first = out[0][0]
     _check_out((len(out), 2, *first.shape), first.dtype, first.device, fmt, num_tokens, layout, dtype)
-    blob = kvlayout.blob_view(out)
-    return BlobSink(blob, fmt, offset) if blob is not None else TupleSink(out, fmt, offset)
+    layers_blob = kvlayout.blob_view(out)
+    return BlobSink(layers_blob, fmt, offset) if layers_blob is not None else TupleSink(out, fmt, offset)
 
 
 def _check_out(shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device, fmt: str,

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
 _IOV_MAX = 1024
+_DIGEST_CACHE = 1 << 16
 
 
 def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes, list[memoryview]]:
@@ -113,6 +114,7 @@ class FSBackend(BlobBackend):
         except OSError as exc:
             raise ConfigError(f"tier {name!r} path: cannot write into {path!r}: {exc.strerror}") from exc
         self._index: LRUIndex[str] = LRUIndex()
+        self._digests: dict[str, str] = {}
         self._lock: asyncio.Lock | None = None
         self._scan()
 
@@ -160,9 +162,15 @@ class FSBackend(BlobBackend):
     def used_bytes(self) -> int:
         return self._index.used_bytes
 
-    @staticmethod
-    def _digest(key: str) -> str:
-        return hashlib.sha256(key.encode()).hexdigest()
+    def _digest(self, key: str) -> str:
+        """File name of a key string (SHA-256, so any model name makes a safe name), memoized:
+        a lookup asks for it per chunk."""
+        digest = self._digests.get(key)
+        if digest is None:
+            if len(self._digests) >= _DIGEST_CACHE:
+                self._digests.clear()
+            digest = self._digests[key] = hashlib.sha256(key.encode()).hexdigest()
+        return digest
 
     def _file(self, digest: str) -> Path:
         return self.root / digest[:2] / digest[2:4] / f"{digest}{_SUFFIX}"
@@ -227,8 +235,8 @@ class FSBackend(BlobBackend):
     def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
         if self._closed:
             return None
-        index = self._index
-        return [self._digest(key.to_string()) in index for key in keys]
+        index, digest = self._index, self._digest
+        return [digest(key.to_string()) in index for key in keys]
 
     async def _in_threads(self, items: list[Any], work: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """Run ``work`` over ``items`` in worker threads: one slice per thread, in order."""
