@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -160,21 +161,23 @@ class AsyncEngine:
         return CacheKey(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, chunk_hash)
 
     def keys_for(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[CacheKey]:
-        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk).
+        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk)."""
+        return list(self._iter_keys(as_token_array(tokens)))
+
+    def _iter_keys(self, token_array: np.ndarray) -> Iterator[CacheKey]:
+        """Keys of a validated token array, made as they are needed.
 
         Keys of recently seen chunks are reused: a scheduler looks a prompt up, then
         retrieves it, and each tier asks a key for its string form.
         """
         recent = self._recent_keys
-        keys = []
-        for chunk_hash in self._hasher.prefix_hashes(tokens):
+        for chunk_hash in self._hasher.iter_prefix_hashes(token_array):
             key = recent.get(chunk_hash)
             if key is None:
                 if len(recent) >= _RECENT_KEYS:
                     recent.clear()
                 key = recent[chunk_hash] = self._make_key(chunk_hash)
-            keys.append(key)
-        return keys
+            yield key
 
     # -- prompt-level API -------------------------------------------------------------
     async def store(
@@ -206,7 +209,7 @@ class AsyncEngine:
             )
         if self.config.dtype is not None and source.dtype != self.config.dtype:
             raise ValueError(f"KV dtype {source.dtype} does not match the configured dtype {self.config.dtype}")
-        keys = self.keys_for(token_array)[skip // self.chunk_size :]
+        keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
         ranges = transfer.chunk_ranges(skip, num_tokens, self.chunk_size)
         if skip_existing and keys:
             first = policy.first_missing(await self.batched_contains(keys))
@@ -308,7 +311,7 @@ class AsyncEngine:
         the sink, the number of tokens delivered and the mask of them."""
         num_tokens = len(token_array)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        keys = self.keys_for(token_array)[skip // self.chunk_size :]
+        keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
         await self._await_inflight(keys)
         levels = await self.locate_keys(keys)
         keys = keys[: policy.first_missing([level is not None for level in levels])]
@@ -332,18 +335,29 @@ class AsyncEngine:
     async def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Length in tokens of the longest prefix of ``tokens`` cached in any tier.
 
-        ``stats()["last_lookup"]`` says how many of those chunks each tier holds.
+        ``stats()["last_lookup"]`` says how many of those chunks each tier holds. The first
+        chunk is located on its own: when no tier holds it (a new prompt), the rest of the
+        prompt is neither hashed nor asked for.
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(len(token_array), await self.locate_keys(self.keys_for(token_array)))
+        keys = self._iter_keys(token_array)
+        first = list(itertools.islice(keys, 1))
+        levels = await self.locate_keys(first)
+        if levels and levels[0] is not None:
+            levels += await self.locate_keys(list(keys))
+        return self._record_lookup(len(token_array), levels)
 
     def lookup_nowait(self, tokens: torch.Tensor | Sequence[int]) -> int | None:
         """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
         None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
         self._ensure_open()
         token_array = as_token_array(tokens)
-        levels = self._locate_nowait(self.keys_for(token_array))
+        keys = self._iter_keys(token_array)
+        levels = self._locate_nowait(list(itertools.islice(keys, 1)))
+        if levels and levels[0] is not None:
+            rest = self._locate_nowait(list(keys))
+            levels = None if rest is None else levels + rest
         return None if levels is None else self._record_lookup(len(token_array), levels)
 
     def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> int:
@@ -456,6 +470,26 @@ class AsyncEngine:
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Whether each key is held by any tier (or waits in the fill queue)."""
         return [level is not None for level in await self.locate_keys(keys)]
+
+    async def batched_delete(self, keys: Sequence[CacheKey]) -> int:
+        """Remove ``keys`` from every tier (after the background fills already queued have
+        landed, so none writes a key back); returns how many (key, tier) copies were removed.
+
+        A tier that fails is counted and skipped, as for reads: the call removes what it can.
+        """
+        self._ensure_open()
+        await self._fill.join()
+        removed = 0
+        for level, tier in enumerate(self.tiers):
+            if not self._available(level):
+                continue
+            for key in keys:
+                try:
+                    removed += bool(await self._timed(tier.delete(key)))
+                except Exception as exc:
+                    self._tier_failed(level, "delete", exc)
+                    break
+        return removed
 
     async def locate_keys(self, keys: Sequence[CacheKey]) -> list[int | None]:
         """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
@@ -1111,6 +1145,9 @@ class Engine:
 
     def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         return self._run(self._core.batched_contains(keys))
+
+    def batched_delete(self, keys: Sequence[CacheKey]) -> int:
+        return self._run(self._core.batched_delete(keys))
 
     def flush(self) -> None:
         self._run(self._core.flush())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
@@ -29,7 +29,7 @@ _HASH_BYTES = 16  # 128 bits of the SHA-256 digest name the chunk
 _KEY_FIELDS = 5
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class CacheKey:
     """Identity of one chunk of KV cache.
 
@@ -42,8 +42,24 @@ class CacheKey:
     world_size: int
     worker_id: int
     chunk_hash: str
-    # the string form, computed once (tiers ask for it on every lookup)
+    # the string form and the hash, computed once (tiers ask for them on every lookup)
     _string: str | None = field(default=None, init=False, repr=False, compare=False, hash=False)
+    _hash: int | None = field(default=None, init=False, repr=False, compare=False, hash=False)
+    _bytes: bytes | None = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((self.chunk_hash, self.fmt, self.model_name, self.world_size,
+                                                    self.worker_id)))
+        return self._hash  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if not isinstance(other, CacheKey):
+            return NotImplemented
+        return (self.chunk_hash == other.chunk_hash and self.fmt == other.fmt and self.model_name == other.model_name
+                and self.world_size == other.world_size and self.worker_id == other.worker_id)
 
     def to_string(self) -> str:
         """Stable, escaped string form for byte stores: ``fmt@model@world@worker@hash``.
@@ -56,6 +72,12 @@ class CacheKey:
             object.__setattr__(self, "_string",
                                namespace_prefix(self.fmt, self.model_name, self.world_size, self.worker_id) + tail)
         return self._string  # type: ignore[return-value]
+
+    def to_bytes(self) -> bytes:
+        """:meth:`to_string` in UTF-8 (computed once: byte stores look it up on every probe)."""
+        if self._bytes is None:
+            object.__setattr__(self, "_bytes", self.to_string().encode())
+        return self._bytes  # type: ignore[return-value]
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:
@@ -96,7 +118,7 @@ def as_token_array(tokens: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndar
             raise ValueError(f"tokens must be a 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
-        array = tokens.detach().cpu().numpy()
+        array = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()  # ints carry no grad
     else:
         array = np.asarray(tokens)
         if array.ndim != 1:
@@ -130,14 +152,17 @@ class ChunkHasher:
 
     def prefix_hashes(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[str]:
         """Hex hash of every chunk, each covering all tokens up to the end of its chunk."""
-        data = memoryview(as_token_array(tokens).data).cast("B")
+        return list(self.iter_prefix_hashes(as_token_array(tokens)))
+
+    def iter_prefix_hashes(self, token_array: np.ndarray) -> Iterator[str]:
+        """:meth:`prefix_hashes` of a validated token array (:func:`as_token_array`), one at a
+        time: a lookup stops hashing at the first chunk no tier holds."""
+        data = memoryview(token_array.data).cast("B")
         step = self.chunk_size * _TOKEN_DTYPE.itemsize
-        hashes: list[str] = []
         previous = b""
         sha256 = hashlib.sha256
         for start in range(0, len(data), step):
             digest = sha256(previous)
             digest.update(data[start : start + step])
             previous = digest.digest()
-            hashes.append(previous[:_HASH_BYTES].hex())
-        return hashes
+            yield previous[:_HASH_BYTES].hex()

@@ -50,7 +50,7 @@ def _checksum_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def encode_key(key: CacheKey) -> bytes:
     """LMDB key for a chunk: its string form, or a digest of it when too long for LMDB."""
-    raw = key.to_string().encode()
+    raw = key.to_bytes()
     return raw if len(raw) <= _MAX_KEY_BYTES else b"#" + hashlib.sha256(raw).digest()
 
 
