@@ -5,7 +5,8 @@ Workload: the Llama-3-8B KV shape (32 layers x 8 KV heads x 128, bfloat16, 128 K
 on an empty cache. The reference workload is 16 prompts (8.6 GB); the default here is 4 (2.1 GB)
 so that source KV, outputs, baselines and the tier fit 24 GiB next to other work.
 
-Per tier (cpu, lmdb, fs), for the first pass after start-up and for the median of the passes
+Per tier (cpu; lmdb as configured by default; ``lmdb-trusted``: lmdb with ``writemap: true`` and
+``verify: false``, for a trusted local disk; fs), for the first pass after start-up and for the median of the passes
 after it (steady state):
 
 - ``store`` (+flush) of every prompt with ``Engine.store``;
@@ -63,6 +64,7 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
             ("connector round trip", "paged kernels", 0.7)],
     "fs": [("store", "raw files", 0.9), ("retrieve out= (cold)", "raw files (cold)", 0.9)],
     "lmdb": [("retrieve out=", "raw lmdb", 0.9)],
+    "lmdb-trusted": [("retrieve out=", "raw lmdb", 0.9)],
 }
 FS_FLOORS = {"store": 2.3, "retrieve out= (cold)": 2.0}  # GB/s on the reference workload
 LOOKUP_TARGET_US = 50.0
@@ -167,6 +169,8 @@ def _config(tier: str, root: Path, pass_bytes: int) -> dict[str, Any]:
     capacity = f"{int(pass_bytes * 1.25) // 2**20}MiB"
     tiers = {"cpu": {"name": "host", "backend": "cpu", "capacity": capacity},
              "lmdb": {"name": "disk", "backend": "lmdb", "path": str(root / "lmdb"), "capacity": "64GiB"},
+             "lmdb-trusted": {"name": "disk", "backend": "lmdb", "path": str(root / "lmdb-trusted"),
+                              "capacity": "64GiB", "writemap": True, "verify": False},
              "fs": {"name": "files", "backend": "fs", "path": str(root / "fs"), "capacity": "64GiB"}}
     return {"model": "bench-prompt", "chunk_size": CHUNK, "kv_format": "vllm", "tiers": [tiers[tier]]}
 
@@ -211,7 +215,7 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
     pass_bytes = sum(kv.numel() * kv.element_size() for _, kv in prompts)
     memcpy_dst = outs  # the baseline copies into the same touched memory retrieve(out=) fills
     raw_files = RawFiles(root / "raw-files") if tier == "fs" else None
-    raw_lmdb = RawLMDB(root / "raw-lmdb", 4 * pass_bytes) if tier == "lmdb" else None
+    raw_lmdb = RawLMDB(root / "raw-lmdb", 4 * pass_bytes) if tier.startswith("lmdb") else None
     if raw_files is not None:
         raw_files.root.mkdir()
     started = time.perf_counter()
@@ -229,7 +233,7 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             before = _copies(engine)
             record("store", phase, _timed(lambda: ([engine.store(t, kv) for t, kv in prompts], engine.flush())))
             after_store = _copies(engine)
-            if tier != "cpu":
+            if tier == "fs":
                 _drop_page_cache(root / tier)
             record("retrieve out= (cold)" if tier == "fs" else "retrieve out=", phase,
                    _timed(lambda: [engine.retrieve(t, out=o) for (t, _), o in zip(prompts, outs)]))
@@ -256,7 +260,8 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             for tokens, _ in prompts:  # the next pass starts on an empty cache
                 engine.batched_delete(engine.keys_for(tokens))
         rows = _rows(tier, samples, per_byte, pass_bytes, startup_s)
-        rows += _lookup_rows(tier, _lookup_us(tier, root, prompts[0][0].numel()))
+        if tier != "lmdb-trusted":  # the same index as lmdb
+            rows += _lookup_rows(tier, _lookup_us(tier, root, prompts[0][0].numel()))
         if tier == "cpu":
             rows += _connector_rows(engine, prompts[0][0], passes)
     finally:
@@ -269,8 +274,9 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
 def _rows(tier: str, samples: dict[tuple[str, str], list[float]], per_byte: dict[str, list[float]],
           pass_bytes: int, startup_s: float) -> list[dict[str, Any]]:
     rows = []
-    baseline_of = {"store": "raw files" if tier == "fs" else "raw lmdb put" if tier == "lmdb" else "memcpy",
-                   "retrieve out=": "raw lmdb" if tier == "lmdb" else "memcpy",
+    lmdb = tier.startswith("lmdb")
+    baseline_of = {"store": "raw files" if tier == "fs" else "raw lmdb put" if lmdb else "memcpy",
+                   "retrieve out=": "raw lmdb" if lmdb else "memcpy",
                    "retrieve out= (cold)": "raw files (cold)", "retrieve": "empty+copy"}
     targets = {(op, base): target for op, base, target in TARGETS.get(tier, [])}
     for (op, phase), times in samples.items():
@@ -362,8 +368,11 @@ def _connector_rows(engine: Engine, tokens: torch.Tensor, passes: int) -> list[d
     return rows
 
 
+TIERS = ("cpu", "lmdb", "lmdb-trusted", "fs")
+
+
 def run_prompt(num_prompts: int = 4, prompt_tokens: int = 4096, passes: int = 3,
-               tiers: tuple[str, ...] = ("cpu", "lmdb", "fs"), root: str | None = None) -> list[dict[str, Any]]:
+               tiers: tuple[str, ...] = TIERS, root: str | None = None) -> list[dict[str, Any]]:
     """Every row of the prompt-level benchmark (see the module docstring)."""
     try:
         if not ops.extension_status()["in_use"]:
@@ -376,6 +385,7 @@ def run_prompt(num_prompts: int = 4, prompt_tokens: int = 4096, passes: int = 3,
     rows: list[dict[str, Any]] = []
     for tier in tiers:
         workdir = Path(tempfile.mkdtemp(prefix=f"tierkv-prompt-{tier}-", dir=root))
+        print(f"prompt benchmark: {tier} tier ...", file=sys.stderr)
         try:
             rows += _bench_tier(tier, prompts, outs, passes, workdir)
         finally:
@@ -395,6 +405,15 @@ COLUMNS = ["tier", "op", "pass", "ours_GBps", "baseline_GBps", "ratio", "baselin
            "startup_s", "target", "meets"]
 
 
+def summarize_prompt(rows: list[dict[str, Any]]) -> None:
+    """One line per target: met or not, and by how much."""
+    judged = [r for r in rows if "meets" in r]
+    print(f"\n== prompt-level targets: {sum(r['meets'] for r in judged)}/{len(judged)} met ==")
+    for r in judged:
+        figure = f"{r['ours_us']:.1f} us" if "ours_us" in r else f"{r['ratio']:.2f}x {r['baseline']} ({r['ours_GBps']:.2f} GB/s)"
+        print(f"{'met ' if r['meets'] else 'SHORT'} {r['tier']} {r['op']}: {figure}, target {r['target']}")
+
+
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from run import print_table
@@ -403,11 +422,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--passes", type=int, default=3, help="steady-state passes after the first")
-    parser.add_argument("--tiers", default="cpu,lmdb,fs")
+    parser.add_argument("--tiers", default=",".join(TIERS))
     args = parser.parse_args()
     print(workload_text(args.prompts, args.prompt_tokens))
     rows = run_prompt(args.prompts, args.prompt_tokens, args.passes, tuple(t for t in args.tiers.split(",") if t))
     print_table(rows, COLUMNS)
+    summarize_prompt(rows)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Benchmark entry point (the README's main job, ``tox -e bench``).
 
 Runs the core benchmark (cpu and lmdb tiers with 32-layer Llama-3-8B chunks, lookup,
-hashing; benchmarks/core.py), the tier-policy suite (benchmarks/policy.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
+hashing; benchmarks/core.py), the prompt-level benchmark (whole prompts through
+Engine.store / retrieve / lookup and the PagedConnector; benchmarks/prompt.py), the tier-policy suite (benchmarks/policy.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
 sizes x batch sizes x concurrency, against same-run baselines), starting a local S3
 server (SeaweedFS, MinIO, or TIERKV_S3_ENDPOINT) when the matrix includes s3. Prints
 tables and writes JSON, CSV and a PNG plot under ``--out``.
@@ -91,6 +92,9 @@ def main() -> int:
     parser.add_argument("--core", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the core benchmark (32-layer chunks, lookup)")
     parser.add_argument("--core-batch", type=int, default=8)
+    parser.add_argument("--prompt", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the prompt-level benchmark (Engine.store / retrieve / lookup, PagedConnector)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts of 4,096 tokens per pass (prompt benchmark)")
     parser.add_argument("--policy", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -112,6 +116,18 @@ def main() -> int:
         print("\n== core: 32-layer Llama-3-8B chunks (32 MiB), lookup ==")
         print_table(core_rows, CORE_COLUMNS)
         write_results(out, "core", core_rows, {**meta, "seconds": round(time.time() - started, 1)})
+
+    if args.prompt:
+        from prompt import COLUMNS as PROMPT_COLUMNS
+        from prompt import run_prompt, summarize_prompt, workload_text
+
+        started = time.time()
+        prompt_rows = run_prompt(num_prompts=args.prompts)
+        print(f"\n== prompt level: {workload_text(args.prompts, 4096)} ==")
+        print_table(prompt_rows, PROMPT_COLUMNS)
+        summarize_prompt(prompt_rows)
+        write_results(out, "prompt", prompt_rows, {**meta, "seconds": round(time.time() - started, 1),
+                                                   "workload": workload_text(args.prompts, 4096)})
 
     if args.policy:
         started = time.time()
@@ -152,6 +168,7 @@ def main() -> int:
     write_results(out, "matrix", rows, meta)
     plot(rows, out / "matrix.png")
     written = (["core.json", "core.csv"] if args.core else []) + (["policy.json", "policy.csv"] if args.policy else [])
+    written += ["prompt.json", "prompt.csv"] if args.prompt else []
     written += ["kernels.json", "kernels.csv"] if args.kernels else []
     written += ["matrix.json", "matrix.csv", "matrix.png"]
     print(f"\nresults in {out}/: {', '.join(written)}")

@@ -46,3 +46,18 @@ class TestFSBackend(BackendTests):
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
+
+
+class TestLMDBBackendWritemap(TestLMDBBackend):
+    """The same contract with ``writemap: true`` (values written straight into the map)."""
+
+    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
+        return LMDBBackend(name="disk", capacity=capacity or 64 << 20, path=str(tmp_path / "lmdb"), writemap=True)
+
+
+class TestLMDBBackendTrusted(BackendTests):
+    """``verify: false``: the contract holds, except that a flipped payload byte goes unnoticed
+    (no ``corrupt_stored`` hook: that is what the option trades away)."""
+
+    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
+        return LMDBBackend(name="disk", capacity=capacity or 64 << 20, path=str(tmp_path / "lmdb"), verify=False)

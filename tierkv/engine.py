@@ -143,7 +143,7 @@ class AsyncEngine:
         self._layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self._hit_tokens = 0
         self._miss_tokens = 0
-        self._last_lookup: dict[str, Any] | None = None
+        self._last_lookup: tuple[int, int, list[int | None]] | None = None
         self._started = False
         self._closed = False
         if self.write_policy == "write_back":
@@ -361,28 +361,47 @@ class AsyncEngine:
         return None if levels is None else self._record_lookup(len(token_array), levels)
 
     def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> int:
+        """The cached length; the plan is kept as it is and summarised when stats() asks."""
         hit_chunks = policy.first_missing([level is not None for level in levels])
         cached = min(hit_chunks * self.chunk_size, num_tokens)
+        self._last_lookup = (num_tokens, cached, levels[:hit_chunks])
+        return cached
+
+    def _last_lookup_summary(self) -> dict[str, Any] | None:
+        if self._last_lookup is None:
+            return None
+        num_tokens, cached, levels = self._last_lookup
         per_tier = {tier.name: 0 for tier in self.tiers}
-        for level in levels[:hit_chunks]:
+        for level in levels:
             if level is not None and level >= 0:
                 per_tier[self.tiers[level].name] += 1
-        self._last_lookup = {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier}
-        return cached
+        return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier}
 
     def _locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
         """:meth:`locate_keys` from in-memory indexes only (reads shared state, changes nothing)."""
+        now = time.monotonic()
+        top: list[bool] | None = None
+        if keys and self._health[self.tiers[0].name].available(now):
+            top = self.tiers[0].batched_contains_nowait(keys)
+            if top is None:
+                return None
+            if all(top):  # the common answer to a hit: every chunk in the top tier
+                return [0] * len(keys)
         found: list[int | None] = [None] * len(keys)
         missing = list(range(len(keys)))
-        now = time.monotonic()
         for level, tier in enumerate(self.tiers):
             if not missing:
                 break
-            if not self._health[tier.name].available(now):
-                continue
-            flags = tier.batched_contains_nowait([keys[i] for i in missing] if len(missing) < len(keys) else keys)
+            if level == 0:
+                flags = top
+            elif self._health[tier.name].available(now):
+                flags = tier.batched_contains_nowait([keys[i] for i in missing])
+                if flags is None:
+                    return None
+            else:
+                flags = None
             if flags is None:
-                return None
+                continue
             still = []
             for index, flag in zip(missing, flags):
                 if flag:
@@ -569,7 +588,7 @@ class AsyncEngine:
             "inflight_prefetch_chunks": len(self._inflight),
             "pressure": {"nvml": self._nvml_state,
                          **{name: p.describe() for name, p in self._pressure.items()}},
-            "last_lookup": self._last_lookup,
+            "last_lookup": self._last_lookup_summary(),
             "copies": self._copies.snapshot(),
             "tiers": tiers,
         }

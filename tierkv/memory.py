@@ -213,16 +213,25 @@ def byte_runs(tensor: torch.Tensor) -> list[memoryview]:
     return [array[index].data.cast("B") for index in np.ndindex(*array.shape[:dense_from])]
 
 
-def scatter_bytes(source: memoryview, runs: list[memoryview]) -> None:
-    """Copy contiguous ``source`` bytes, in order, into ``runs`` (of equal total size); counted."""
+def scatter_bytes(source: memoryview, runs: list[memoryview], last_first: bool = False) -> None:
+    """Copy contiguous ``source`` bytes, in order, into ``runs`` (of equal total size); counted.
+
+    ``last_first`` copies the last run first: right after ``source`` was read through (a
+    checksum), its end is the part still in the CPU cache.
+    """
     total = sum(run.nbytes for run in runs)
     if total != source.nbytes:
         raise ValueError(f"scatter_bytes: {source.nbytes} source bytes for {total} destination bytes")
     copies.count(total)
+    offsets = []
     offset = 0
     for run in runs:
-        run[:] = source[offset : offset + run.nbytes]
+        offsets.append(offset)
         offset += run.nbytes
+    order = range(len(runs) - 1, -1, -1) if last_first else range(len(runs))
+    for index in order:
+        run = runs[index]
+        run[:] = source[offsets[index] : offsets[index] + run.nbytes]
 
 
 def gather_bytes(runs: list[memoryview], target: memoryview) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import hashlib
 import logging
 import os
@@ -38,6 +39,9 @@ _SEQ = struct.Struct("<Q")  # write sequence number in front of each header: LRU
 _MAX_KEY_BYTES = 500  # LMDB's default key limit is 511 bytes
 _MAP_HEADROOM = 64 << 20
 _checksum_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_read_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_PARALLEL_READ_BYTES = 8 << 20  # below this a second thread costs more than it saves
+_PARALLEL_CHECKSUM_BYTES = 64 << 20
 
 
 def _checksum_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -46,6 +50,14 @@ def _checksum_pool() -> concurrent.futures.ThreadPoolExecutor:
     if _checksum_executor is None:
         _checksum_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-lmdb-checksum")
     return _checksum_executor
+
+
+def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One more thread for reads: large batches are read by two threads at once."""
+    global _read_executor
+    if _read_executor is None:
+        _read_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierkv-lmdb-read")
+    return _read_executor
 
 
 def encode_key(key: CacheKey) -> bytes:
@@ -76,18 +88,24 @@ class LMDBBackend(StorageBackend):
         "sync": Option("bool", False, doc="fsync every commit: survive power loss, not just a crash"),
         "readahead": Option("bool", True, doc="OS readahead on the map (keep on for reads from disk)"),
         "max_readers": Option("int", 126, minimum=1),
+        "writemap": Option("bool", False, doc="write values straight into the map (one copy: about twice as fast "
+                                              "while the environment fits in RAM, slower beyond it; every process "
+                                              "sharing the environment must use the same setting)"),
+        "verify": Option("bool", True, doc="check each chunk's checksum when it is read (LMDB cannot tear a "
+                                           "committed write; off trusts the disk and reads at copy speed)"),
     }
 
     def __init__(self, name: str, capacity: int | None = None, path: str = "", sync: bool = False,
-                 readahead: bool = True, max_readers: int = 126) -> None:
+                 readahead: bool = True, max_readers: int = 126, verify: bool = True, writemap: bool = False) -> None:
         super().__init__(name, capacity)
+        self.verify = verify
         assert self.capacity is not None  # requires_capacity guarantees it
         ensure_writable_dir(path, f"tier {name!r} path")
         self.path = path
         map_size = self.capacity + self.capacity // 8 + _MAP_HEADROOM
         try:
             self._env = lmdb.open(path, map_size=map_size, max_dbs=2, subdir=True, sync=sync, metasync=sync,
-                                  readahead=readahead, max_readers=max_readers, lock=True)
+                                  readahead=readahead, max_readers=max_readers, lock=True, writemap=writemap)
         except lmdb.Error as exc:
             raise ConfigError(f"tier {name!r}: cannot open LMDB environment at {path!r}: {exc}") from exc
         self._meta = self._env.open_db(b"meta")
@@ -198,8 +216,13 @@ class LMDBBackend(StorageBackend):
         for (_, _, chunk), fmt in zip(records, formats):
             serde.check_encodable(chunk, fmt)
         payloads = [serde.contiguous_payload(chunk) for _, _, chunk in records]  # LMDB takes one buffer per value
-        # checksums overlap the data puts: LMDB copies with the GIL released
-        digests = _checksum_pool().submit(lambda: [serde.checksum(p) for p in payloads])
+        # checksums of a large batch overlap the data puts (LMDB copies with the GIL released);
+        # a small one is checksummed here: waking a second thread costs more than it saves
+        if sum(p.nbytes for p in payloads) >= _PARALLEL_CHECKSUM_BYTES:
+            digests = _checksum_pool().submit(lambda: [serde.checksum(p) for p in payloads])
+        else:
+            digests = concurrent.futures.Future()
+            digests.set_result([serde.checksum(p) for p in payloads])
         written: list[tuple[bytes, int]] = []
         with self._env.begin(write=True) as txn:
             for victim in victims:
@@ -264,6 +287,20 @@ class LMDBBackend(StorageBackend):
                     self._index.remove(kb)
 
     def _read_into(self, kbs: list[bytes], outs: list[torch.Tensor]) -> tuple[list[bool], list[bytes]]:
+        """Read a batch into its destinations; a large batch is split over two threads, each
+        in a read transaction of its own (one verifies a chunk while the other copies one)."""
+        nbytes = sum(out.numel() * out.element_size() for out in outs)
+        if len(kbs) < 2 or nbytes < _PARALLEL_READ_BYTES:
+            return self._read_part(kbs, outs)
+        context = contextvars.copy_context()  # the copy counter's path follows into the helper thread
+        other = _read_pool().submit(context.run, self._read_part, kbs[1::2], outs[1::2])
+        even_hits, even_corrupt = self._read_part(kbs[0::2], outs[0::2])
+        odd_hits, odd_corrupt = other.result()
+        hits = [False] * len(kbs)
+        hits[0::2], hits[1::2] = even_hits, odd_hits
+        return hits, even_corrupt + odd_corrupt
+
+    def _read_part(self, kbs: list[bytes], outs: list[torch.Tensor]) -> tuple[list[bool], list[bytes]]:
         hits: list[bool] = []
         corrupt: list[bytes] = []
         with self._env.begin(buffers=True) as txn:
@@ -276,7 +313,7 @@ class LMDBBackend(StorageBackend):
                 target, staged = direct_target(out)
                 try:
                     header = serde.decode_header(meta[_SEQ.size:])
-                    hit = serde.copy_payload_into(header, payload, target)
+                    hit = serde.copy_payload_into(header, payload, target, verify=self.verify)
                 except ChunkFormatError:
                     corrupt.append(kb)
                     hit = False
@@ -297,7 +334,7 @@ class LMDBBackend(StorageBackend):
                     continue
                 try:
                     header = serde.decode_header(meta[_SEQ.size:])
-                    results.append(serde.decode_payload(header, payload))
+                    results.append(serde.decode_payload(header, payload, verify=self.verify))
                 except ChunkFormatError:
                     corrupt.append(kb)
                     results.append(None)
