@@ -119,3 +119,20 @@ def test_lmdb_options_are_validated(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="writemap"):
         Engine(two_tiers(tmp_path, writemap="sometimes"))
+
+
+def test_huge_page_advice_keeps_the_tensor_and_its_bytes() -> None:
+    """Advisory only (THP may be off on this machine): the same tensor comes back, usable, and
+    small or odd-sized buffers are left alone without error."""
+    from tierkv.memory import allocate_bytes, huge_pages
+
+    big = torch.empty(4 << 20, dtype=torch.uint8)
+    assert huge_pages(big) is big
+    big.fill_(7)
+    assert int(big.sum()) == 7 * (4 << 20)
+    small = torch.ones(100, dtype=torch.uint8)
+    assert huge_pages(small) is small and int(small.sum()) == 100
+    odd = torch.empty((3 << 20) + 5, dtype=torch.uint8)[1:]
+    assert huge_pages(odd) is odd
+    fresh = allocate_bytes(8 << 20, pinned=False)
+    assert fresh.numel() == 8 << 20 and fresh.dtype == torch.uint8

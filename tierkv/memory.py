@@ -2,16 +2,20 @@
 
 Large fresh allocations are expensive (every page faults on first touch, and pinned
 allocation goes through the driver), so chunks that tierkv hands out live in recycled
-slabs. A handed-out tensor returns its slab to the pool by itself when the last
+slabs, and large unpinned buffers ask for transparent huge pages. A handed-out tensor returns its slab to the pool by itself when the last
 reference to it (or any view of it) is dropped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import mmap
+import sys
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,9 +51,49 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // _GRANULE) * _GRANULE
 
 
+_PAGE = mmap.PAGESIZE
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, where there is one (Linux); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+def huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """Ask the kernel to back a large, fresh host tensor with transparent huge pages.
+
+    First touch of fresh memory costs one page fault per 4 KiB page, which makes writing a
+    new 512 MiB buffer several times slower than copying into touched memory; with 2 MiB
+    pages the faults all but vanish. Advisory: where THP is off or madvise is missing the
+    tensor is returned as it is. Pinned memory is left alone (the driver owns it).
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    madvise = _madvise()
+    if madvise is None or nbytes < _HUGE_PAGE or tensor.device.type != "cpu" or tensor.is_pinned():
+        return tensor
+    start = tensor.data_ptr()
+    aligned = (start + _PAGE - 1) & ~(_PAGE - 1)
+    length = (start + nbytes - aligned) & ~(_PAGE - 1)
+    if length > 0 and madvise(aligned, length, _MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+    return tensor
+
+
 def allocate_bytes(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A fresh uint8 host tensor, pinned when asked and possible."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and can_pin_memory())
+    """A fresh uint8 host tensor, pinned when asked and possible (else on huge pages)."""
+    return huge_pages(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and can_pin_memory()))
 
 
 class _Lease:

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from tierkv.memory import size_class
+from tierkv.memory import huge_pages, size_class
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ _SEGMENTS = 8
 
 def new_buffer(nbytes: int, device: torch.device, pinned: bool) -> torch.Tensor:
     """A fresh uint8 buffer on ``device`` (pinned host memory when asked)."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned and device.type == "cpu")
+    return huge_pages(torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned and device.type == "cpu"))
 
 
 class LazySlabs:
