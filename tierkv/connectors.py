@@ -25,11 +25,10 @@ straight into, the serving engine's cache.
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +38,6 @@ from tierkv.keys import KV_FORMATS, CacheKey, as_token_array
 if TYPE_CHECKING:
     from tierkv.engine import AsyncEngine, Engine
 
-T = TypeVar("T")
 
 
 def _tensor_of(memory_obj: Any) -> torch.Tensor:
@@ -424,8 +422,6 @@ async def retrieve_with_connector(
     return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask)
 
 
-def _on_loop(engine: Engine, coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run_coroutine_threadsafe(coro, engine._loop).result()
 
 
 def store_paged(
@@ -433,7 +429,7 @@ def store_paged(
 ) -> int:
     """Blocking :func:`store_with_connector` for :class:`~tierkv.Engine` (the gathers run on the
     caller's CUDA stream)."""
-    core = engine._core
+    core = engine.core
     _check_format(core, connector)
     source = ConnectorSource(connector, kwargs, 0)
 
@@ -443,7 +439,7 @@ def store_paged(
             return 0
         source.num_tokens = len(token_array) - skip
         return await core.store_from(keys, source, ranges)
-    return _on_loop(engine, store())
+    return engine.run(store())
 
 
 def retrieve_paged(
@@ -451,10 +447,10 @@ def retrieve_paged(
 ) -> torch.Tensor:
     """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine` (the scatters run on
     the caller's CUDA stream)."""
-    core = engine._core
+    core = engine.core
     _check_format(core, connector)
     skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return _on_loop(engine, core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask))
+    return engine.run(core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask))
 
 
 __all__ = [

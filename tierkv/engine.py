@@ -8,6 +8,7 @@ AsyncClient pattern), so a serving engine without asyncio can call it directly.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -33,7 +34,7 @@ from tierkv.errors import (
     TierUnavailableError,
 )
 from tierkv.fill import FillJob, FillQueue
-from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, as_token_array
+from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
 from tierkv.memory import copy_into, empty_host
 from tierkv.metrics import TierMetrics
@@ -160,7 +161,7 @@ class AsyncEngine:
         meta = self.metadata
         return CacheKey(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, chunk_hash)
 
-    def keys_for(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[CacheKey]:
+    def keys_for(self, tokens: TokenIds) -> list[CacheKey]:
         """The key of every chunk of ``tokens`` (the last one may cover a partial chunk)."""
         return list(self._iter_keys(as_token_array(tokens)))
 
@@ -182,7 +183,7 @@ class AsyncEngine:
     # -- prompt-level API -------------------------------------------------------------
     async def store(
         self,
-        tokens: torch.Tensor | Sequence[int],
+        tokens: TokenIds,
         kv: KVCache,
         mask: torch.Tensor | None = None,
         skip_existing: bool = True,
@@ -259,7 +260,7 @@ class AsyncEngine:
 
     async def retrieve(
         self,
-        tokens: torch.Tensor | Sequence[int],
+        tokens: TokenIds,
         mask: torch.Tensor | None = None,
         return_tuple: bool = True,
         out: KVCache | None = None,
@@ -294,7 +295,7 @@ class AsyncEngine:
         blob = sink.blob.narrow(kvlayout.token_dim(fmt), 0, retrieved)
         return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
 
-    async def retrieve_to(self, tokens: torch.Tensor | Sequence[int], sink: transfer.ChunkSink,
+    async def retrieve_to(self, tokens: TokenIds, sink: transfer.ChunkSink,
                           mask: torch.Tensor | None = None) -> torch.Tensor:
         """Retrieve the cached prefix of ``tokens`` into ``sink`` (a connector's paged cache);
         returns the mask of the tokens written. Chunks held by a memory tier are copied
@@ -332,7 +333,7 @@ class AsyncEngine:
             self._copies.add_delivered("retrieve", retrieved * _nbytes(sink.chunk_shape(1), sink.dtype))
         return sink, retrieved, ret_mask
 
-    async def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
+    async def lookup(self, tokens: TokenIds) -> int:
         """Length in tokens of the longest prefix of ``tokens`` cached in any tier.
 
         ``stats()["last_lookup"]`` says how many of those chunks each tier holds. The first
@@ -341,24 +342,46 @@ class AsyncEngine:
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
-        keys = self._iter_keys(token_array)
-        first = list(itertools.islice(keys, 1))
-        levels = await self.locate_keys(first)
-        if levels and levels[0] is not None:
-            levels += await self.locate_keys(list(keys))
-        return self._record_lookup(len(token_array), levels)
+        return self._record_lookup(len(token_array), await self._locate_prefix(token_array))
 
-    def lookup_nowait(self, tokens: torch.Tensor | Sequence[int]) -> int | None:
+    def lookup_nowait(self, tokens: TokenIds) -> int | None:
         """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
         None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
         self._ensure_open()
         token_array = as_token_array(tokens)
+        levels = self._locate_prefix_nowait(token_array)
+        return None if levels is None else self._record_lookup(len(token_array), levels)
+
+    async def locate_prefix(self, tokens: TokenIds) -> list[str]:
+        """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
+        counts), highest first; ``"fill-queue"`` for a chunk only waiting to be written."""
+        self._ensure_open()
+        return self._tier_names(await self._locate_prefix(as_token_array(tokens)))
+
+    def locate_prefix_nowait(self, tokens: TokenIds) -> list[str] | None:
+        """:meth:`locate_prefix` from in-memory indexes, from any thread; None when that needs I/O."""
+        self._ensure_open()
+        levels = self._locate_prefix_nowait(as_token_array(tokens))
+        return None if levels is None else self._tier_names(levels)
+
+    def _tier_names(self, levels: list[int | None]) -> list[str]:
+        prefix = levels[: policy.first_missing([level is not None for level in levels])]
+        return ["fill-queue" if level == -1 else self.tiers[level].name for level in prefix]  # type: ignore[index]
+
+    async def _locate_prefix(self, token_array: np.ndarray) -> list[int | None]:
+        keys = self._iter_keys(token_array)
+        levels = await self.locate_keys(list(itertools.islice(keys, 1)))
+        if levels and levels[0] is not None:
+            levels += await self.locate_keys(list(keys))
+        return levels
+
+    def _locate_prefix_nowait(self, token_array: np.ndarray) -> list[int | None] | None:
         keys = self._iter_keys(token_array)
         levels = self._locate_nowait(list(itertools.islice(keys, 1)))
         if levels and levels[0] is not None:
             rest = self._locate_nowait(list(keys))
             levels = None if rest is None else levels + rest
-        return None if levels is None else self._record_lookup(len(token_array), levels)
+        return levels
 
     def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> int:
         """The cached length; the plan is kept as it is and summarised when stats() asks."""
@@ -414,12 +437,12 @@ class AsyncEngine:
                 found[index] = -1
         return found
 
-    async def locate(self, tokens: torch.Tensor | Sequence[int]) -> list[str | None]:
+    async def locate(self, tokens: TokenIds) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
         levels = await self.locate_keys(self.keys_for(as_token_array(tokens)))
         return [None if level is None else ("fill-queue" if level < 0 else self.tiers[level].name) for level in levels]
 
-    async def prefetch(self, tokens: torch.Tensor | Sequence[int]) -> None:
+    async def prefetch(self, tokens: TokenIds) -> None:
         """Start moving the cached prefix of ``tokens`` up to the top tier; returns at once.
 
         A later retrieve of the same tokens waits only for the chunks still in flight.
@@ -525,7 +548,8 @@ class AsyncEngine:
             except Exception as exc:
                 self._tier_failed(level, "contains", exc)
                 continue
-            self._health[tier.name].record_success()
+            # an answered contains is not a healthy tier: an index can answer while every read
+            # fails, and resetting the failure streak here would never let the breaker trip
             still = []
             for index, flag in zip(missing, flags):
                 if flag:
@@ -1116,10 +1140,25 @@ class Engine:
         return cls(load_config(path), metadata)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine of :attr:`core` on the engine's loop; returns at once with a future
+        (an integration that overlaps tierkv work with its own, e.g. a save during the next
+        forward pass)."""
         if not self._thread.is_alive():
             coro.close()
             raise BackendClosedError("engine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of :attr:`core` on the engine's loop and wait for its result."""
+        return self._run(coro)
+
+    @property
+    def core(self) -> AsyncEngine:
+        """The asyncio engine this facade drives (its coroutines go to :meth:`submit` / :meth:`run`)."""
+        return self._core
 
     @property
     def config(self) -> EngineConfig:
@@ -1133,27 +1172,32 @@ class Engine:
     def tiers(self) -> list[StorageBackend]:
         return self._core.tiers
 
-    def keys_for(self, tokens: torch.Tensor | Sequence[int] | np.ndarray) -> list[CacheKey]:
+    def keys_for(self, tokens: TokenIds) -> list[CacheKey]:
         return self._core.keys_for(tokens)
 
-    def store(self, tokens: torch.Tensor | Sequence[int], kv: KVCache, mask: torch.Tensor | None = None,
+    def store(self, tokens: TokenIds, kv: KVCache, mask: torch.Tensor | None = None,
               skip_existing: bool = True) -> int:
         return self._run(self._core.store(tokens, kv, mask, skip_existing))
 
-    def retrieve(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
+    def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None,
                  return_tuple: bool = True, out: KVCache | None = None) -> tuple[Any, torch.Tensor]:
         return self._run(self._core.retrieve(tokens, mask, return_tuple, out))
 
-    def lookup(self, tokens: torch.Tensor | Sequence[int]) -> int:
+    def lookup(self, tokens: TokenIds) -> int:
         """Answered on the calling thread from the tiers' in-memory indexes when they all have
         one (no hop to the engine's loop: a scheduler asks this for every request)."""
         cached = self._core.lookup_nowait(tokens)
         return cached if cached is not None else self._run(self._core.lookup(tokens))
 
-    def prefetch(self, tokens: torch.Tensor | Sequence[int]) -> None:
+    def locate_prefix(self, tokens: TokenIds) -> list[str]:
+        """Answered on the calling thread when every tier has an in-memory index (see lookup)."""
+        names = self._core.locate_prefix_nowait(tokens)
+        return names if names is not None else self._run(self._core.locate_prefix(tokens))
+
+    def prefetch(self, tokens: TokenIds) -> None:
         self._run(self._core.prefetch(tokens))
 
-    def locate(self, tokens: torch.Tensor | Sequence[int]) -> list[str | None]:
+    def locate(self, tokens: TokenIds) -> list[str | None]:
         return self._run(self._core.locate(tokens))
 
     def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:

@@ -107,7 +107,11 @@ def namespace_prefix(fmt: str, model_name: str, world_size: int, worker_id: int)
     return "".join(quote(str(part), safe="-_.") + "@" for part in (fmt, model_name, world_size, worker_id))
 
 
-def as_token_array(tokens: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndarray:
+TokenIds = torch.Tensor | Sequence[int] | np.ndarray
+"""What every token-taking call accepts: a 1-D tensor, a sequence of ints, or a numpy array."""
+
+
+def as_token_array(tokens: TokenIds) -> np.ndarray:
     """Validate token ids and return them as a little-endian int32 array.
 
     Raises ValueError naming what was expected for anything that is not a 1-D sequence of

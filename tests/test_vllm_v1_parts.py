@@ -1,0 +1,296 @@
+"""The vLLM v1 connector's parts that need no vLLM: paged layouts, the scheduler-side planner,
+the lookup channel between processes, and settings. (tests/test_vllm_v1.py runs the whole
+connector inside a real vLLM.)"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv import Engine
+from tierkv.errors import ConfigError
+from tierkv.integrations.vllm_v1.layouts import (
+    PagedLayerConnector,
+    detect_layout,
+    slot_mapping,
+    split_layers,
+    token_runs,
+)
+from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer
+from tierkv.integrations.vllm_v1.scheduler import LookupResult, SchedulerPlanner
+from tierkv.integrations.vllm_v1.settings import settings_from
+from tierkv.integrations.vllm_v1.worker import WorkerTransfers
+
+LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 3, 2, 8, 16, 12
+
+
+# -- layouts -----------------------------------------------------------------------------------------
+def make_layer(layout: str, generator: torch.Generator) -> torch.Tensor:
+    shape = {"cpu": (BLOCKS, HEADS, BLOCK, 2 * HEAD), "content": (BLOCKS, HEADS, BLOCK, 2 * HEAD),
+             "kv_first": (2, BLOCKS, BLOCK, HEADS, HEAD), "blocks_first": (BLOCKS, 2, BLOCK, HEADS, HEAD)}[layout]
+    return torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=generator).view(torch.bfloat16)
+
+
+def token_kv(layout: str, layer: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[heads, head]`` of one slot, read the way the backend's kernels read them."""
+    block, offset = divmod(slot, BLOCK)
+    if layout == "cpu":  # each (block, head) page: block_size K rows, then block_size V rows
+        rows = layer[block].reshape(HEADS, 2 * BLOCK, HEAD)
+        return rows[:, offset], rows[:, BLOCK + offset]
+    if layout == "content":  # each token's content: K then V
+        return layer[block, :, offset, :HEAD], layer[block, :, offset, HEAD:]
+    if layout == "kv_first":
+        return layer[0, block, offset], layer[1, block, offset]
+    return layer[block, 0, offset], layer[block, 1, offset]
+
+
+@pytest.mark.parametrize("layout", ["cpu", "content", "kv_first", "blocks_first"])
+def test_gather_then_scatter_moves_exactly_the_mapped_tokens(layout: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    source = [make_layer(layout, generator) for _ in range(LAYERS)]
+    target = [torch.zeros_like(layer) for layer in source]
+    untouched = [layer.clone() for layer in target]
+    num_tokens = 40  # two full blocks and a partial one; tokens 5..36 are moved
+    source_slots = slot_mapping([7, 2, 9], BLOCK, num_tokens, first=5, last=37)
+    target_slots = slot_mapping([4, 11, 0], BLOCK, num_tokens, first=5, last=37)
+    source_conn = PagedLayerConnector(split_layers(source, layout, HEADS, HEAD, BLOCK), BLOCK)
+    target_conn = PagedLayerConnector(split_layers(target, layout, HEADS, HEAD, BLOCK), BLOCK)
+    chunk = torch.zeros(tuple(source_conn.get_shape(num_tokens)), dtype=torch.bfloat16)
+    source_conn.from_gpu(chunk, 0, num_tokens, slot_mapping=source_slots)
+    for token in range(num_tokens):
+        for layer in range(LAYERS):
+            keys, values = token_kv(layout, source[layer], int(source_slots[token])) if token in range(5, 37) else (
+                torch.zeros(HEADS, HEAD, dtype=torch.bfloat16),) * 2
+            assert torch.equal(chunk[layer, 0, token].view(torch.int16), keys.view(torch.int16))
+            assert torch.equal(chunk[layer, 1, token].view(torch.int16), values.view(torch.int16))
+    target_conn.to_gpu(chunk, 0, num_tokens, slot_mapping=target_slots)
+    moved = set()
+    for token in range(5, 37):
+        moved.add(int(target_slots[token]))
+        for layer in range(LAYERS):
+            want_k, want_v = token_kv(layout, source[layer], int(source_slots[token]))
+            got_k, got_v = token_kv(layout, target[layer], int(target_slots[token]))
+            assert torch.equal(got_k.view(torch.int16), want_k.view(torch.int16))
+            assert torch.equal(got_v.view(torch.int16), want_v.view(torch.int16))
+    for slot in set(range(BLOCKS * BLOCK)) - moved:  # every other slot kept its bytes
+        for layer in range(LAYERS):
+            for got, old in zip(token_kv(layout, target[layer], slot), token_kv(layout, untouched[layer], slot)):
+                assert torch.equal(got.view(torch.int16), old.view(torch.int16))
+
+
+def test_detect_layout_by_backend_and_shape() -> None:
+    generator = torch.Generator().manual_seed(0)
+    assert detect_layout("CPU_ATTN", make_layer("cpu", generator), HEADS, HEAD) == ("cpu", BLOCK)
+    assert detect_layout("FLASH_ATTN", make_layer("content", generator), HEADS, HEAD) == ("content", BLOCK)
+    assert detect_layout("FLASH_ATTN", make_layer("kv_first", generator), HEADS, HEAD) == ("kv_first", BLOCK)
+    assert detect_layout("FLASHINFER", make_layer("blocks_first", generator), HEADS, HEAD) == ("blocks_first", BLOCK)
+    with pytest.raises(ValueError, match="unsupported KV cache of shape"):
+        detect_layout("FLASH_ATTN", torch.zeros(4, 3, 16, 5), HEADS, HEAD)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        split_layers([torch.zeros(1)], "nhd", HEADS, HEAD, BLOCK)
+    with pytest.raises(ValueError, match="expects a layer of"):
+        split_layers([torch.zeros(BLOCKS, HEADS + 1, BLOCK, 2 * HEAD)], "cpu", HEADS, HEAD, BLOCK)
+
+
+def test_slot_runs_and_mappings() -> None:
+    assert token_runs(np.array([4, 5, 6, 7, 8, 9, -1, 0, 1, 2]), 4) == [(0, 4, 1, 0), (4, 6, 2, 0), (7, 10, 0, 0)]
+    assert token_runs(np.array([5, 5, 6]), 4) == [(0, 1, 1, 1), (1, 3, 1, 1)]
+    assert token_runs(np.array([-1, -1]), 4) == []
+    assert list(slot_mapping([3, 1], 4, 6, first=1, last=5)) == [-1, 13, 14, 15, 4, -1]
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        slot_mapping([1, 2], 4, 9)
+    connector = PagedLayerConnector(split_layers([torch.zeros(2, 2, 4, 2, 8)], "kv_first", 2, 8, 4), 4)
+    with pytest.raises(ValueError, match="slot_mapping is required"):
+        connector.from_gpu(torch.zeros(1, 2, 3, 2, 8), 0, 3)
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries"):
+        connector.to_gpu(torch.zeros(1, 2, 3, 2, 8), 0, 3, slot_mapping=[0, 1])
+
+
+# -- the scheduler-side planner ----------------------------------------------------------------------
+def new_request(req_id: str, tokens: list[int], blocks: list[int], computed: int) -> Any:
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=tokens, block_ids=(blocks,), num_computed_tokens=computed)
+
+
+def step(new: list[Any], scheduled: dict[str, int], cached: Any = None, preempted: set[str] | None = None) -> Any:
+    cached = cached or SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
+                           preempted_req_ids=preempted)
+
+
+def test_planner_never_matches_the_whole_prompt_and_plans_the_load() -> None:
+    planner = SchedulerPlanner(lambda tokens: LookupResult(len(tokens), len(tokens)))
+    prompt = list(range(1, 301))
+    assert planner.matched_tokens("a", prompt, 0) == (299, False), "vLLM computes the last token"
+    assert planner.matched_tokens("a", prompt, 128) == (171, False), "beyond what vLLM already has"
+    planner.after_alloc("a", [5, 6, 7], 171)
+    plan = planner.build(step([new_request("a", prompt, [5, 6, 7], 299)], {"a": 1}))
+    (load,) = plan.loads
+    assert (load.start, load.end, load.block_ids, load.asynchronous) == (128, 299, (5, 6, 7), False)
+    assert list(load.token_ids) == prompt
+    assert [save.req_id for save in plan.saves] == ["a"], "the prefill completes in this step"
+    assert planner.build(step([], {})).loads == [], "a load is planned once"
+    assert planner.finished("a") is True, "blocks stay until the worker reports the save"
+    assert planner.finished("a") is False
+
+
+def test_planner_misses_short_prompts_and_unloaded_roles() -> None:
+    assert SchedulerPlanner(lambda t: LookupResult(0, 0)).matched_tokens("a", [1, 2, 3], 0) == (0, False)
+    assert SchedulerPlanner(lambda t: LookupResult(1, 1)).matched_tokens("a", [7], 0) == (0, False)
+    producer = SchedulerPlanner(lambda t: LookupResult(len(t), len(t)), load=False)
+    assert producer.matched_tokens("a", list(range(50)), 0) == (0, False)
+    consumer = SchedulerPlanner(lambda t: LookupResult(0, 0), save=False)
+    plan = consumer.build(step([new_request("b", list(range(10)), [1], 0)], {"b": 10}))
+    assert plan.saves == [] and consumer.finished("b") is False
+
+
+def test_planner_saves_once_when_chunked_prefill_completes_and_tracks_blocks() -> None:
+    planner = SchedulerPlanner(lambda t: LookupResult(0, 0))
+    prompt = list(range(500))
+    plan = planner.build(step([new_request("c", prompt, [1, 2], 0)], {"c": 256}))
+    assert plan.saves == [], "prefill not done yet"
+    cached = SimpleNamespace(req_ids=["c"], resumed_req_ids=set(), new_block_ids=[([3, 4],)], num_computed_tokens=[256])
+    plan = planner.build(step([], {"c": 244}, cached))
+    (save,) = plan.saves
+    assert save.block_ids == (1, 2, 3, 4) and len(save.token_ids) == 500
+    cached = SimpleNamespace(req_ids=["c"], resumed_req_ids={"c"}, new_block_ids=[([9, 8, 7, 6],)],
+                             num_computed_tokens=[500])
+    assert planner.build(step([], {"c": 1}, cached, preempted={"x"})).saves == [], "saved once"
+    assert planner.build(step([], {}, preempted={"x", "y"})).preempted == ("x", "y")
+
+
+def test_planner_loads_asynchronously_when_the_prefix_is_below_memory() -> None:
+    auto = SchedulerPlanner(lambda t: LookupResult(512, 256))
+    assert auto.matched_tokens("d", list(range(600)), 0) == (512, True)
+    auto.after_alloc("d", [1, 2, 3, 4, 5], 512)
+    (load,) = auto.build(step([], {})).loads  # not scheduled: it waits for its KV
+    assert load.asynchronous and (load.start, load.end) == (0, 512)
+    assert SchedulerPlanner(lambda t: LookupResult(512, 512)).matched_tokens("e", list(range(600)), 0) == (512, False)
+    assert SchedulerPlanner(lambda t: LookupResult(512, 512), load_async="always").matched_tokens(
+        "f", list(range(600)), 0) == (512, True)
+    with pytest.raises(ValueError, match="load_async"):
+        SchedulerPlanner(lambda t: LookupResult(0, 0), load_async="sometimes")
+
+
+# -- the lookup channel -------------------------------------------------------------------------------
+def test_lookup_channel_between_threads_and_when_the_worker_is_gone(tmp_path: Path) -> None:
+    path = str(tmp_path / "lookup.sock")
+    seen: list[np.ndarray] = []
+
+    def lookup(tokens: np.ndarray) -> LookupResult:
+        seen.append(tokens.copy())
+        return LookupResult(len(tokens) - 1, 7)
+
+    client = LookupClient(path, timeout_s=2.0)
+    assert client(np.arange(10, dtype=np.int32)) == LookupResult(0, 0), "no server yet: not cached"
+    server = LookupServer(path, lookup)
+    try:
+        # the same process answers directly; the socket is what another process uses
+        assert client(np.arange(5, dtype=np.int32)) == LookupResult(4, 7)
+        import tierkv.integrations.vllm_v1.lookup_ipc as ipc
+
+        direct = ipc._LOCAL.pop(path)
+        try:
+            results = []
+            threads = [threading.Thread(target=lambda n=n: results.append(client(np.arange(n, dtype=np.int32))))
+                       for n in (3, 300, 70000)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert sorted(r.cached_tokens for r in results) == [2, 299, 69999]
+            assert any(len(tokens) == 70000 and tokens[-1] == 69999 for tokens in seen)
+        finally:
+            ipc._LOCAL[path] = direct
+    finally:
+        server.close()
+    assert client(np.arange(4, dtype=np.int32)) == LookupResult(0, 0), "worker gone: not cached, no error"
+
+
+# -- settings ------------------------------------------------------------------------------------------
+CPU_TIER = {"chunk_size": 256, "tiers": [{"name": "host", "backend": "cpu", "capacity": "64MiB"}]}
+
+
+def test_settings_take_the_model_from_vllm_and_check_every_key(tmp_path: Path) -> None:
+    settings = settings_from({"config": CPU_TIER, "load_async": False}, "kv_both", "org/model", 2)
+    assert (settings.load, settings.save, settings.load_async, settings.load_timeout_s) == (True, True, "never", 30.0)
+    assert settings.metadata(1).model_name == "org/model" and settings.metadata(1).world_size == 2
+    yaml_file = tmp_path / "tierkv.yaml"
+    yaml_file.write_text("model: written-by-hand\nchunk_size: 128\ntiers:\n  - {name: host, backend: cpu, capacity: 64MiB}\n")
+    from_file = settings_from({"config": str(yaml_file)}, "kv_consumer", "org/model", 1)
+    assert from_file.config.chunk_size == 128 and (from_file.load, from_file.save) == (True, False)
+    assert from_file.metadata(0).model_name == "org/model", "keys always use vLLM's model name"
+    for extra, match in (({"config": CPU_TIER, "colour": 1}, "unknown key"),
+                         ({"config": CPU_TIER, "load_async": "maybe"}, "load_async"),
+                         ({"config": CPU_TIER, "load_timeout_s": -1}, "load_timeout_s"),
+                         ({"config": CPU_TIER, "load_failure_policy": "ignore"}, "load_failure_policy"),
+                         ({"config": str(tmp_path / "missing.yaml")}, "cannot read"),
+                         ({"config": {**CPU_TIER, "kv_format": "huggingface"}}, "vllm layout")):
+        with pytest.raises(ConfigError, match=match):
+            settings_from(extra, "kv_both", "m", 1)
+    with pytest.raises(ConfigError, match="kv_role"):
+        settings_from({"config": CPU_TIER}, "kv_sideways", "m", 1)
+
+
+def test_settings_need_a_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERKV_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match="name a tierkv YAML file"):
+        settings_from({}, "kv_both", "m", 1)
+
+
+# -- worker transfers through a real engine -------------------------------------------------------------
+def test_worker_saves_then_loads_into_other_blocks_and_reports_what_it_could_not_fill(tmp_path: Path) -> None:
+    chunk = 32
+    config = {"model": "worker-test", "chunk_size": chunk,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    generator = torch.Generator().manual_seed(5)
+    source = [make_layer("cpu", generator) for _ in range(LAYERS)]
+    target = [torch.zeros_like(layer) for layer in source]
+    from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
+
+    tokens = np.arange(1, 81, dtype=np.int32)  # 2 chunks and a half
+    with Engine(config) as engine:
+        saver = WorkerTransfers(engine)
+        saver.register(source, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        saver.save(SaveSpec("r", tokens, (0, 1, 2, 3, 4)))
+        saver.wait_for_saves(["r"])
+        assert saver.finished({"r"})[0] == {"r"}
+        loader = WorkerTransfers(engine)
+        loader.register(target, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        assert loader.load(LoadSpec("s", tokens, (11, 10, 9, 8, 7), 16, 79))
+        for token in range(80):
+            for layer in range(LAYERS):
+                got = token_kv("cpu", target[layer], [11, 10, 9, 8, 7][token // BLOCK] * BLOCK + token % BLOCK)
+                if 16 <= token < 79:
+                    want = token_kv("cpu", source[layer], token)
+                else:
+                    want = (torch.zeros(HEADS, HEAD, dtype=torch.bfloat16),) * 2
+                for a, b in zip(got, want):
+                    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert loader.stats["tokens_loaded"] == 63 and loader.take_load_errors() == set()
+        engine.batched_delete(engine.keys_for(tokens)[1:2])  # the second chunk is gone
+        assert not loader.load(LoadSpec("t", tokens, (11, 10, 9, 8, 7), 0, 79))
+        assert loader.take_load_errors() == {9, 8, 7}, "blocks from the missing chunk's first token on"
+
+
+def test_planner_stops_offering_a_request_whose_load_failed() -> None:
+    """vLLM recomputes failed blocks and may ask again: a tier whose index answers while its
+    reads fail must not be retried for that request forever."""
+    planner = SchedulerPlanner(lambda tokens: LookupResult(len(tokens), len(tokens)))
+    prompt = list(range(300))
+    for req_id, blocks in (("a", [5, 6, 7]), ("b", [8, 9, 10])):
+        assert planner.matched_tokens(req_id, prompt, 0) == (299, False)
+        planner.after_alloc(req_id, blocks, 299)
+    planner.build(step([], {}))
+    planner.loads_failed({9}, set())
+    assert planner.matched_tokens("b", prompt, 0) == (0, False), "b's load failed"
+    assert planner.matched_tokens("a", prompt, 0) == (299, False), "a's did not"
+    planner.loads_failed(set(), {"a"})
+    assert planner.matched_tokens("a", prompt, 0) == (0, False)
+    planner.finished("a")
+    assert planner.matched_tokens("a", prompt, 0) == (299, False), "a new request with a reused id starts afresh"

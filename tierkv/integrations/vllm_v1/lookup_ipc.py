@@ -1,0 +1,169 @@
+"""Lookups from vLLM's scheduler, answered by the worker that owns the tiers.
+
+vLLM runs its scheduler and its workers in different processes (one per tensor-parallel
+rank, even for one GPU), and a worker's memory tiers exist only in that worker. So worker
+rank 0 answers "how much of this prompt is cached, and how much of that in memory?" on a
+Unix socket named after the vLLM instance, and the scheduler asks there. When both sides
+live in one process (vLLM's in-process executor) the answer is a direct call.
+
+Wire format (no pickle): request = uint32 token count + that many int32 ids (little
+endian); reply = int64 cached tokens + int64 of them in memory tiers. Any failure to ask
+(worker not up yet, worker gone) is answered as "nothing cached": a lookup never fails a
+request, it only costs a recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from tierkv.integrations.vllm_v1.scheduler import LookupResult
+
+logger = logging.getLogger(__name__)
+
+_COUNT = struct.Struct("<I")
+_REPLY = struct.Struct("<qq")
+_MAX_TOKENS = 1 << 24
+_LOCAL: dict[str, Callable[[np.ndarray], LookupResult]] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def socket_path(engine_id: str, data_parallel_rank: int = 0) -> str:
+    """Where the instance's worker rank 0 listens (short enough for AF_UNIX)."""
+    return os.path.join(tempfile.gettempdir(), f"tierkv-vllm-{engine_id}-dp{data_parallel_rank}.sock")
+
+
+def _receive(conn: socket.socket, nbytes: int) -> bytes:
+    data = bytearray()
+    while len(data) < nbytes:
+        piece = conn.recv(nbytes - len(data))
+        if not piece:
+            raise ConnectionError(f"peer closed after {len(data)} of {nbytes} bytes")
+        data += piece
+    return bytes(data)
+
+
+class LookupServer:
+    """Serves lookups on ``path`` from threads (one per scheduler connection)."""
+
+    def __init__(self, path: str, lookup: Callable[[np.ndarray], LookupResult]) -> None:
+        self.path = path
+        self.lookup = lookup
+        if os.path.exists(path):
+            os.unlink(path)  # left over by a process that died
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.bind(path)
+        os.chmod(path, 0o600)
+        self._socket.listen(8)
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept, name="tierkv-lookup-server", daemon=True)
+        self._thread.start()
+        with _LOCAL_LOCK:
+            _LOCAL[path] = lookup
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return
+            self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tierkv-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    (count,) = _COUNT.unpack(_receive(conn, _COUNT.size))
+                    if count > _MAX_TOKENS:
+                        raise ValueError(f"lookup of {count} tokens (at most {_MAX_TOKENS})")
+                    tokens = np.frombuffer(_receive(conn, 4 * count), dtype="<i4")
+                    try:
+                        result = self.lookup(tokens)
+                    except Exception as exc:  # a broken tier: nothing cached, the request recomputes
+                        logger.warning("tierkv: lookup failed, answering 'not cached': %s: %s", type(exc).__name__, exc)
+                        result = LookupResult(0, 0)
+                    conn.sendall(_REPLY.pack(result.cached_tokens, result.in_memory_tokens))
+                except (ConnectionError, OSError, ValueError):
+                    break
+        self._connections.discard(conn)
+
+    def close(self) -> None:
+        self._closed.set()
+        with _LOCAL_LOCK:
+            _LOCAL.pop(self.path, None)
+        for conn in list(self._connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self._socket.close()
+        finally:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+
+
+class LookupClient:
+    """Asks the worker's :class:`LookupServer` (or calls it, in the same process)."""
+
+    def __init__(self, path: str, timeout_s: float = 5.0) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._conn: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def __call__(self, tokens: np.ndarray) -> LookupResult:
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(self.path)
+        if local is not None:
+            return local(tokens)
+        payload = _COUNT.pack(len(tokens)) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+        with self._lock:
+            for attempt in range(2):  # a dropped connection is re-opened once
+                try:
+                    conn = self._connect()
+                    conn.sendall(payload)
+                    cached, in_memory = _REPLY.unpack(_receive(conn, _REPLY.size))
+                    return LookupResult(int(cached), int(in_memory))
+                except OSError as exc:
+                    self._drop()
+                    if attempt == 1:
+                        self._warn(exc)
+        return LookupResult(0, 0)
+
+    def _connect(self) -> socket.socket:
+        if self._conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(self.timeout_s)
+            try:
+                conn.connect(self.path)
+            except OSError:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _warn(self, exc: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("tierkv: the worker's lookup server at %s is not answering (%s); "
+                           "counting prompts as not cached until it does", self.path, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

@@ -1,0 +1,215 @@
+"""The scheduler side of the vLLM v1 connector: what to load and save, per request and step.
+
+Pure bookkeeping (no I/O, no vLLM import): vLLM's scheduler asks how many prompt tokens
+tierkv can supply, allocates blocks, then asks for the step's metadata; this module answers
+from a ``lookup`` callable and the scheduler's own output objects, so it is tested with
+plain stand-ins for them.
+
+Rules:
+
+- matched tokens = what tierkv holds of the prompt beyond what vLLM already computed,
+  never the whole prompt (vLLM must compute at least the last token to sample the next);
+- a request's load is planned once its blocks are allocated, with the request's full
+  prompt (so a stored partial last chunk matches) and the token range to write;
+- a request's prompt is saved in the step that completes its prefill, once; a request
+  whose save was planned keeps its blocks after it finishes until the worker reports
+  the save done (``request_finished`` returns True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tierkv.keys import as_token_array
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Read the KV of tokens ``[start, end)`` of ``token_ids`` into the request's blocks."""
+
+    req_id: str
+    token_ids: np.ndarray
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    asynchronous: bool = False
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store the KV of ``token_ids`` (a finished prefill) from the request's blocks."""
+
+    req_id: str
+    token_ids: np.ndarray
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class StepPlan:
+    """What the workers do around one forward pass."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray
+    block_ids: list[int] = field(default_factory=list)
+    save_planned: bool = False
+
+
+@dataclass
+class _Match:
+    local: int
+    external: int
+    asynchronous: bool
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """A lookup's answer: cached prompt tokens, and how many of them sit in memory tiers."""
+
+    cached_tokens: int
+    in_memory_tokens: int
+
+
+class SchedulerPlanner:
+    """Answers vLLM's scheduler-side connector calls (see the module docstring).
+
+    ``lookup(tokens) -> LookupResult``; ``load``/``save``: whether this instance loads
+    (``kv_consumer``/``kv_both``) and saves (``kv_producer``/``kv_both``); ``load_async``:
+    ``"never"``, ``"always"``, or ``"auto"`` (asynchronous when part of the prefix has to
+    come from a tier below memory: the request then waits for its KV without holding up
+    the batch).
+    """
+
+    def __init__(self, lookup: Callable[[np.ndarray], LookupResult], *, load: bool = True, save: bool = True,
+                 load_async: str = "auto") -> None:
+        if load_async not in ("never", "always", "auto"):
+            raise ValueError(f"load_async must be 'never', 'always' or 'auto', got {load_async!r}")
+        self._lookup = lookup
+        self.load = load
+        self.save = save
+        self.load_async = load_async
+        self._requests: dict[str, _Request] = {}
+        self._matches: dict[str, _Match] = {}
+        self._pending_loads: dict[str, LoadSpec] = {}
+        self._saving: set[str] = set()
+        self._loading: dict[str, tuple[int, ...]] = {}  # blocks of each load not yet known to have landed
+        self._no_load: set[str] = set()  # requests whose load failed: vLLM recomputes, tierkv does not retry
+        self.tokens_planned_to_load = 0
+        self.tokens_planned_to_save = 0
+
+    # -- vLLM: get_num_new_matched_tokens -------------------------------------------------
+    def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int
+                       ) -> tuple[int, bool]:
+        """Tokens tierkv can load beyond ``num_computed_tokens``, and whether asynchronously.
+
+        Side-effect free apart from caching the prompt's token array (vLLM may ask again
+        for a request it could not schedule yet).
+        """
+        if not self.load or prompt_token_ids is None or req_id in self._no_load:
+            return 0, False
+        request = self._request(req_id, prompt_token_ids)
+        if len(request.tokens) <= 1:
+            return 0, False
+        result = self._lookup(request.tokens)
+        usable = min(result.cached_tokens, len(request.tokens) - 1)
+        external = usable - num_computed_tokens
+        if external <= 0:
+            self._matches.pop(req_id, None)
+            return 0, False
+        asynchronous = self.load_async == "always" or (self.load_async == "auto" and result.in_memory_tokens < usable)
+        self._matches[req_id] = _Match(num_computed_tokens, external, asynchronous)
+        return external, asynchronous
+
+    # -- vLLM: update_state_after_alloc --------------------------------------------------------
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Blocks are allocated: plan the load of the tokens vLLM now counts as computed."""
+        if num_external_tokens <= 0:
+            return
+        match = self._matches.pop(req_id, None)
+        request = self._requests.get(req_id)
+        if match is None or request is None:
+            return
+        external = min(num_external_tokens, match.external)
+        request.block_ids = list(block_ids)
+        self._pending_loads[req_id] = LoadSpec(req_id, request.tokens, tuple(block_ids), match.local,
+                                               match.local + external, match.asynchronous)
+
+    # -- vLLM: build_connector_meta ----------------------------------------------------------------
+    def build(self, scheduler_output: Any) -> StepPlan:
+        """The step's loads (every load planned since the last step) and saves (requests whose
+        prefill this step completes)."""
+        plan = StepPlan(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        self._loading.update((load.req_id, load.block_ids) for load in plan.loads)
+        self.tokens_planned_to_load += sum(load.end - load.start for load in plan.loads)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is None:
+                continue
+            request = self._request(new.req_id, new.prompt_token_ids)
+            request.block_ids = list(new.block_ids[0])
+            self._plan_save(plan, new.req_id, request, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            known = self._requests.get(req_id)
+            if known is None:
+                continue
+            request = known
+            new_blocks = cached.new_block_ids[index]
+            if new_blocks is not None:
+                if req_id in cached.resumed_req_ids:
+                    request.block_ids = list(new_blocks[0])
+                else:
+                    request.block_ids.extend(new_blocks[0])
+            self._plan_save(plan, req_id, request, cached.num_computed_tokens[index] + scheduled.get(req_id, 0))
+        plan.preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        return plan
+
+    def _plan_save(self, plan: StepPlan, req_id: str, request: _Request, computed_after_step: int) -> None:
+        if not self.save or request.save_planned or computed_after_step < len(request.tokens):
+            return
+        request.save_planned = True
+        self._saving.add(req_id)
+        plan.saves.append(SaveSpec(req_id, request.tokens, tuple(request.block_ids)))
+        self.tokens_planned_to_save += len(request.tokens)
+
+    # -- vLLM: update_connector_output -------------------------------------------------------------
+    def loads_failed(self, invalid_block_ids: set[int], failed_requests: set[str]) -> None:
+        """The workers could not fill these blocks (or these requests' async loads): vLLM
+        recomputes them, and those requests are not offered tierkv's KV again (a tier that
+        answers lookups but fails reads would otherwise be retried forever)."""
+        failed = set(failed_requests)
+        if invalid_block_ids:
+            failed |= {req_id for req_id, blocks in self._loading.items() if invalid_block_ids.intersection(blocks)}
+        self._no_load |= failed
+        for req_id in failed:
+            self._loading.pop(req_id, None)
+
+    # -- vLLM: request_finished ---------------------------------------------------------------------
+    def finished(self, req_id: str) -> bool:
+        """Forget the request; True when its blocks must outlive it until the worker reports
+        its save done (``get_finished``)."""
+        self._requests.pop(req_id, None)
+        self._matches.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        self._loading.pop(req_id, None)
+        self._no_load.discard(req_id)
+        if req_id in self._saving:
+            self._saving.discard(req_id)
+            return True
+        return False
+
+    def _request(self, req_id: str, prompt_token_ids: Sequence[int]) -> _Request:
+        request = self._requests.get(req_id)
+        if request is None or len(request.tokens) != len(prompt_token_ids):
+            request = self._requests[req_id] = _Request(as_token_array(np.asarray(prompt_token_ids, dtype=np.int64)))
+        return request

@@ -1,0 +1,119 @@
+"""The connector's settings: vLLM's own config plus ``kv_connector_extra_config``.
+
+What keys chunks (model, world size, worker id) comes from vLLM, so a cache is never
+shared between models or tensor-parallel shapes by mistake; what the tiers are comes from
+the tierkv config named in the extra config (a YAML path, or the config inline), or from
+``TIERKV_CONFIG``.
+
+``kv_connector_extra_config`` keys:
+
+- ``config``: path of a tierkv YAML file, or the config as a mapping (required unless
+  ``TIERKV_CONFIG`` names a file);
+- ``load_async``: ``"auto"`` (default: asynchronous when part of a prefix comes from a tier
+  below memory), ``"always"`` / ``true``, ``"never"`` / ``false``;
+- ``load_timeout_s``: how long a synchronous load may take before its blocks are
+  recomputed (default 30; ``null`` for no limit);
+- ``load_failure_policy``: ``"recompute"`` (default: a failed load is recomputed, as a cache
+  miss should be) or ``"fail"`` (vLLM's own default: the request fails);
+- ``stats_file``: a path where each worker keeps a JSON summary of its loads and saves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tierkv.config import EngineConfig, config_from_mapping, load_config
+from tierkv.engine import EngineMetadata
+from tierkv.errors import ConfigError
+
+_KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file")
+_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything the connector needs, checked once at start-up."""
+
+    config: EngineConfig
+    model_name: str
+    world_size: int
+    load: bool
+    save: bool
+    load_async: str
+    load_timeout_s: float | None
+    load_failure_policy: str
+    stats_file: str | None
+
+    def metadata(self, worker_id: int) -> EngineMetadata:
+        return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm")
+
+
+def _load_async(value: Any) -> str:
+    if value is True:
+        return "always"
+    if value is False:
+        return "never"
+    if value in ("auto", "always", "never"):
+        return str(value)
+    raise ConfigError(f"kv_connector_extra_config.load_async: expected 'auto', 'always', 'never' or a bool, got {value!r}")
+
+
+def _timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config.load_timeout_s: expected a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _engine_config(source: Any, model_name: str) -> EngineConfig:
+    """The tierkv config; its ``model`` defaults to vLLM's (keys use vLLM's name regardless)."""
+    if isinstance(source, Mapping):
+        return load_config({"model": model_name, **source})
+    path = Path(source)
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"kv_connector_extra_config.config: cannot read {str(path)!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of tierkv settings, got {type(document).__name__}")
+    return config_from_mapping({"model": model_name, **document}, source=str(path))
+
+
+def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_name: str,
+                  world_size: int) -> ConnectorSettings:
+    """Validate the extra config (errors name the key and what was expected)."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_KNOWN))
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; tierkv reads {list(_KNOWN)}")
+    role = kv_role or "kv_both"
+    if role not in _ROLES:
+        raise ConfigError(f"kv_role: tierkv runs as one of {sorted(_ROLES)}, got {role!r}")
+    source = extra.get("config") or os.environ.get("TIERKV_CONFIG")
+    if not source:
+        raise ConfigError(
+            "kv_connector_extra_config.config: name a tierkv YAML file (or give the config inline, or set "
+            "TIERKV_CONFIG), e.g. {\"config\": {\"chunk_size\": 256, \"tiers\": [{\"name\": \"host\", "
+            "\"backend\": \"cpu\", \"capacity\": \"8GiB\"}]}}"
+        )
+    config = _engine_config(source, model_name)
+    if config.kv_format != "vllm":
+        raise ConfigError(f"kv_format: the vLLM connector stores the vllm layout, got {config.kv_format!r}")
+    policy = extra.get("load_failure_policy", "recompute")
+    if policy not in ("recompute", "fail"):
+        raise ConfigError(f"kv_connector_extra_config.load_failure_policy: expected 'recompute' or 'fail', got {policy!r}")
+    stats_file = extra.get("stats_file")
+    if stats_file is not None and not isinstance(stats_file, str):
+        raise ConfigError(f"kv_connector_extra_config.stats_file: expected a path, got {stats_file!r}")
+    load, save = _ROLES[role]
+    return ConnectorSettings(config, model_name, world_size, load, save, _load_async(extra.get("load_async", "auto")),
+                             _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file)

@@ -1,0 +1,209 @@
+"""The worker side of the vLLM v1 connector: loads into and saves out of vLLM's paged cache.
+
+Loads read each chunk from the tier that holds it straight into the request's blocks (a
+memory tier's slab is scattered with no intermediate); saves gather the finished prompt's
+tokens straight into the first tier's memory. Saves run on the tierkv engine's loop while
+vLLM computes the next step: the blocks they read stay allocated until the scheduler hears,
+through :meth:`WorkerTransfers.finished`, that the save is done.
+
+Nothing here fails a request. A load that errors, times out or finds a chunk gone reports
+the blocks it could not fill (vLLM recomputes them); a guard stops a load that timed out
+from writing into blocks vLLM has since been told to recompute. A failed save is a future
+miss, counted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tierkv.connectors import ConnectorSink, store_with_connector
+from tierkv.engine import Engine
+from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mapping, split_layers
+from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
+
+logger = logging.getLogger(__name__)
+
+
+class _GuardedSink(ConnectorSink):
+    """A sink that stops writing into vLLM's blocks once the load is abandoned."""
+
+    def __init__(self, connector: PagedLayerConnector, kwargs: dict[str, Any], offset: int) -> None:
+        super().__init__(connector, kwargs, offset)
+        self.abandoned = threading.Event()
+
+    def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
+        if not self.abandoned.is_set():
+            super().read_from(chunk, start, end)
+
+
+class WorkerTransfers:
+    """Loads and saves for one worker (one tensor-parallel rank), through one tierkv engine."""
+
+    def __init__(self, engine: Engine, load_timeout_s: float | None = 30.0) -> None:
+        self.engine = engine
+        self.load_timeout_s = load_timeout_s
+        self.connector: PagedLayerConnector | None = None
+        self.block_size = 0
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._saves: dict[str, list[concurrent.futures.Future[int]]] = defaultdict(list)
+        self._owed: set[str] = set()  # finished requests whose save completion is still to be reported
+        self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink]] = {}
+        self._load_errors: set[int] = set()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def register(self, layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
+                 kernel_block_size: int, block_size: int) -> None:
+        """Bind the paged cache (one tensor per attention layer, in model order, cut in blocks of
+        ``kernel_block_size``; the scheduler's block ids count blocks of ``block_size``)."""
+        if block_size % kernel_block_size:
+            raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
+        views = split_layers(layers, layout, num_kv_heads, head_size, kernel_block_size)
+        self.connector = PagedLayerConnector(views, kernel_block_size)
+        self.block_size = block_size
+
+    def _connector(self) -> PagedLayerConnector:
+        if self.connector is None:
+            raise RuntimeError("the KV caches were not registered (register_kv_caches) before a load or save")
+        return self.connector
+
+    # -- loads -----------------------------------------------------------------------------------
+    def _start_load(self, spec: LoadSpec) -> tuple[concurrent.futures.Future[torch.Tensor], _GuardedSink]:
+        connector = self._connector()
+        chunk = self.engine.core.chunk_size
+        # whole chunks only (a stored partial last chunk is keyed by its exact tokens)
+        limit = min(len(spec.token_ids), -(-spec.end // chunk) * chunk)
+        tokens = spec.token_ids[:limit]
+        slots = slot_mapping(spec.block_ids, self.block_size, limit, first=spec.start, last=spec.end)
+        mask = torch.zeros(limit, dtype=torch.bool)
+        mask[spec.start:] = True
+        sink = _GuardedSink(connector, {"kvcaches": connector.views, "slot_mapping": slots}, spec.start)
+        return self.engine.submit(self.engine.core.retrieve_to(tokens, sink, mask)), sink
+
+    def load(self, spec: LoadSpec) -> bool:
+        """Load now (before the forward pass that reads it); False when some blocks were not filled."""
+        try:
+            future, sink = self._start_load(spec)
+        except Exception as exc:
+            return self._load_failed(spec, spec.start, exc)
+        return self._settle(spec, future, sink, self.load_timeout_s)
+
+    def start_async_load(self, spec: LoadSpec) -> None:
+        """Start a load that vLLM waits for between steps (reported by :meth:`finished`)."""
+        try:
+            future, sink = self._start_load(spec)
+        except Exception as exc:
+            self._load_failed(spec, spec.start, exc)
+            failed: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            future, sink = failed, _GuardedSink(self._connector(), {"slot_mapping": []}, 0)
+            sink.abandoned.set()
+        with self._lock:
+            self._async_loads[spec.req_id] = (spec, future, sink)
+
+    def _settle(self, spec: LoadSpec, future: concurrent.futures.Future[torch.Tensor], sink: _GuardedSink,
+                timeout: float | None) -> bool:
+        try:
+            ret_mask = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError as exc:
+            sink.abandoned.set()
+            future.cancel()
+            return self._load_failed(spec, spec.start, exc)
+        except Exception as exc:
+            sink.abandoned.set()
+            return self._load_failed(spec, spec.start, exc)
+        covered = ret_mask[spec.start : spec.end]
+        if bool(covered.all()):
+            self.stats["tokens_loaded"] += spec.end - spec.start
+            self.stats["requests_loaded"] += 1
+            return True
+        first_missing = spec.start + int(torch.nonzero(~covered)[0])
+        self.stats["tokens_loaded"] += first_missing - spec.start
+        return self._load_failed(spec, first_missing, None)
+
+    def _load_failed(self, spec: LoadSpec, first_missing: int, exc: BaseException | None) -> bool:
+        """Blocks from the one holding ``first_missing`` to the end of the load were not filled."""
+        first_block = first_missing // self.block_size
+        last_block = (spec.end - 1) // self.block_size
+        with self._lock:
+            self._load_errors.update(spec.block_ids[first_block : last_block + 1])
+        self.stats["tokens_load_failed"] += spec.end - first_missing
+        self.stats["load_failures"] += 1
+        if exc is not None:
+            logger.warning("tierkv: load of request %s failed (vLLM recomputes it): %s: %s",
+                           spec.req_id, type(exc).__name__, exc)
+        else:
+            logger.info("tierkv: request %s: %d of %d tokens were no longer cached (vLLM recomputes them)",
+                        spec.req_id, spec.end - first_missing, spec.end - spec.start)
+        return False
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------------------
+    def save(self, spec: SaveSpec) -> None:
+        """Start storing the prompt's KV; it runs while vLLM computes the next step."""
+        connector = self._connector()
+        slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
+        with self._lock:
+            futures = self._saves[spec.req_id]  # known even if the submit fails: its finish is still owed
+        try:
+            future = self.engine.submit(store_with_connector(
+                self.engine.core, connector, spec.token_ids, kvcaches=connector.views, slot_mapping=slots))
+        except Exception as exc:
+            self.stats["save_failures"] += 1
+            logger.warning("tierkv: save of request %s not started: %s: %s", spec.req_id, type(exc).__name__, exc)
+            return
+        future.add_done_callback(functools.partial(self._save_done, spec.req_id, len(spec.token_ids)))
+        with self._lock:
+            futures.append(future)
+
+    def _save_done(self, req_id: str, num_tokens: int, future: concurrent.futures.Future[int]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.stats["save_failures"] += 1
+            logger.warning("tierkv: save of request %s failed (a future miss): %r", req_id,
+                           None if future.cancelled() else future.exception())
+        else:
+            chunks = future.result()
+            self.stats["chunks_saved"] += chunks
+            self.stats["requests_saved"] += 1
+            self.stats["prompt_tokens_saved"] += num_tokens if chunks else 0
+
+    def wait_for_saves(self, req_ids: Sequence[str]) -> None:
+        """Block until the saves of ``req_ids`` are done (their blocks are about to be reused)."""
+        with self._lock:
+            pending = [future for req_id in req_ids for future in self._saves.get(req_id, [])]
+        concurrent.futures.wait(pending)
+
+    # -- completion reports ----------------------------------------------------------------------
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(requests vLLM has finished whose saves are done, async loads now over, those of
+        them that could not fill every block). Call before :meth:`take_load_errors`: a failed
+        async load's blocks are reported in the same step as the load's end."""
+        with self._lock:
+            self._owed |= {req_id for req_id in finished_req_ids if req_id in self._saves}
+            sending = {req_id for req_id in self._owed if all(f.done() for f in self._saves[req_id])}
+            for req_id in sending:
+                self._owed.discard(req_id)
+                del self._saves[req_id]
+            done_loads = [(req_id, entry) for req_id, entry in self._async_loads.items() if entry[1].done()]
+            for req_id, _ in done_loads:
+                del self._async_loads[req_id]
+        failed = {req_id for req_id, (spec, future, sink) in done_loads if not self._settle(spec, future, sink, 0)}
+        return sending, {req_id for req_id, _ in done_loads}, failed
+
+    def close(self) -> None:
+        """Let saves in flight land."""
+        with self._lock:
+            pending = [future for futures in self._saves.values() for future in futures]
+        concurrent.futures.wait(pending, timeout=self.load_timeout_s)
