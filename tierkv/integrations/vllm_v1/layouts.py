@@ -17,9 +17,11 @@ sit inside it depends on the attention backend and the vLLM version:
 Each layout gives, per layer, a K view and a V view indexed ``[block, offset_in_block]``
 (shape ``[num_blocks, block_size, num_kv_heads, head_size]``, strided, no copy).
 :class:`PagedLayerConnector` moves a token range between those views and a tierkv chunk in
-``vllm`` format (``[layers, 2, tokens, heads, head_size]``) one *run* at a time: consecutive
-tokens whose slots are consecutive in one block are one strided copy per layer and K/V, so
-no temporary tensor is made and ``-1`` slots (tokens not to be touched) are skipped.
+``vllm`` format (``[layers, 2, tokens, heads, head_size]``): through :func:`tierkv.ops.paged_gather`
+/ :func:`~tierkv.ops.paged_scatter` (one call for every layer; CUDA kernels on a GPU) when the
+views are plain ``[blocks, block_size, heads, head_size]`` tensors, else one *run* at a time:
+consecutive tokens whose slots are consecutive in one block are one strided copy per layer and
+K/V, so no temporary tensor is made. ``-1`` slots (tokens not to be touched) are skipped either way.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierkv import ops
 from tierkv.connectors import GPUConnector
 from tierkv.memory import copy_into
 
@@ -161,35 +164,50 @@ class PagedLayerConnector(GPUConnector):
         self.views = views
         self.block_size = block_size
         self.device = first.device
+        # plain [blocks, block_size, heads, head] K/V tensors: tierkv.ops moves every layer in one
+        # kernel call (the CUDA kernels on a GPU); other layouts go run by run
+        self.uses_ops = all(k.is_contiguous() and v.is_contiguous() for k, v in views)
 
     def dtype_of(self, **kwargs: Any) -> torch.dtype:
         return self.views[0][0].dtype
 
-    def _runs(self, kwargs: dict[str, Any], start: int, end: int) -> list[tuple[int, int, int, int]]:
+    def _slots(self, kwargs: dict[str, Any], start: int, end: int) -> np.ndarray:
         if "slot_mapping" not in kwargs:
             raise ValueError("slot_mapping is required: one slot per token of the sequence (-1 = skip)")
         slots = kwargs["slot_mapping"]
         slots = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
         if len(slots) < end:
             raise ValueError(f"slot_mapping has {len(slots)} entries, tokens up to {end} are asked for")
-        return token_runs(slots[start:end], self.block_size)
+        return np.asarray(slots[start:end], dtype=np.int64)
 
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         blob = self._blob(memory_obj, start, end)
-        runs = self._runs(kwargs, start, end)
+        slots = self._slots(kwargs, start, end)
         target = blob if blob.device == self.device else torch.empty(blob.shape, dtype=blob.dtype, device=self.device)
-        for first, last, block, offset in runs:
-            count = last - first
-            for layer, (keys, values) in enumerate(self.views):
-                copy_into(target[layer, 0, first:last], keys[block, offset : offset + count])
-                copy_into(target[layer, 1, first:last], values[block, offset : offset + count])
+        if self.uses_ops:
+            ops.paged_gather(self.views, torch.as_tensor(slots, device=self.device), out=target)
+        else:
+            self._gather_runs(target, token_runs(slots, self.block_size))
         if target is not blob:
             blob.copy_(target)
 
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         blob = self._blob(memory_obj, start, end)
-        runs = self._runs(kwargs, start, end)
+        slots = self._slots(kwargs, start, end)
         source = blob if blob.device == self.device else blob.to(self.device)
+        if self.uses_ops:
+            ops.paged_scatter(source, self.views, torch.as_tensor(slots, device=self.device))
+        else:
+            self._scatter_runs(source, token_runs(slots, self.block_size))
+
+    def _gather_runs(self, target: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> None:
+        for first, last, block, offset in runs:
+            count = last - first
+            for layer, (keys, values) in enumerate(self.views):
+                copy_into(target[layer, 0, first:last], keys[block, offset : offset + count])
+                copy_into(target[layer, 1, first:last], values[block, offset : offset + count])
+
+    def _scatter_runs(self, source: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> None:
         for first, last, block, offset in runs:
             count = last - first
             for layer, (keys, values) in enumerate(self.views):

@@ -53,9 +53,10 @@ def _receive(conn: socket.socket, nbytes: int) -> bytes:
 class LookupServer:
     """Serves lookups on ``path`` from threads (one per scheduler connection)."""
 
-    def __init__(self, path: str, lookup: Callable[[np.ndarray], LookupResult]) -> None:
+    def __init__(self, path: str, lookup: Callable[[np.ndarray], LookupResult], cpus: set[int] | None = None) -> None:
         self.path = path
         self.lookup = lookup
+        self.cpus = cpus  # where to run (the CPUs vLLM keeps free); None: wherever the process runs
         if os.path.exists(path):
             os.unlink(path)  # left over by a process that died
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -70,6 +71,8 @@ class LookupServer:
             _LOCAL[path] = lookup
 
     def _accept(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread and the connection threads it starts
         while not self._closed.is_set():
             try:
                 conn, _ = self._socket.accept()

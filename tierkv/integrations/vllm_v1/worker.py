@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -30,6 +31,30 @@ from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mappin
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
 
 logger = logging.getLogger(__name__)
+
+
+def spare_cpus() -> set[int] | None:
+    """CPUs this process is not pinned to: vLLM's CPU backend pins each worker to its compute
+    cores and reserves others for other work. None when the process may run anywhere."""
+    try:
+        own = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        return None
+    spare = set(range(os.cpu_count() or 0)) - own
+    return spare or None
+
+
+async def _pin_current_thread(cpus: set[int]) -> None:
+    os.sched_setaffinity(0, cpus)
+
+
+def keep_off_compute_cores(engine: Engine) -> set[int] | None:
+    """Run the engine's loop thread (and the threads it starts) on the CPUs vLLM keeps free,
+    so tierkv's copies do not take cores from the forward pass; returns them (None: no change)."""
+    cpus = spare_cpus()
+    if cpus is not None:
+        engine.run(_pin_current_thread(cpus))
+    return cpus
 
 
 class _GuardedSink(ConnectorSink):

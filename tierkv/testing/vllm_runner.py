@@ -1,0 +1,94 @@
+"""Run prompts through a real vLLM, with or without tierkv, each vLLM in a process of its own.
+
+For tests and benchmarks of the vLLM v1 connector (vLLM keeps process-wide state, so every
+configuration gets a fresh process). :func:`run_vllm` writes a JSON spec and runs
+``python -m tierkv.testing.vllm_runner SPEC``, which prints one ``TIERKV-RESULT`` line: per
+prompt, the greedy output token ids, the wall time of its generate call, and the connector's
+stats file as it stood after the call. The spec::
+
+    {"model": DIR, "prompts": [[ids], ...], "max_tokens": 8,
+     "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096}
+
+:func:`save_random_llama` makes a model to serve: a Llama with random weights, saved with
+transformers (no download); prompts are token ids, so no tokenizer is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def save_random_llama(path: str | os.PathLike[str], num_layers: int = 2, hidden_size: int = 256, num_heads: int = 4,
+                      num_kv_heads: int = 2, seed: int = 0) -> Path:
+    """A random-weight Llama (vocabulary 1024, bfloat16) saved under ``path``."""
+    import torch
+
+    from tierkv.demo import build_demo_model
+
+    model = build_demo_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return Path(path)
+
+
+def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None, timeout: float = 600,
+             kv_cache_gib: int = 1, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run ``spec`` in a fresh process (with ``env`` added to the environment); the per-prompt
+    results. Raises RuntimeError with the end of vLLM's output when the run fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_file = workdir / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "TOKENIZERS_PARALLELISM": "false",
+                   **(env or {})}
+    if pythonpath is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(pythonpath), environment.get("PYTHONPATH", "")) if p)
+    result = subprocess.run([sys.executable, "-m", "tierkv.testing.vllm_runner", str(spec_file)],
+                            capture_output=True, text=True, timeout=timeout, env=environment, cwd=workdir)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("TIERKV-RESULT ")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed (exit {result.returncode}):\n{result.stderr[-6000:]}")
+    return list(json.loads(lines[-1].split(" ", 1)[1]))
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    extra = spec.get("tierkv")
+    stats_file = (extra or {}).get("stats_file")
+    if extra is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm_v1",
+            kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=extra)
+    max_len = int(spec.get("max_model_len", 4096))
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+              enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
+              disable_log_stats=True, **kwargs)
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
+    results = []
+    for prompt in spec["prompts"]:
+        started = time.perf_counter()
+        output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - started
+        stats = None
+        if stats_file and os.path.exists(stats_file):
+            with open(stats_file) as handle:
+                stats = json.load(handle)
+        results.append({"tokens": list(output.outputs[0].token_ids), "seconds": seconds, "stats": stats})
+    del llm
+    print("TIERKV-RESULT " + json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
