@@ -32,6 +32,7 @@ from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError
 from tierkv.keys import CacheKey
 from tierkv.memory import copy_into
 from tierkv.options import Option, format_size, parse_options
+from tierkv.planner import SpeedSeed
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ class StorageBackend(abc.ABC):
     YAML keys, validated by :func:`tierkv.options.parse_options`),
     ``streams_into_destination`` (``batched_get_into`` may leave bytes in the destination
     of a chunk it then reports missing, because it reads before it can verify; the engine
-    then reads into a staging buffer rather than straight into memory the caller owns).
+    then reads into a staging buffer rather than straight into memory the caller owns),
+    ``speed_seed`` (a get batch's fixed cost and bandwidth before any was timed: where the
+    engine's estimate of the tier starts, see :mod:`tierkv.planner`).
     """
 
     persistent: ClassVar[bool] = False
@@ -53,6 +56,8 @@ class StorageBackend(abc.ABC):
     requires_capacity: ClassVar[bool] = False
     streams_into_destination: ClassVar[bool] = False
     options: ClassVar[Mapping[str, Option]] = {}
+    # what a get batch costs before the engine has timed any: the seed of its cost model
+    speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=1e-3, bytes_per_s=1e9)
 
     def __init__(self, name: str, capacity: int | None = None) -> None:
         if self.requires_capacity and capacity is None:

@@ -52,10 +52,11 @@ _HEALTH_OPTIONS = {
     "retry_after_s": Option("float", 5.0, minimum=0.0, doc="how long an unhealthy tier is skipped"),
     "timeout_s": Option("float", None, minimum=0.0, doc="limit on one tier operation (none by default)"),
 }
+_RECOMPUTE_KEYS = ("tokens_per_s", "curve")
 _TIER_COMMON = ("name", "backend", "capacity", "promote")
 _TOP_LEVEL = (
     "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
-    "background", "health",
+    "background", "health", "recompute", "cost_aware",
 )
 # TIERKV_<NAME> overrides these top-level keys (parsed as YAML scalars).
 _ENV_OVERRIDES = ("model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id")
@@ -101,6 +102,15 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class RecomputeConfig:
+    """How fast the serving model prefills: one throughput, or throughputs at a few prompt
+    lengths (interpolated; attention makes long prompts slower per token)."""
+
+    tokens_per_s: float | None = None
+    curve: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole engine: model identity, chunking, KV layout and the tier stack (top first)."""
 
@@ -115,6 +125,9 @@ class EngineConfig:
     pressure: PressureConfig = field(default_factory=PressureConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    # load a cached prefix only as far as it beats recomputing it; None: when a recompute speed is known
+    cost_aware: bool | None = None
     source: str = "<dict>"
 
 
@@ -189,6 +202,34 @@ def _section(raw: Mapping[str, Any], name: str, spec: Mapping[str, Option]) -> d
     return parse_options(spec, section, name)
 
 
+def _positive(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{path}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _recompute(raw: Any) -> RecomputeConfig:
+    """``recompute: {tokens_per_s: 12000}`` or ``{curve: [[1024, 20000], [16384, 6000]]}``."""
+    if raw is None:
+        return RecomputeConfig()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"recompute: expected a mapping with tokens_per_s and/or curve, got {raw!r}")
+    for key in raw:
+        if key not in _RECOMPUTE_KEYS:
+            raise unknown_key_error(str(key), list(_RECOMPUTE_KEYS), "recompute")
+    tokens_per_s = None if raw.get("tokens_per_s") is None else _positive(raw["tokens_per_s"], "recompute.tokens_per_s")
+    curve_raw = raw.get("curve") or []
+    if not isinstance(curve_raw, list):
+        raise ConfigError(f"recompute.curve: expected a list of [prompt_tokens, tokens_per_s] pairs, got {curve_raw!r}")
+    curve = []
+    for index, point in enumerate(curve_raw):
+        if not isinstance(point, list | tuple) or len(point) != 2:
+            raise ConfigError(f"recompute.curve[{index}]: expected [prompt_tokens, tokens_per_s], got {point!r}")
+        curve.append((_int(point[0], f"recompute.curve[{index}][0]", 1),
+                      _positive(point[1], f"recompute.curve[{index}][1]")))
+    return RecomputeConfig(tokens_per_s, tuple(sorted(curve)))
+
+
 def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> EngineConfig:
     """Validate a parsed YAML document (after environment overrides)."""
     if not isinstance(raw, Mapping):
@@ -222,10 +263,15 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
         low, high = getattr(pressure, f"{kind}_low_watermark"), getattr(pressure, f"{kind}_high_watermark")
         if not 0 < low <= high <= 1:
             raise ConfigError(f"pressure: need 0 < {kind}_low_watermark <= {kind}_high_watermark <= 1, got {low} and {high}")
+    cost_aware = raw.get("cost_aware")
+    if cost_aware is not None and not isinstance(cost_aware, bool):
+        raise ConfigError(f"cost_aware: expected true, false or null (true once a recompute speed is known), "
+                          f"got {cost_aware!r}")
     return EngineConfig(
         model=model, tiers=tiers, chunk_size=chunk_size, kv_format=kv_format, dtype=dtype,
         write_policy=write_policy, world_size=world_size, worker_id=worker_id, pressure=pressure,
-        background=background, health=health, source=source,
+        background=background, health=health, recompute=_recompute(raw.get("recompute")), cost_aware=cost_aware,
+        source=source,
     )
 
 

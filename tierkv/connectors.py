@@ -409,7 +409,8 @@ async def store_with_connector(
 
 
 async def retrieve_with_connector(
-    engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
+    engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
+    deadline_s: float | None = None, **kwargs: Any
 ) -> torch.Tensor:
     """Retrieve the cached prefix of ``tokens`` straight into the serving engine's cache.
 
@@ -419,7 +420,7 @@ async def retrieve_with_connector(
     """
     _check_format(engine, connector)
     skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask)
+    return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s)
 
 
 
@@ -443,14 +444,15 @@ def store_paged(
 
 
 def retrieve_paged(
-    engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
+    engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
+    deadline_s: float | None = None, **kwargs: Any
 ) -> torch.Tensor:
     """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine` (the scatters run on
     the caller's CUDA stream)."""
     core = engine.core
     _check_format(core, connector)
     skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return engine.run(core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask))
+    return engine.run(core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s))
 
 
 __all__ = [

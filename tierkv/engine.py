@@ -38,6 +38,7 @@ from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, TokenIds, as_token_ar
 from tierkv.kvlayout import KVCache
 from tierkv.memory import copy_into, empty_host
 from tierkv.metrics import TierMetrics
+from tierkv.planner import PrefixPlan, RecomputeModel, TierSpeed, load_everything, plan_prefix
 from tierkv.policy import TierHealth
 from tierkv.pressure import HostMemoryProbe, MemoryProbe, MemoryReading, PressureMonitor, open_device_probe
 
@@ -129,6 +130,8 @@ class AsyncEngine:
         self.tiers: list[StorageBackend] = build_tiers(self.config)
         self._promote = [tier.promote for tier in self.config.tiers]
         self._metrics = {tier.name: TierMetrics() for tier in self.tiers}
+        self._speeds = {tier.name: TierSpeed(type(tier).speed_seed) for tier in self.tiers}
+        self._recompute = RecomputeModel(self.config.recompute.tokens_per_s, self.config.recompute.curve or None)
         health = self.config.health
         self._health = {tier.name: TierHealth(health.failure_threshold, health.retry_after_s) for tier in self.tiers}
         self._timeout = health.timeout_s
@@ -144,7 +147,7 @@ class AsyncEngine:
         self._layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self._hit_tokens = 0
         self._miss_tokens = 0
-        self._last_lookup: tuple[int, int, list[int | None]] | None = None
+        self._last_lookup: tuple[int, int, list[int | None], PrefixPlan] | None = None
         self._started = False
         self._closed = False
         if self.write_policy == "write_back":
@@ -264,6 +267,7 @@ class AsyncEngine:
         mask: torch.Tensor | None = None,
         return_tuple: bool = True,
         out: KVCache | None = None,
+        deadline_s: float | None = None,
     ) -> tuple[Any, torch.Tensor]:
         """The cached KV of the longest cached prefix of ``tokens`` and a mask of the tokens it covers.
 
@@ -276,6 +280,11 @@ class AsyncEngine:
         Tokens of ``out`` past the returned mask are not meant to be read: they keep their
         old bytes, except where a chunk after a damaged or vanished one was read (then they
         hold that chunk's correct KV).
+
+        With ``cost_aware`` (see :meth:`plan`) only the part of the prefix that is faster to
+        load than to recompute is read. ``deadline_s``: chunks that have not arrived after
+        that many seconds are misses; the prefix that did arrive is returned (a stuck tier
+        costs at most the deadline, and nothing read after it reaches ``out``).
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
@@ -287,7 +296,9 @@ class AsyncEngine:
             sink = transfer.sink_for(out, fmt, skip, num_tokens - skip, self._layout, self.config.dtype)
             if not return_tuple and isinstance(sink, transfer.TupleSink):
                 raise ValueError("out is per-layer tensors that do not form one blob: pass return_tuple=True")
-        sink, retrieved, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=out is not None)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        sink, retrieved, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=out is not None,
+                                                              deadline=deadline)
         if not retrieved or sink is None:
             return (), ret_mask
         if isinstance(sink, transfer.TupleSink):
@@ -295,27 +306,42 @@ class AsyncEngine:
         blob = sink.blob.narrow(kvlayout.token_dim(fmt), 0, retrieved)
         return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
 
-    async def retrieve_to(self, tokens: TokenIds, sink: transfer.ChunkSink,
-                          mask: torch.Tensor | None = None) -> torch.Tensor:
+    async def retrieve_to(self, tokens: TokenIds, sink: transfer.ChunkSink, mask: torch.Tensor | None = None,
+                          deadline_s: float | None = None, plan: bool = True) -> torch.Tensor:
         """Retrieve the cached prefix of ``tokens`` into ``sink`` (a connector's paged cache);
         returns the mask of the tokens written. Chunks held by a memory tier are copied
-        straight out of its slabs into the sink."""
+        straight out of its slabs into the sink. ``plan=False``: load all of the cached prefix
+        (the caller, e.g. vLLM's scheduler, already decided how much pays)."""
         self._ensure_open()
         token_array = as_token_array(tokens)
         skip = kvlayout.suffix_mask_skip(mask, len(token_array))
-        _, _, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=True)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        _, _, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=True, deadline=deadline,
+                                                   plan=plan)
         return ret_mask
 
     async def _retrieve_into(self, token_array: np.ndarray, skip: int, sink: transfer.ChunkSink | None,
-                             caller_owned: bool) -> tuple[Any, int, torch.Tensor]:
+                             caller_owned: bool, deadline: float | None = None, plan: bool = True
+                             ) -> tuple[Any, int, torch.Tensor]:
         """Locate the cached prefix and read it into ``sink`` (a fresh output when None);
-        the sink, the number of tokens delivered and the mask of them."""
+        the sink, the number of tokens delivered and the mask of them.
+
+        One pass over the tiers: tiers with an in-memory index say which chunks they hold,
+        a tier without one is asked for the rest with gets (on S3 a miss is one GET answered
+        404, never a HEAD first).
+        """
         num_tokens = len(token_array)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
-        await self._await_inflight(keys)
-        levels = await self.locate_keys(keys)
+        first_chunk = skip // self.chunk_size
+        keys = list(self._iter_keys(token_array))[first_chunk:]
+        keys = keys[: await self._await_inflight(keys, deadline)]
+        levels = self._locate_for_read(keys)
         keys = keys[: policy.first_missing([level is not None for level in levels])]
+        if plan and keys and self.cost_aware:
+            chunk_levels: list[int | None] = [None] * first_chunk
+            chunk_levels += levels[: len(keys)]
+            prefix_plan = self._plan(chunk_levels, num_tokens, assume_cached=first_chunk)
+            keys = keys[: max(0, -(-prefix_plan.planned_tokens // self.chunk_size) - first_chunk)]
         ranges = transfer.chunk_ranges(skip - skip % self.chunk_size, num_tokens, self.chunk_size)[: len(keys)]
         hits = 0
         if keys:
@@ -324,7 +350,7 @@ class AsyncEngine:
                 if sink is None:
                     sink, preloaded = await self._fresh_sink(keys, ranges, skip)
                 if sink is not None:
-                    hits = await self._read_chunks(keys, levels, ranges, sink, caller_owned, preloaded)
+                    hits = await self._read_chunks(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
         retrieved = min(ranges[hits - 1][1], num_tokens) - skip if hits else 0
         self._miss_tokens += num_tokens - skip - retrieved
         if retrieved and sink is not None:
@@ -384,21 +410,80 @@ class AsyncEngine:
         return levels
 
     def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> int:
-        """The cached length; the plan is kept as it is and summarised when stats() asks."""
+        """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
         hit_chunks = policy.first_missing([level is not None for level in levels])
         cached = min(hit_chunks * self.chunk_size, num_tokens)
-        self._last_lookup = (num_tokens, cached, levels[:hit_chunks])
-        return cached
+        prefix_plan = self._plan(levels[:hit_chunks], num_tokens)
+        self._last_lookup = (num_tokens, cached, levels[:hit_chunks], prefix_plan)
+        return prefix_plan.planned_tokens
 
     def _last_lookup_summary(self) -> dict[str, Any] | None:
         if self._last_lookup is None:
             return None
-        num_tokens, cached, levels = self._last_lookup
+        num_tokens, cached, levels, prefix_plan = self._last_lookup
         per_tier = {tier.name: 0 for tier in self.tiers}
         for level in levels:
             if level is not None and level >= 0:
                 per_tier[self.tiers[level].name] += 1
-        return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier}
+        return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier,
+                "plan": prefix_plan.summary()}
+
+    # -- cost-aware loading -----------------------------------------------------------------------
+    @property
+    def cost_aware(self) -> bool:
+        """Whether a cached prefix is loaded only as far as that beats recomputing it
+        (``cost_aware`` in the config; by default, once a recompute speed is known)."""
+        if self.config.cost_aware is not None:
+            return self.config.cost_aware
+        return self._recompute.known
+
+    def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
+        """The serving model computed ``new_tokens`` after ``context_tokens`` cached ones in
+        ``seconds``: refines the recompute speed the cost model uses (integrations call this
+        around every prefill they run)."""
+        self._recompute.observe(new_tokens, context_tokens, seconds)
+
+    def plan_nowait(self, tokens: TokenIds) -> PrefixPlan | None:
+        """How much of the cached prefix of ``tokens`` is worth loading, from in-memory indexes
+        (any thread); None when a tier needs I/O to answer (then use :meth:`plan`)."""
+        self._ensure_open()
+        token_array = as_token_array(tokens)
+        levels = self._locate_prefix_nowait(token_array)
+        if levels is None:
+            return None
+        self._record_lookup(len(token_array), levels)
+        return self._last_lookup[3]  # type: ignore[index]
+
+    async def plan(self, tokens: TokenIds) -> PrefixPlan:
+        """How much of the cached prefix of ``tokens`` is worth loading: for each prefix length,
+        the expected fetch time (the tiers holding its chunks, at their measured speeds, read in
+        parallel) against the recompute time it saves; the best length wins. Without a known
+        recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
+        self._ensure_open()
+        token_array = as_token_array(tokens)
+        self._record_lookup(len(token_array), await self._locate_prefix(token_array))
+        return self._last_lookup[3]  # type: ignore[index]
+
+    def _plan(self, levels: Sequence[int | None], num_tokens: int, assume_cached: int = 0) -> PrefixPlan:
+        """The plan for cached chunks at ``levels`` (a prefix, from the prompt's first chunk);
+        the first ``assume_cached`` chunks are the caller's already (not loaded, not counted)."""
+        base = min(assume_cached * self.chunk_size, num_tokens)
+        names = [("fill-queue" if level == -1 else self.tiers[level].name)  # type: ignore[index]
+                 for level in levels[assume_cached:]]
+        sizes = [min(self.chunk_size, num_tokens - (assume_cached + i) * self.chunk_size) for i in range(len(names))]
+        if not self.cost_aware:
+            return load_everything(names, sizes, "cost_aware is off" if self.config.cost_aware is False else
+                                   "no recompute speed known (recompute: in the config, or measured prefills)", base)
+        bytes_per_token = self._bytes_per_token()
+        if bytes_per_token is None:
+            return load_everything(names, sizes, "chunk size in bytes not known yet (nothing stored or read)", base)
+        return plan_prefix(names, sizes, bytes_per_token, self._speeds, self._recompute, base)
+
+    def _bytes_per_token(self) -> float | None:
+        if self._layout is None:
+            return None
+        shape, dtype = self._layout
+        return float(_nbytes(kvlayout.with_tokens(shape, self.metadata.fmt, 1), dtype))
 
     def _locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
         """:meth:`locate_keys` from in-memory indexes only (reads shared state, changes nothing)."""
@@ -425,6 +510,38 @@ class AsyncEngine:
                 flags = None
             if flags is None:
                 continue
+            still = []
+            for index, flag in zip(missing, flags):
+                if flag:
+                    found[index] = level
+                else:
+                    still.append(index)
+            missing = still
+        for index in missing:
+            if self._fill.pending(keys[index]) is not None:
+                found[index] = -1
+        return found
+
+    def _locate_for_read(self, keys: Sequence[CacheKey]) -> list[int | None]:
+        """Where to read each chunk from, without I/O: the highest tier whose in-memory index
+        holds it; chunks no indexed tier holds go to the first available tier without an
+        index (read directly: a miss there is a get that finds nothing), else the fill queue."""
+        found: list[int | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        now = time.monotonic()
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            if not self._health[tier.name].available(now):
+                continue
+            flags = tier.batched_contains_nowait([keys[i] for i in missing])
+            if flags is None:
+                for index in missing:
+                    if self._fill.pending(keys[index]) is not None:
+                        found[index] = -1
+                    else:
+                        found[index] = level
+                return found
             still = []
             for index, flag in zip(missing, flags):
                 if flag:
@@ -597,6 +714,7 @@ class AsyncEngine:
             entry["demotions"] = tier.counters.get("demotions", 0)
             entry["health"] = self._health[tier.name].state()
             entry["promote"] = self._promote[level]
+            entry["speed"] = self._speeds[tier.name].snapshot()
             if tier.name in self._pressure:
                 entry["pressure"] = self._pressure[tier.name].describe()
             tiers[tier.name] = entry
@@ -613,6 +731,8 @@ class AsyncEngine:
             "pressure": {"nvml": self._nvml_state,
                          **{name: p.describe() for name, p in self._pressure.items()}},
             "last_lookup": self._last_lookup_summary(),
+            "cost_aware": self.cost_aware,
+            "recompute": self._recompute.snapshot(),
             "copies": self._copies.snapshot(),
             "tiers": tiers,
         }
@@ -717,22 +837,41 @@ class AsyncEngine:
         metrics.add("bytes_in", nbytes)
         return stored
 
-    async def _tier_get_into(self, level: int, keys: list[CacheKey], outs: list[torch.Tensor]) -> list[bool]:
-        """``batched_get_into`` on tier ``level`` with timeout, metrics and health; errors are misses."""
+    async def _tier_get_into(self, level: int, keys: list[CacheKey], outs: list[torch.Tensor],
+                             deadline: float | None = None) -> list[bool]:
+        """``batched_get_into`` on tier ``level`` with timeout, metrics and health; errors are
+        misses. At ``deadline`` the chunks not in yet are misses (counted apart: a slow tier
+        is not a failing one)."""
         tier = self.tiers[level]
         metrics = self._metrics[tier.name]
+        timeout, by_deadline = self._timeout, False
+        if deadline is not None:
+            remaining = max(0.0, deadline - time.monotonic())
+            if timeout is None or remaining < timeout:
+                timeout, by_deadline = remaining, True
         started = time.perf_counter()
         try:
-            got = await self._timed(tier.batched_get_into(keys, outs))
+            request = tier.batched_get_into(keys, outs)
+            got = await (request if timeout is None else asyncio.wait_for(request, timeout))
+        except TimeoutError as exc:
+            if by_deadline:
+                metrics.add("deadline_misses", len(keys))
+            else:
+                self._tier_failed(level, "get", exc)
+            return [False] * len(keys)
         except Exception as exc:
             self._tier_failed(level, "get", exc)
             return [False] * len(keys)
-        metrics.get_latency.observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        metrics.get_latency.observe(seconds)
         self._health[tier.name].record_success()
         hits = sum(got)
+        nbytes = sum(out.numel() * out.element_size() for out, hit in zip(outs, got) if hit)
         metrics.add("hits", hits)
         metrics.add("misses", len(got) - hits)
-        metrics.add("bytes_out", sum(out.numel() * out.element_size() for out, hit in zip(outs, got) if hit))
+        metrics.add("bytes_out", nbytes)
+        if hits:
+            self._speeds[tier.name].observe(nbytes, seconds)
         return list(got)
 
     async def _tier_get(self, level: int, keys: list[CacheKey]) -> list[torch.Tensor | None]:
@@ -765,10 +904,18 @@ class AsyncEngine:
             await tier.delete(key)
             return None
 
-    async def _await_inflight(self, keys: Sequence[CacheKey]) -> None:
+    async def _await_inflight(self, keys: Sequence[CacheKey], deadline: float | None = None) -> int:
+        """Wait for the prefetches moving these keys (until ``deadline`` at most); how many
+        leading keys are ready (a key still moving at the deadline ends the usable prefix)."""
         waiting = {id(f): f for f in (self._inflight.get(key) for key in keys) if f is not None}
         if waiting:
-            await asyncio.gather(*waiting.values(), return_exceptions=True)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait(list(waiting.values()), timeout=timeout)
+        for index, key in enumerate(keys):
+            future = self._inflight.get(key)
+            if future is not None and not future.done():
+                return index
+        return len(keys)
 
     async def _get_tiered(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         results: list[torch.Tensor | None] = [None] * len(keys)
@@ -891,6 +1038,7 @@ class AsyncEngine:
                          sink: transfer.ChunkSink) -> list[bool]:
         """Copy chunks of an in-place tier straight from its (pinned) slabs into the sink."""
         tier = self.tiers[level]
+        started = time.perf_counter()
         holds = tier.hold([keys[i] for i in indices], pin=True)  # type: ignore[attr-defined]
         try:
             hits = [h is not None and fits_destination(h.chunk, sink.chunk_shape(ranges[i][1] - ranges[i][0]),
@@ -906,9 +1054,12 @@ class AsyncEngine:
                 if hold is not None:
                     hold.release()
         metrics = self._metrics[tier.name]
+        nbytes = sum(chunk.numel() * chunk.element_size() for chunk, _ in work)
         metrics.add("hits", sum(hits))
         metrics.add("misses", len(hits) - sum(hits))
-        metrics.add("bytes_out", sum(chunk.numel() * chunk.element_size() for chunk, _ in work))
+        metrics.add("bytes_out", nbytes)
+        if nbytes:
+            self._speeds[tier.name].observe(nbytes, time.perf_counter() - started)
         return hits
 
     async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int
@@ -928,14 +1079,18 @@ class AsyncEngine:
         return transfer.BlobSink(empty_host(shape, self._layout[1]), self.metadata.fmt, skip), preloaded
 
     async def _read_chunks(self, keys: list[CacheKey], levels: list[int | None], ranges: list[tuple[int, int]],
-                           sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None) -> int:
-        """Read each chunk into ``sink`` from the highest tier holding it; the number of
+                           sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None,
+                           deadline: float | None = None) -> int:
+        """Read each chunk into ``sink`` from the tier it was located in; the number of
         leading chunks delivered.
 
-        A chunk goes straight into the sink's destination (one copy) unless the sink has
-        none for it (an unaligned first chunk, per-layer tensors) or the tier streams before
-        it verifies and the destination is the caller's: then it is read into a pooled
-        chunk buffer and copied once verified. Hits below the top tier are promoted.
+        First every tier reads the chunks located in it, all tiers at once; a chunk a tier
+        turns out not to have is then asked of the tiers below, in order. A chunk goes
+        straight into the sink's destination (one copy) unless the sink has none for it (an
+        unaligned first chunk, per-layer tensors), or the tier streams before it verifies and
+        the destination is the caller's, or the read may be abandoned (a deadline or a tier
+        timeout): then it is read into a pooled chunk buffer and copied once it is in. Hits
+        below the top tier are promoted.
         """
         done = [False] * len(keys)
         staged: dict[int, torch.Tensor] = {}
@@ -948,45 +1103,65 @@ class AsyncEngine:
                 if chunk is not None and fits_destination(chunk, sink.chunk_shape(end - start), sink.dtype):
                     sink.read_from(chunk, start, end)  # now: the fill may release those bytes at the next await
                     done[index] = True
+        first_round: dict[int, list[int]] = {}
+        for index in range(len(keys)):
+            level = levels[index]
+            if not done[index] and level is not None and level >= 0:
+                first_round.setdefault(level, []).append(index)
+        reads = [(level, asked) for level, asked in first_round.items() if self._available(level)]
+        for (_, asked), got in zip(reads, await asyncio.gather(
+                *(self._read_level(level, asked, keys, ranges, sink, caller_owned, staged, deadline)
+                  for level, asked in reads))):
+            for index, hit in zip(asked, got):
+                done[index] = hit
         pending = [i for i in range(len(keys)) if not done[i]]
-        for level in range(len(self.tiers)):
-            asked = [i for i in pending if levels[i] is not None and levels[i] <= level]  # type: ignore[operator]
+        for level in range(len(self.tiers)):  # second round: what a tier did not have, from the tiers below
+            if not pending or (deadline is not None and time.monotonic() >= deadline):
+                break
+            asked = [i for i in pending if levels[i] is not None and levels[i] < level]  # type: ignore[operator]
             if not asked or not self._available(level):
                 continue
-            if _in_place(self.tiers[level]):  # chunks the sink has no destination for are copied out of held slabs
-                borrowed = [i for i in asked if sink.destination(*ranges[i]) is None]
-                if borrowed:
-                    for index, hit in zip(borrowed, await self._read_held(level, keys, ranges, borrowed, sink)):
-                        done[index] = hit
-                    asked = [i for i in asked if i not in borrowed]
-                    pending = [i for i in pending if not done[i]]
-                    if not asked:
-                        continue
-            streams = caller_owned and self.tiers[level].streams_into_destination
-            targets = []
-            for index in asked:
-                start, end = ranges[index]
-                target = None if streams else sink.destination(start, end)
-                if target is None:
-                    target = staged.get(index)
-                    if target is None:
-                        target = staged[index] = empty_host(sink.chunk_shape(end - start), sink.dtype)
-                targets.append(target)
-            got = await self._tier_get_into(level, [keys[i] for i in asked], targets)
-            for index, hit in zip(asked, got):
-                done[index] = done[index] or hit
-            if level > 0 and any(got):
-                await self._promote_hits(level, [keys[i] for i, hit in zip(asked, got) if hit],
-                                         [t for t, hit in zip(targets, got) if hit])
+            for index, hit in zip(asked, await self._read_level(level, asked, keys, ranges, sink, caller_owned,
+                                                                  staged, deadline)):
+                done[index] = hit
             pending = [i for i in pending if not done[i]]
-            if not pending:
-                break
         delivered = policy.first_missing(done)
         late = [(staged[i], ranges[i]) for i in sorted(staged) if i < delivered]
         if late:
             await _off_loop(functools.partial(_read_all, sink, late),
                             sum(chunk.numel() * chunk.element_size() for chunk, _ in late))
         return delivered
+
+    async def _read_level(self, level: int, asked: list[int], keys: list[CacheKey], ranges: list[tuple[int, int]],
+                          sink: transfer.ChunkSink, caller_owned: bool, staged: dict[int, torch.Tensor],
+                          deadline: float | None) -> list[bool]:
+        """Tier ``level`` reads chunks ``asked`` (into the sink, or into ``staged`` buffers); hits."""
+        tier = self.tiers[level]
+        requested = list(asked)
+        hits: dict[int, bool] = {}
+        if _in_place(tier):  # chunks the sink has no destination for are copied out of held slabs
+            borrowed = [i for i in asked if sink.destination(*ranges[i]) is None]
+            if borrowed:
+                hits.update(zip(borrowed, await self._read_held(level, keys, ranges, borrowed, sink)))
+                asked = [i for i in asked if i not in hits]
+        if asked:
+            may_abandon = (deadline is not None or self._timeout is not None) and not _in_place(tier)
+            stage = may_abandon or (caller_owned and tier.streams_into_destination)
+            targets = []
+            for index in asked:
+                start, end = ranges[index]
+                target = None if stage else sink.destination(start, end)
+                if target is None:
+                    target = staged.get(index)
+                    if target is None:
+                        target = staged[index] = empty_host(sink.chunk_shape(end - start), sink.dtype)
+                targets.append(target)
+            got = await self._tier_get_into(level, [keys[i] for i in asked], targets, deadline)
+            hits.update(zip(asked, got))
+            if level > 0 and any(got):
+                await self._promote_hits(level, [keys[i] for i, hit in zip(asked, got) if hit],
+                                         [t for t, hit in zip(targets, got) if hit])
+        return [hits.get(i, False) for i in requested]
 
 
 _IN_PLACE_TYPES: dict[type, bool] = {}
@@ -1179,15 +1354,27 @@ class Engine:
               skip_existing: bool = True) -> int:
         return self._run(self._core.store(tokens, kv, mask, skip_existing))
 
-    def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None,
-                 return_tuple: bool = True, out: KVCache | None = None) -> tuple[Any, torch.Tensor]:
-        return self._run(self._core.retrieve(tokens, mask, return_tuple, out))
+    def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None, return_tuple: bool = True,
+                 out: KVCache | None = None, deadline_s: float | None = None) -> tuple[Any, torch.Tensor]:
+        return self._run(self._core.retrieve(tokens, mask, return_tuple, out, deadline_s))
 
     def lookup(self, tokens: TokenIds) -> int:
         """Answered on the calling thread from the tiers' in-memory indexes when they all have
         one (no hop to the engine's loop: a scheduler asks this for every request)."""
         cached = self._core.lookup_nowait(tokens)
         return cached if cached is not None else self._run(self._core.lookup(tokens))
+
+    def plan(self, tokens: TokenIds) -> PrefixPlan:
+        """Answered on the calling thread when every tier has an in-memory index (see lookup)."""
+        planned = self._core.plan_nowait(tokens)
+        return planned if planned is not None else self._run(self._core.plan(tokens))
+
+    def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
+        self._core.observe_recompute(new_tokens, context_tokens, seconds)
+
+    @property
+    def cost_aware(self) -> bool:
+        return self._core.cost_aware
 
     def locate_prefix(self, tokens: TokenIds) -> list[str]:
         """Answered on the calling thread when every tier has an in-memory index (see lookup)."""

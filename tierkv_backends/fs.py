@@ -36,6 +36,7 @@ from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import as_bytes, byte_runs, copy_into, direct_target, empty_host
 from tierkv.options import Option, format_size
+from tierkv.planner import SpeedSeed
 from tierkv.policy import LRUIndex
 from tierkv_backends.lmdb import ensure_writable_dir
 
@@ -87,6 +88,7 @@ def _read_all(fd: int, into: list[memoryview], offset: int) -> int:
 class FSBackend(BlobBackend):
     """Directory tier: ``<path>/ab/cd/<sha256 of key>.tkv``."""
 
+    speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=300e-6, bytes_per_s=1.5e9)  # local SSD
     persistent: ClassVar[bool] = True
     bounded: ClassVar[bool] = True
     streams_into_destination: ClassVar[bool] = True

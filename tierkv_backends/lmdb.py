@@ -31,6 +31,7 @@ from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnav
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option, format_size
+from tierkv.planner import SpeedSeed
 from tierkv.policy import LRUIndex
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def ensure_writable_dir(path: str, where: str) -> None:
 class LMDBBackend(StorageBackend):
     """Local-disk tier in one LMDB environment; survives process restarts."""
 
+    speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=150e-6, bytes_per_s=2e9)  # page cache or local SSD
     persistent: ClassVar[bool] = True
     requires_capacity: ClassVar[bool] = True
     options: ClassVar[dict[str, Option]] = {

@@ -48,6 +48,7 @@ from tierkv.health import CircuitBreaker
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option
+from tierkv.planner import SpeedSeed
 
 try:
     import boto3
@@ -120,6 +121,7 @@ def is_missing(exc: BaseException) -> bool:
 class S3Backend(BlobBackend):
     """Shared object-store tier; survives restarts and is shared by every replica."""
 
+    speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=20e-3, bytes_per_s=150e6)  # a remote object store
     persistent: ClassVar[bool] = True
     bounded: ClassVar[bool] = False
     options: ClassVar[dict[str, Option]] = {

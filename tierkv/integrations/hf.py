@@ -15,6 +15,7 @@ the engine's layout on the way in and back on the way out.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,16 +119,21 @@ class PrefillResult:
 
 @torch.inference_mode()
 def prefill_with_reuse(model: Any, engine: Engine, input_ids: torch.Tensor, store: bool = True) -> PrefillResult:
-    """Prefill ``input_ids`` reusing its longest cached prefix; the model runs only on the rest.
+    """Prefill ``input_ids`` reusing its cached prefix; the model runs only on the rest.
 
     At least the last token is always computed (its logits are the output). With ``store``,
-    the prompt's KV is stored afterwards (chunks already cached are skipped).
+    the prompt's KV is stored afterwards (chunks already cached are skipped). The prefill is
+    timed and fed to the engine's cost model, so after the first prompts the engine knows
+    how fast this model recomputes and loads only the part of a prefix that is faster to
+    fetch than to compute.
     """
     tokens = _token_list(input_ids)
     device = next(model.parameters()).device
     cache, cached = retrieve_cache(engine, tokens, max_tokens=tokens.numel() - 1, device=device)
     new_tokens = tokens[cached:].to(device)[None]
+    started = time.perf_counter()
     out = model(new_tokens, past_key_values=cache if cache is not None else DynamicCache(), use_cache=True)
+    engine.observe_recompute(new_tokens.shape[1], cached, time.perf_counter() - started)  # the cost model's recompute speed
     if store:
         store_cache(engine, tokens, out.past_key_values)
     return PrefillResult(out.logits[0, -1], out.past_key_values, cached, tokens.numel() - cached)

@@ -121,9 +121,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 chunk = engine.core.chunk_size
 
                 def lookup(tokens: np.ndarray) -> LookupResult:
-                    names = engine.locate_prefix(tokens)
+                    plan = engine.plan(tokens)  # the cost-aware length: the prefix that pays to load
+                    names = engine.locate_prefix(tokens)[: -(-plan.planned_tokens // chunk)]
                     in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
-                    return LookupResult(min(len(names) * chunk, len(tokens)), min(in_memory * chunk, len(tokens)))
+                    return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
 
                 self._server = LookupServer(self._socket, lookup, cpus)
             logger.info("tierkv: worker %d (tp rank %d) serving tiers %s for %s, chunk %d; transfers on CPUs %s",

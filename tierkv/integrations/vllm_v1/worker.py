@@ -111,7 +111,8 @@ class WorkerTransfers:
         mask = torch.zeros(limit, dtype=torch.bool)
         mask[spec.start:] = True
         sink = _GuardedSink(connector, {"kvcaches": connector.views, "slot_mapping": slots}, spec.start)
-        return self.engine.submit(self.engine.core.retrieve_to(tokens, sink, mask)), sink
+        # plan=False: vLLM's scheduler already chose how much to load (from a cost-aware lookup)
+        return self.engine.submit(self.engine.core.retrieve_to(tokens, sink, mask, plan=False)), sink
 
     def load(self, spec: LoadSpec) -> bool:
         """Load now (before the forward pass that reads it); False when some blocks were not filled."""

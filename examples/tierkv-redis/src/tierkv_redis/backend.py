@@ -32,6 +32,7 @@ from tierkv.errors import CapacityError, ChunkFormatError, TierUnavailableError
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import as_bytes, copy_into, direct_target, empty_host, gather_bytes
 from tierkv.options import Option, format_size
+from tierkv.planner import SpeedSeed
 from tierkv_redis.options import REDIS_MAX_VALUE_BYTES, duration, redact_url, redis_url, value_limit
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ _GET_BATCH_KEYS = 256
 class RedisBackend(BlobBackend):
     """A Redis (or Valkey) server as a shared, network-attached tier."""
 
+    speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=1e-3, bytes_per_s=500e6)  # one round trip on a LAN
     persistent: ClassVar[bool] = True  # chunks outlive this process as long as the server keeps them
     bounded: ClassVar[bool] = False  # the server evicts, by its maxmemory-policy
     options: ClassVar[dict[str, Option]] = {
