@@ -6,6 +6,8 @@ session with its data in a temporary directory and stopped by its PID at the end
 
 from __future__ import annotations
 
+import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -39,3 +41,29 @@ def s3_tier_options(server: S3Server, bucket: str, prefix: str, **extra: Any) ->
     return {"bucket": bucket, "prefix": prefix, **server.client_options(), "connect_timeout_s": 0.5,
             "read_timeout_s": 2.0, "timeout_s": 3.0, "retries": 2, "backoff_base_s": 0.01,
             "backoff_max_s": 0.05, "probe_interval_s": 0.1, **extra}
+
+
+@pytest.fixture
+def black_hole() -> Iterator[str]:
+    """A TCP endpoint that accepts connections and never answers (a hung object store)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()

@@ -23,7 +23,8 @@ def model():
 
 @pytest.fixture(params=["huggingface", "vllm"])
 def engine(request, tmp_path: Path):
-    with Engine({"model": "tiny-llama", "chunk_size": 16, "kv_format": request.param, "tiers": [
+    # cost_aware off: these tests check what is reused, which must not hang on measured timings
+    with Engine({"model": "tiny-llama", "chunk_size": 16, "kv_format": request.param, "cost_aware": False, "tiers": [
         {"name": "host", "backend": "cpu", "capacity": "64MiB"},
         {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
     ]}) as eng:
@@ -50,6 +51,19 @@ def test_prefix_reuse_matches_full_prefill_mid_chunk(model, engine: Engine) -> N
     again = hf.prefill_with_reuse(model, engine, first)  # the whole prompt is cached, last chunk partial
     assert again.reused_tokens == 99, "the last token is always computed"
     torch.testing.assert_close(again.logits, _full(model, first), **TOL)
+
+
+def test_prefill_measures_the_recompute_speed_and_switches_the_plan_on(model, tmp_path: Path) -> None:
+    with Engine({"model": "tiny-llama", "chunk_size": 16, "kv_format": "vllm",
+                 "tiers": [{"name": "host", "backend": "cpu", "capacity": "64MiB"}]}) as eng:
+        assert not eng.cost_aware  # no recompute speed known yet: everything cached is loaded
+        hf.prefill_with_reuse(model, eng, _tokens(64, 7))
+        recompute = eng.stats()["recompute"]
+        assert recompute["known"] and recompute["measured_prefills"] == 1
+        assert eng.cost_aware and 0 < recompute["tokens_per_s_at_1k"] < float("inf")
+        eng.lookup(_tokens(64, 7))
+        plan = eng.stats()["last_lookup"]["plan"]
+        assert plan["cached_tokens"] == 64 and plan["expected_recompute_saved_ms"] > 0
 
 
 def test_store_and_retrieve_round_trip_a_dynamic_cache(model, engine: Engine) -> None:

@@ -63,6 +63,20 @@ def test_collector_exposes_engine_stats_in_a_registry(tmp_path: Path) -> None:
     assert sample(text, "tierkv_tier_used_bytes", **labels) == stats["tiers"]["host"]["used_bytes"]
     assert sample(text, "tierkv_tier_pressure_admitting", **labels) == 1.0
     assert sample(text, "tierkv_fill_queue_bytes") == 0
+    speed = stats["tiers"]["host"]["speed"]
+    assert speed["samples"] >= 1  # the hit above was timed
+    assert sample(text, "tierkv_tier_get_fixed_seconds", **labels) == pytest.approx(speed["fixed_ms"] / 1e3)
+    assert sample(text, "tierkv_tier_get_bandwidth_bytes_per_second", tier="disk") == pytest.approx(
+        stats["tiers"]["disk"]["speed"]["bandwidth_MBps"] * 1e6)
+    assert sample(text, "tierkv_tier_deadline_misses_total", **labels) == 0
+
+
+def test_recompute_speed_is_exposed_once_known(tmp_path: Path) -> None:
+    with Engine({**engine_config(tmp_path), "recompute": {"tokens_per_s": 2000}}) as eng:
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(PrometheusCollector(eng))
+        text = prometheus_client.generate_latest(registry).decode()
+    assert sample(text, "tierkv_recompute_tokens_per_second", prompt_tokens="1024") == pytest.approx(2000)
 
 
 def test_collector_can_be_served_over_http(tmp_path: Path) -> None:

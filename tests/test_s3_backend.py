@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -211,32 +209,6 @@ def test_large_chunks_use_multipart_upload_and_ranged_gets(s3_server: S3Server, 
 
 
 # -- a stalled endpoint: the deadline holds -----------------------------------------------------------
-@pytest.fixture
-def black_hole() -> Iterator[str]:
-    """A TCP endpoint that accepts connections and never answers (a hung object store)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                continue
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for conn in held:
-        conn.close()
-    listener.close()
-
-
 def test_stalled_endpoint_gets_end_at_the_deadline_and_the_tier_trips(s3_server: S3Server, black_hole: str) -> None:
     async def body() -> None:
         backend = make_s3(s3_server, "stalled", endpoint_url=black_hole, check_on_start=False,

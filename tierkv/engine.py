@@ -38,7 +38,7 @@ from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, TokenIds, as_token_ar
 from tierkv.kvlayout import KVCache
 from tierkv.memory import copy_into, empty_host
 from tierkv.metrics import TierMetrics
-from tierkv.planner import PrefixPlan, RecomputeModel, TierSpeed, load_everything, plan_prefix
+from tierkv.planner import HOST_MEMORY_SEED, PrefixPlan, RecomputeModel, TierSpeed, load_everything, plan_prefix
 from tierkv.policy import TierHealth
 from tierkv.pressure import HostMemoryProbe, MemoryProbe, MemoryReading, PressureMonitor, open_device_probe
 
@@ -131,6 +131,7 @@ class AsyncEngine:
         self._promote = [tier.promote for tier in self.config.tiers]
         self._metrics = {tier.name: TierMetrics() for tier in self.tiers}
         self._speeds = {tier.name: TierSpeed(type(tier).speed_seed) for tier in self.tiers}
+        self._speeds["fill-queue"] = TierSpeed(HOST_MEMORY_SEED)  # acknowledged chunks still in host memory
         self._recompute = RecomputeModel(self.config.recompute.tokens_per_s, self.config.recompute.curve or None)
         health = self.config.health
         self._health = {tier.name: TierHealth(health.failure_threshold, health.retry_after_s) for tier in self.tiers}

@@ -60,7 +60,7 @@ class Histogram:
 
 
 TIER_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "puts", "errors", "promotions", "demotions",
-                 "dropped_fills", "corrupt_chunks", "skipped_unhealthy", "skipped_pressure")
+                 "dropped_fills", "corrupt_chunks", "skipped_unhealthy", "skipped_pressure", "deadline_misses")
 
 
 class TierMetrics:
@@ -128,6 +128,24 @@ class PrometheusCollector:
                 value = tier_stats.get("pressure", {}).get(key)
                 if value is not None:
                     family.add_metric([model, tier], float(value))
+            yield family
+        for gauge, key, help_text in (
+                ("get_fixed_seconds", "fixed_ms", "estimated fixed cost of one get batch (cost model)"),
+                ("get_bandwidth_bytes_per_second", "bandwidth_MBps", "estimated get bandwidth (cost model)")):
+            family = GaugeMetricFamily(f"{p}_tier_{gauge}", help_text, labels=labels)
+            for tier, tier_stats in stats["tiers"].items():
+                speed = tier_stats.get("speed")
+                if speed is not None:
+                    scale = 1e-3 if key == "fixed_ms" else 1e6
+                    family.add_metric([model, tier], float(speed[key]) * scale)
+            yield family
+        recompute = stats.get("recompute", {})
+        if recompute.get("known"):
+            family = GaugeMetricFamily(f"{p}_recompute_tokens_per_second",
+                                       "estimated prefill throughput of the serving model (cost model)",
+                                       labels=["model", "prompt_tokens"])
+            for tokens, key in (("1024", "tokens_per_s_at_1k"), ("16384", "tokens_per_s_at_16k")):
+                family.add_metric([model, tokens], float(recompute[key]))
             yield family
         queue = GaugeMetricFamily(f"{p}_fill_queue_bytes", "bytes waiting in the background fill queue", labels=["model"])
         queue.add_metric([model], float(stats["fill_queue"]["bytes"]))

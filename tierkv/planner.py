@@ -31,17 +31,23 @@ class SpeedSeed:
     bytes_per_s: float
 
 
+HOST_MEMORY_SEED = SpeedSeed(fixed_s=20e-6, bytes_per_s=8e9)
+"""A copy out of host memory (the cpu tier, the fill queue)."""
+
 _REFERENCE_BYTES = 32 << 20  # the size the seed's prior is anchored at (one Llama-3-8B chunk)
 
 
 class _DecayedFit:
     """Weighted least squares of ``y = a*x1 + b*x2`` (or ``a + b*x`` with x1 = 1), newest
-    samples weighing most (weights halve every ``half_life`` samples), plus fixed prior points."""
+    samples weighing most (weights halve every ``half_life`` samples), plus prior points whose
+    weight shrinks by ``prior_decay`` with every sample (the prior speaks until data does)."""
 
-    def __init__(self, half_life: float, prior: Sequence[tuple[float, float, float]], weight: float) -> None:
+    def __init__(self, half_life: float, prior: Sequence[tuple[float, float, float]], weight: float,
+                 prior_decay: float = 1.0) -> None:
         self.decay = 0.5 ** (1.0 / half_life)
         self.prior = list(prior)
         self.prior_weight = weight
+        self.prior_decay = prior_decay
         self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
         self.samples = 0
 
@@ -56,8 +62,8 @@ class _DecayedFit:
 
     def solve(self) -> tuple[float, float]:
         s11, s12, s22, s1y, s2y = self.s11, self.s12, self.s22, self.s1y, self.s2y
+        w = self.prior_weight * self.prior_decay ** self.samples
         for x1, x2, y in self.prior:
-            w = self.prior_weight
             s11, s12, s22 = s11 + w * x1 * x1, s12 + w * x1 * x2, s22 + w * x2 * x2
             s1y, s2y = s1y + w * x1 * y, s2y + w * x2 * y
         det = s11 * s22 - s12 * s12
@@ -83,7 +89,7 @@ class TierSpeed:
         x = float(_REFERENCE_BYTES)
         # two prior points on the seed's line: it governs until real gets outweigh it
         self._fit = _DecayedFit(half_life, [(1.0, 0.0, seed.fixed_s), (1.0, x, seed.fixed_s + x / seed.bytes_per_s)],
-                                weight=0.5)
+                                weight=0.5, prior_decay=0.8)
         self._fixed_s, self._per_byte = seed.fixed_s, 1.0 / seed.bytes_per_s
 
     def observe(self, nbytes: int, seconds: float) -> None:
@@ -136,7 +142,7 @@ class RecomputeModel:
         else:
             prior = [(1.0 * tokens, 1.0 * tokens * tokens, tokens / speed) for tokens, speed in points]
         self.configured = bool(points)
-        self._fit = _DecayedFit(half_life, prior, weight=1.0)
+        self._fit = _DecayedFit(half_life, prior, weight=1.0, prior_decay=0.9)
         self._a, self._b = self._fit.solve() if points else (0.0, 0.0)
 
     @property

@@ -32,7 +32,7 @@ from tierkv.errors import CapacityError
 from tierkv.keys import CacheKey
 from tierkv.memory import can_pin_memory, copy_into, empty_host, size_class
 from tierkv.options import Option, format_size
-from tierkv.planner import SpeedSeed
+from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.policy import EVICTION_POLICIES, make_index
 from tierkv_backends.slabs import LazySlabs, SlabArena
 
@@ -105,7 +105,7 @@ class Reservation:
 class MemoryTier(StorageBackend):
     """A capacity-bounded tier of slabs on one device (see module docstring)."""
 
-    speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=20e-6, bytes_per_s=8e9)  # a memory copy
+    speed_seed: ClassVar[SpeedSeed] = HOST_MEMORY_SEED  # a memory copy
     requires_capacity: ClassVar[bool] = True
 
     def __init__(self, name: str, capacity: int | None, device: torch.device, pinned: bool,

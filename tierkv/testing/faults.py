@@ -1,4 +1,5 @@
-"""Fault-injecting wrapper for tests: a real backend that can be told to fail or stall."""
+"""Fault-injecting wrapper for tests and benchmarks: a real backend that can be told to fail,
+stall, or serve its reads at a capped bandwidth (a slow disk or network tier)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ from tierkv.keys import CacheKey
 
 class FaultyBackend(StorageBackend):
     """Wraps a real backend; while ``failing`` every call raises, while ``stall_s`` is set
-    every call first sleeps that long (a slow or hung remote store)."""
+    every call first sleeps that long (a slow or hung remote store), while ``bytes_per_s`` is
+    set a read also takes the bytes it returned over that bandwidth. Its in-memory index (if
+    the inner backend has one) answers as the inner backend's does."""
 
     def __init__(self, inner: StorageBackend) -> None:
         super().__init__(inner.name, inner.capacity)
         self.inner = inner
         self.persistent = inner.persistent  # type: ignore[misc]
         self.bounded = inner.bounded  # type: ignore[misc]
+        self.streams_into_destination = inner.streams_into_destination  # type: ignore[misc]
         self.failing = False
         self.stall_s = 0.0
+        self.bytes_per_s: float | None = None
         self.calls = 0
         self.calls_by_op: Counter[str] = Counter()
 
@@ -57,7 +62,22 @@ class FaultyBackend(StorageBackend):
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         await self._maybe_fail("batched_get")
-        return await self.inner.batched_get(keys)
+        chunks = await self.inner.batched_get(keys)
+        await self._throttle(sum(c.numel() * c.element_size() for c in chunks if c is not None))
+        return chunks
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        await self._maybe_fail("batched_get")  # counted with batched_get: both are one read of the batch
+        got = await self.inner.batched_get_into(keys, outs)
+        await self._throttle(sum(out.numel() * out.element_size() for out, hit in zip(outs, got) if hit))
+        return got
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        return self.inner.batched_contains_nowait(keys)
+
+    async def _throttle(self, nbytes: int) -> None:
+        if self.bytes_per_s and nbytes:
+            await asyncio.sleep(nbytes / self.bytes_per_s)
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         await self._maybe_fail("batched_contains")

@@ -1,0 +1,269 @@
+"""Cost-aware retrieval (issue 12): tier speeds, the recompute model, the plan per request,
+deadlines and the single pass over the tiers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from s3_fixtures import s3_tier_options
+
+from tierkv import Engine
+from tierkv.errors import ConfigError
+from tierkv.planner import RecomputeModel, SpeedSeed, TierSpeed, plan_prefix
+from tierkv.testing.faults import FaultyBackend
+from tierkv.testing.s3server import S3Server
+from tierkv.testing.slowproxy import SlowProxy
+
+CHUNK = 16
+LLAMA_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # Llama-3-8B, bf16: 128 KiB per token
+
+
+def kv_of(tokens: torch.Tensor) -> torch.Tensor:
+    t = tokens.to(torch.float32)[None, None, :, None, None]
+    return (t + torch.arange(2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 1, 8) / 16).contiguous()
+
+
+def prompt(index: int, num_chunks: int) -> torch.Tensor:
+    return torch.arange(num_chunks * CHUNK, dtype=torch.int64) + 100_000 * (index + 1)
+
+
+def speeds(**tiers: tuple[float, float]) -> dict[str, TierSpeed]:
+    return {name: TierSpeed(SpeedSeed(fixed_s, bytes_per_s)) for name, (fixed_s, bytes_per_s) in tiers.items()}
+
+
+# -- the plan on synthetic speeds ------------------------------------------------------------------
+def test_a_fast_tier_is_loaded_in_full() -> None:
+    plan = plan_prefix(["cpu"] * 16, [256] * 16, LLAMA_BYTES_PER_TOKEN, speeds(cpu=(20e-6, 10e9)),
+                       RecomputeModel(tokens_per_s=8000))
+    assert plan.planned_tokens == plan.cached_tokens == 4096
+    assert plan.chunks_per_tier == {"cpu": 16}
+    assert plan.fetch_ms == pytest.approx(0.02 + 4096 * LLAMA_BYTES_PER_TOKEN / 10e9 * 1e3)
+    assert plan.recompute_saved_ms == pytest.approx(4096 / 8000 * 1e3)
+
+
+def test_a_tier_slower_than_recompute_is_not_loaded() -> None:
+    # 512 MiB at 100 MB/s is 5.4 s; recomputing 4096 tokens at 8000 tokens/s is 0.5 s
+    plan = plan_prefix(["s3"] * 16, [256] * 16, LLAMA_BYTES_PER_TOKEN, speeds(s3=(0.02, 100e6)),
+                       RecomputeModel(tokens_per_s=8000))
+    assert plan.planned_tokens == 0 and plan.chunks_per_tier == {}
+    assert "recomputing is faster" in plan.reason
+
+
+def test_mixed_tiers_load_the_fast_part_and_recompute_the_rest() -> None:
+    tiers = ["cpu"] * 6 + ["s3"] * 10
+    plan = plan_prefix(tiers, [256] * 16, LLAMA_BYTES_PER_TOKEN, speeds(cpu=(20e-6, 10e9), s3=(0.02, 100e6)),
+                       RecomputeModel(tokens_per_s=8000))
+    assert plan.planned_tokens == 6 * 256 and plan.chunks_per_tier == {"cpu": 6}
+    assert "first part" in plan.reason
+
+
+def test_tiers_are_read_in_parallel_so_the_slowest_one_counts() -> None:
+    both = speeds(a=(0.0, 1e9), b=(0.0, 1e9))
+    recompute = RecomputeModel(tokens_per_s=1e3)
+    alternating = plan_prefix(["a", "b"] * 4, [256] * 8, 1000.0, both, recompute)
+    one_tier = plan_prefix(["a"] * 8, [256] * 8, 1000.0, both, recompute)
+    assert alternating.fetch_ms == pytest.approx(one_tier.fetch_ms / 2)
+
+
+def test_chunks_the_caller_already_has_are_neither_fetched_nor_counted_as_saved() -> None:
+    recompute = RecomputeModel(curve=[(1024, 10_000), (16384, 2_000)])  # quadratic: the tail costs more
+    plan = plan_prefix(["cpu"] * 4, [256] * 4, 1000.0, speeds(cpu=(0.0, 1e12)), recompute, base_tokens=1024)
+    assert plan.planned_tokens == plan.cached_tokens == 2048
+    assert plan.recompute_saved_ms == pytest.approx((recompute.seconds(2048) - recompute.seconds(1024)) * 1e3)
+
+
+def test_recompute_curve_is_quadratic_and_interpolates_the_points() -> None:
+    model = RecomputeModel(curve=[(1024, 20_000), (16384, 6_000)])
+    assert model.tokens_per_s(1024) == pytest.approx(20_000, rel=0.02)
+    assert model.tokens_per_s(16384) == pytest.approx(6_000, rel=0.02)
+    assert 6_000 < model.tokens_per_s(4096) < 20_000
+
+
+def test_recompute_is_unknown_until_configured_or_measured() -> None:
+    model = RecomputeModel()
+    assert not model.known
+    for length in (256, 512, 1024, 2048):
+        model.observe(length, 0, 1e-5 * length + 1e-9 * length * length)
+    assert model.known
+    assert model.seconds(4096) == pytest.approx(1e-5 * 4096 + 1e-9 * 4096**2, rel=0.05)
+
+
+def test_speed_estimate_leaves_its_seed_and_follows_a_tier_whose_speed_changes() -> None:
+    estimate = TierSpeed(SpeedSeed(fixed_s=1e-3, bytes_per_s=1e9))
+    sizes = [(1 + i % 8) << 20 for i in range(200)]
+    for nbytes in sizes:
+        estimate.observe(nbytes, 0.005 + nbytes / 100e6)  # 5 ms + 100 MB/s
+    assert estimate.bytes_per_s == pytest.approx(100e6, rel=0.1)
+    assert estimate.fixed_s == pytest.approx(0.005, rel=0.2)
+    for nbytes in sizes:
+        estimate.observe(nbytes, 0.001 + nbytes / 400e6)  # the tier got faster
+    assert estimate.bytes_per_s == pytest.approx(400e6, rel=0.1)
+    assert estimate.fixed_s == pytest.approx(0.001, rel=0.3)
+
+
+# -- the plan in the engine --------------------------------------------------------------------------
+def fs_engine(tmp_path: Path, **extra: Any) -> Engine:
+    return Engine({"model": "cost", "chunk_size": CHUNK, "kv_format": "vllm", **extra,
+                   "tiers": [{"name": "disk", "backend": "fs", "path": str(tmp_path / "fs")}]})
+
+
+def test_free_recompute_plans_nothing_and_retrieve_loads_nothing(tmp_path: Path) -> None:
+    with fs_engine(tmp_path, recompute={"tokens_per_s": 1e12}) as eng:
+        tokens = prompt(0, 4)
+        eng.store(tokens, kv_of(tokens))
+        eng.flush()
+        assert eng.cost_aware
+        assert eng.lookup(tokens) == 0
+        plan = eng.stats()["last_lookup"]["plan"]
+        assert plan["cached_tokens"] == 4 * CHUNK and plan["planned_tokens"] == 0
+        assert plan["expected_fetch_ms"] == 0 and "recomputing" in plan["reason"]
+        kv, mask = eng.retrieve(tokens)
+        assert kv == () and not mask.any()
+        assert eng.stats()["tiers"]["disk"]["hits"] == 0  # nothing was read
+
+
+def test_slow_recompute_plans_the_whole_prefix(tmp_path: Path) -> None:
+    with fs_engine(tmp_path, recompute={"tokens_per_s": 10}) as eng:
+        tokens = prompt(0, 4)
+        eng.store(tokens, kv_of(tokens))
+        assert eng.lookup(torch.cat([tokens, prompt(9, 1)])) == 4 * CHUNK
+        plan = eng.stats()["last_lookup"]["plan"]
+        assert plan["chunks_per_tier"] == {"disk": 4} and plan["expected_fetch_ms"] > 0
+        assert plan["expected_recompute_saved_ms"] == pytest.approx(4 * CHUNK / 10 * 1e3)
+        kv, mask = eng.retrieve(tokens, return_tuple=False)
+        assert mask.all() and torch.equal(kv, kv_of(tokens))
+
+
+def test_cost_aware_false_loads_everything_whatever_recompute_costs(tmp_path: Path) -> None:
+    with fs_engine(tmp_path, recompute={"tokens_per_s": 1e12}, cost_aware=False) as eng:
+        tokens = prompt(0, 4)
+        eng.store(tokens, kv_of(tokens))
+        assert not eng.cost_aware
+        assert eng.lookup(tokens) == 4 * CHUNK
+        assert eng.stats()["last_lookup"]["plan"]["reason"] == "cost_aware is off"
+        kv, mask = eng.retrieve(tokens, return_tuple=False)
+        assert mask.all() and torch.equal(kv, kv_of(tokens))
+
+
+def test_without_a_recompute_speed_everything_cached_is_loaded(tmp_path: Path) -> None:
+    with fs_engine(tmp_path) as eng:
+        tokens = prompt(0, 3)
+        eng.store(tokens, kv_of(tokens))
+        assert not eng.cost_aware and eng.stats()["recompute"]["known"] is False
+        assert eng.lookup(tokens) == 3 * CHUNK
+        eng.observe_recompute(1024, 0, 1e-9)  # a measured prefill, absurdly fast: switches the plan on
+        assert eng.cost_aware and eng.lookup(tokens) == 0
+
+
+def test_measured_tier_speed_shows_in_stats(tmp_path: Path) -> None:
+    with fs_engine(tmp_path) as eng:
+        assert eng.stats()["tiers"]["disk"]["speed"]["seeded"] is True
+        tokens = prompt(0, 4)
+        eng.store(tokens, kv_of(tokens))
+        eng.retrieve(tokens)
+        speed = eng.stats()["tiers"]["disk"]["speed"]
+        assert speed["samples"] == 1 and speed["seeded"] is False
+        assert speed["bandwidth_MBps"] > 0 and speed["fixed_ms"] >= 0
+
+
+@pytest.mark.parametrize("recompute, message", [
+    ({"tokens_per_s": -5}, "recompute.tokens_per_s"),
+    ({"tokens_per_s": "fast"}, "recompute.tokens_per_s"),
+    ({"curve": [[1024]]}, r"recompute.curve\[0\]"),
+    ({"curve": "1024:5000"}, "recompute.curve"),
+    ({"tokens_per_sec": 5}, "tokens_per_s"),
+])
+def test_bad_recompute_section_names_the_key(tmp_path: Path, recompute: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        fs_engine(tmp_path, recompute=recompute)
+
+
+def test_cost_aware_must_be_a_boolean(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cost_aware: expected true, false"):
+        fs_engine(tmp_path, cost_aware="yes")
+
+
+# -- deadlines ---------------------------------------------------------------------------------------
+def test_deadline_with_a_stuck_object_store_returns_the_prefix_that_arrived(
+        s3_server: S3Server, black_hole: str) -> None:
+    stuck = {"name": "remote", "backend": "s3", **s3_tier_options(
+        s3_server, "never-answers", "stuck", endpoint_url=black_hole, check_on_start=False, retries=0,
+        timeout_s=30.0, read_timeout_s=1.0)}
+    config = {"model": "deadline", "chunk_size": CHUNK, "kv_format": "vllm", "write_policy": "write_back",
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}, stuck]}
+    with Engine(config) as eng:
+        tokens = prompt(0, 4)
+        eng.store(tokens[: 2 * CHUNK], kv_of(tokens[: 2 * CHUNK]))  # the host holds 2 of 4 chunks
+        started = time.monotonic()
+        kv, mask = eng.retrieve(tokens, return_tuple=False, deadline_s=0.3)
+        elapsed = time.monotonic() - started
+        assert elapsed < 0.3 + 0.05, f"retrieve took {elapsed:.3f}s past a 0.3 s deadline"
+        assert mask[: 2 * CHUNK].all() and not mask[2 * CHUNK :].any()
+        assert torch.equal(kv, kv_of(tokens[: 2 * CHUNK]))  # bit-exact
+        remote = eng.stats()["tiers"]["remote"]
+        assert remote["deadline_misses"] == 2 and remote["health"]["healthy"]  # slow, not failed
+
+
+def test_deadline_uses_a_prefetch_only_as_far_as_it_is_done(tmp_path: Path) -> None:
+    config = {"model": "deadline", "chunk_size": CHUNK, "kv_format": "vllm", "write_policy": "write_through",
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"},
+                        {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "64MiB"}]}
+    with Engine(config) as eng:
+        tokens = prompt(0, 3)
+        eng.store(tokens, kv_of(tokens))
+        eng.flush()
+        host = eng.tiers[0]
+        eng.run(host.delete(eng.keys_for(tokens)[0]))  # chunk 0 only on disk now
+        disk = FaultyBackend(eng.tiers[1])
+        eng.tiers[1] = disk
+        disk.stall_s = 2.0  # the prefetch of chunk 0 will take 2 s
+        eng.prefetch(tokens)
+        started = time.monotonic()
+        kv, mask = eng.retrieve(tokens, return_tuple=False, deadline_s=0.2)
+        elapsed = time.monotonic() - started
+        assert elapsed < 0.2 + 0.05, f"retrieve took {elapsed:.3f}s past a 0.2 s deadline"
+        assert not mask.any() and kv == ()  # the first chunk is still moving: no usable prefix
+        disk.stall_s = 0
+        eng.flush()
+
+
+def test_without_a_deadline_a_slow_tier_is_waited_for(tmp_path: Path) -> None:
+    with fs_engine(tmp_path) as eng:
+        tokens = prompt(0, 2)
+        eng.store(tokens, kv_of(tokens))
+        disk = FaultyBackend(eng.tiers[0])
+        eng.tiers[0] = disk
+        disk.stall_s = 0.2
+        kv, mask = eng.retrieve(tokens, return_tuple=False)
+        assert mask.all() and torch.equal(kv, kv_of(tokens))
+        kv, mask = eng.retrieve(tokens, return_tuple=False, deadline_s=0.05)
+        assert not mask.any()
+        assert eng.stats()["tiers"]["disk"]["deadline_misses"] == 2
+
+
+# -- one pass over the tiers ---------------------------------------------------------------------------
+def test_a_retrieve_from_s3_is_one_get_per_chunk_and_no_head(s3_server: S3Server, s3_bucket: str) -> None:
+    prefix = f"onepass/{uuid.uuid4().hex}"
+    tokens = prompt(0, 3)
+    direct = {"name": "remote", "backend": "s3", **s3_tier_options(s3_server, s3_bucket, prefix)}
+    config = {"model": "onepass", "chunk_size": CHUNK, "kv_format": "vllm", "tiers": [direct]}
+    with Engine(config) as eng:
+        eng.store(tokens, kv_of(tokens))
+        eng.flush()
+    with SlowProxy(s3_server.endpoint_url) as proxy:
+        remote = {**direct, "endpoint_url": proxy.url, "check_on_start": False}
+        host = {"name": "host", "backend": "cpu", "capacity": "16MiB", "promote": False}
+        with Engine({**config, "tiers": [host, remote]}) as eng:
+            proxy.reset_counts()
+            longer = torch.cat([tokens, prompt(1, 2)])  # 3 cached chunks, then 2 nobody has
+            kv, mask = eng.retrieve(longer, return_tuple=False)
+            assert int(mask.sum()) == 3 * CHUNK and torch.equal(kv, kv_of(tokens))
+            counts = dict(proxy.counts)
+    # one GET per chunk asked (the 3 hits, and the 2 misses answered 404, asked in the same
+    # parallel batch), and no HEAD before any of them
+    assert counts == {"GET": 5}, counts
