@@ -1,7 +1,7 @@
 """Benchmark entry point (the README's main job, ``tox -e bench``).
 
 Runs the core benchmark (cpu and lmdb tiers with 32-layer Llama-3-8B chunks, lookup,
-hashing; benchmarks/core.py), the prompt-level benchmark (whole prompts through
+hashing; benchmarks/core.py), a short sweep of the cost-aware benchmark (benchmarks/cost.py), the prompt-level benchmark (whole prompts through
 Engine.store / retrieve / lookup and the PagedConnector; benchmarks/prompt.py), the tier-policy suite (benchmarks/policy.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
 sizes x batch sizes x concurrency, against same-run baselines), starting a local S3
 server (SeaweedFS, MinIO, or TIERKV_S3_ENDPOINT) when the matrix includes s3. Prints
@@ -99,6 +99,8 @@ def main() -> int:
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the paged gather/scatter kernel benchmark (builds the C++ extension)")
+    parser.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run a short sweep of the cost-aware benchmark (benchmarks/cost.py; needs the hf extra)")
     args = parser.parse_args()
 
     tiers = [t for t in args.tiers.split(",") if t]
@@ -147,6 +149,20 @@ def main() -> int:
         print_kernel_rows(kernel_rows)
         write_results(out, "kernels", kernel_rows, meta)
 
+    if args.cost:
+        print("\n== cost-aware retrieval (short sweep; tox -e bench-cost for the full one) ==", flush=True)
+        try:
+            import cost
+        except ImportError as exc:  # transformers missing: say so, keep the rest of the job
+            print(f"skipped: {exc} (install the hf extra)")
+        else:
+            started = time.time()
+            cost_rows = cost.run_cost([1024, 4096], [20, 100, 400], [0, 200], ["fs", "s3"], repeats=3)
+            cost.print_table(cost_rows)
+            cost.summarize_cost(cost_rows)
+            cost.write(cost_rows, out, {**meta, "seconds": round(time.time() - started, 1),
+                                        "workload": cost.workload_text(0.5)})
+
     cells = plan(tiers, args.chunk_tokens, args.batches, args.concurrency, args.max_batch_mib)
     started = time.time()
     rows: list[dict[str, Any]] = []
@@ -170,6 +186,7 @@ def main() -> int:
     written = (["core.json", "core.csv"] if args.core else []) + (["policy.json", "policy.csv"] if args.policy else [])
     written += ["prompt.json", "prompt.csv"] if args.prompt else []
     written += ["kernels.json", "kernels.csv"] if args.kernels else []
+    written += ["cost.json", "cost.csv", "cost.png"] if args.cost else []
     written += ["matrix.json", "matrix.csv", "matrix.png"]
     print(f"\nresults in {out}/: {', '.join(written)}")
     return 0

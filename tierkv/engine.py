@@ -886,12 +886,16 @@ class AsyncEngine:
         except Exception as exc:
             self._tier_failed(level, "get", exc)
             return [None] * len(keys)
-        metrics.get_latency.observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        metrics.get_latency.observe(seconds)
         self._health[tier.name].record_success()
         hits = [c for c in got if c is not None]
+        nbytes = sum(c.numel() * c.element_size() for c in hits)
         metrics.add("hits", len(hits))
         metrics.add("misses", len(got) - len(hits))
-        metrics.add("bytes_out", sum(c.numel() * c.element_size() for c in hits))
+        metrics.add("bytes_out", nbytes)
+        if nbytes:
+            self._speeds[tier.name].observe(nbytes, seconds)
         return got
 
     async def _get_one_checked(self, level: int, key: CacheKey) -> torch.Tensor | None:

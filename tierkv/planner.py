@@ -89,7 +89,7 @@ class TierSpeed:
         x = float(_REFERENCE_BYTES)
         # two prior points on the seed's line: it governs until real gets outweigh it
         self._fit = _DecayedFit(half_life, [(1.0, 0.0, seed.fixed_s), (1.0, x, seed.fixed_s + x / seed.bytes_per_s)],
-                                weight=0.5, prior_decay=0.8)
+                                weight=0.5, prior_decay=0.7)
         self._fixed_s, self._per_byte = seed.fixed_s, 1.0 / seed.bytes_per_s
 
     def observe(self, nbytes: int, seconds: float) -> None:

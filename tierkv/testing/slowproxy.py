@@ -11,6 +11,7 @@ signed requests stay valid.
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 import time
 import urllib.parse
@@ -100,6 +101,11 @@ class SlowProxy:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
                 pass  # quiet: requests carry signed headers
 
+            def setup(self) -> None:
+                super().setup()
+                # small writes (headers, then the body) must not wait for delayed ACKs (40 ms stalls)
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def finish(self) -> None:
                 super().finish()
                 if self.upstream_conn is not None:
@@ -154,6 +160,8 @@ class SlowProxy:
                 for attempt in range(2):  # an idle keep-alive connection may have been dropped
                     if self.upstream_conn is None:
                         self.upstream_conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                        self.upstream_conn.connect()
+                        self.upstream_conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     try:
                         self.upstream_conn.request(self.command, self.path, body=body, headers=headers)
                         reply = self.upstream_conn.getresponse()

@@ -1,0 +1,349 @@
+"""Cost-aware retrieval: time until the KV of a prompt is ready, loading vs recomputing.
+
+A small cpu tier over a slow tier, the HF demo model (random-weight Llama, float32, 2 KiB of
+KV per token) prefilling on this machine's CPU. Each prompt's KV is in the slow tier; its
+first ``--hot-fraction`` of chunks is also in the cpu tier (a shared head kept hot by LRU;
+the cpu tier does not promote, so every run starts from the same placement). Slow tiers:
+
+- ``fs``: the fs tier behind a throttle (``tierkv.testing.faults.FaultyBackend``: each read
+  waits ``latency`` and the bytes it returned over ``bandwidth``);
+- ``s3``: the s3 tier reading through a local proxy in front of the object store
+  (``tierkv.testing.slowproxy.SlowProxy``: ``latency`` per request, one shared link of
+  ``bandwidth``).
+
+For every (tier, prompt length, latency, bandwidth) point, the time until the KV is ready
+(``hf.prefill_with_reuse``: retrieve, then the model computes the rest; median of
+``--repeats``) with three policies:
+
+- ``always``: ``cost_aware: false``, every cached chunk is loaded;
+- ``never``: no tierkv, the model computes the whole prompt;
+- ``cost_aware``: ``cost_aware: true``, the engine loads the prefix only as far as that beats
+  recomputing it (its tier speeds measured by a few warm-up reads, its recompute speed the
+  demo model's, measured at the start of the run).
+
+Targets (printed with whether they are met): cost-aware <= 1.05x min(always, never) at every
+point, strictly better than both somewhere (a partial load); a retrieve that hits s3 costs
+one GET per chunk and no HEAD (counted at the proxy). Writes ``cost.{json,csv}`` and
+``cost.png`` (time vs bandwidth, three lines per panel) under ``--out``.
+Usage: ``python benchmarks/cost.py [--lengths 1024,4096,16384] [--bandwidths-mbps 20,50,100,200,400]
+[--latencies-ms 0,50,200] [--tiers fs,s3] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierkv import Engine
+from tierkv.demo import build_demo_model, random_tokens
+from tierkv.testing.faults import FaultyBackend
+
+CHUNK = 256
+TOLERANCE = 1.05
+COLUMNS = ["tier", "tokens", "latency_ms", "bandwidth_MBps", "never_s", "always_s", "cost_aware_s",
+           "planned_tokens", "cached_tokens", "hot_tokens", "cost_vs_best", "partial_win"]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part]
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[Any, float]:
+    times, result = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - started)
+    return result, statistics.median(times)
+
+
+@torch.inference_mode()
+def _full_prefill(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens[None]).logits[0, -1]
+
+
+def measure_recompute(model: Any, lengths: list[int], repeats: int) -> dict[int, float]:
+    """Seconds of a full prefill of each length (the ``never`` baseline and the recompute curve)."""
+    generator = torch.Generator().manual_seed(1)
+    _full_prefill(model, random_tokens(64, generator))  # warm-up
+    return {n: _median_time(lambda n=n: _full_prefill(model, random_tokens(n, generator)), repeats)[1]
+            for n in lengths}
+
+
+class SlowTier:
+    """One slow tier kind: where its data lives, how to throttle it, how to name it in a config."""
+
+    def __init__(self, kind: str, workdir: Path, s3: dict[str, Any] | None) -> None:
+        self.kind = kind
+        self.proxy: Any = None
+        if kind == "fs":
+            self.spec: dict[str, Any] = {"name": "slow", "backend": "fs", "path": str(workdir / "fs")}
+        else:
+            from tierkv.testing.slowproxy import SlowProxy
+
+            assert s3 is not None
+            self.proxy = SlowProxy(s3["endpoint_url"])
+            self.spec = {"name": "slow", "backend": "s3", **s3, "endpoint_url": self.proxy.url,
+                         "check_on_start": False, "timeout_s": 120.0, "read_timeout_s": 60.0}
+
+    def throttle(self, engine: Engine, latency_s: float, bytes_per_s: float | None) -> None:
+        if self.kind == "fs":
+            slow = engine.tiers[1]
+            if not isinstance(slow, FaultyBackend):
+                slow = FaultyBackend(slow)
+                engine.tiers[1] = slow
+            slow.stall_s, slow.bytes_per_s = latency_s, bytes_per_s
+        else:
+            self.proxy.latency_s, self.proxy.bytes_per_s = latency_s, bytes_per_s
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+
+
+def engine_config(slow: SlowTier, cost_aware: bool, curve: dict[int, float]) -> dict[str, Any]:
+    return {"model": "tierkv-cost-bench", "chunk_size": CHUNK, "kv_format": "huggingface",
+            "cost_aware": cost_aware, "recompute": {"curve": [[n, n / s] for n, s in sorted(curve.items())]},
+            "tiers": [{"name": "host", "backend": "cpu", "capacity": "1GiB", "promote": False}, slow.spec]}
+
+
+def populate(slow: SlowTier, curve: dict[int, float], caches: list[tuple[torch.Tensor, Any]]) -> None:
+    """Store every prompt's KV in the slow tier (through an engine with the throttle off)."""
+    from tierkv.integrations import hf
+
+    with Engine(engine_config(slow, False, curve)) as engine:
+        slow.throttle(engine, 0.0, None)
+        for tokens, cache in caches:
+            hf.store_cache(engine, tokens, cache)
+        engine.flush()
+
+
+def warm_the_head(engine: Engine, tokens: torch.Tensor, hot_chunks: int) -> None:
+    """Put the first ``hot_chunks`` chunks of ``tokens`` into the cpu tier (read from the slow tier)."""
+    keys = engine.keys_for(tokens)[:hot_chunks]
+    if not keys:
+        return
+    chunks = engine.run(engine.tiers[1].batched_get(keys))
+    if any(chunk is None for chunk in chunks):
+        raise RuntimeError("the slow tier lost a chunk of the benchmark's prompt")
+    engine.run(engine.tiers[0].batched_put(keys, chunks))
+
+
+def run_point(model: Any, slow: SlowTier, curve: dict[int, float], tokens: torch.Tensor, warmup: torch.Tensor,
+              latency_s: float, bytes_per_s: float, hot_fraction: float, repeats: int) -> dict[str, Any]:
+    """``always`` and ``cost_aware`` times of one prompt at one throttle setting, measured in
+    alternation (the machine's drift hits both alike)."""
+    from tierkv.integrations import hf
+
+    hot_chunks = int(len(tokens) // CHUNK * hot_fraction)
+    with Engine(engine_config(slow, False, curve)) as always, Engine(engine_config(slow, True, curve)) as aware:
+        for engine in (always, aware):
+            slow.throttle(engine, 0.0, None)
+            warm_the_head(engine, tokens, hot_chunks)
+            slow.throttle(engine, latency_s, bytes_per_s)
+        keys = aware.keys_for(warmup)  # the engine measures its tiers on reads of a few sizes, as in service
+        for count in (1, max(1, len(keys) // 2), len(keys)):
+            aware.batched_get(keys[:count])
+        times: dict[str, list[float]] = {"always": [], "cost_aware": []}
+        for _ in range(repeats):
+            for mode, engine in (("always", always), ("cost_aware", aware)):
+                started = time.perf_counter()
+                result = hf.prefill_with_reuse(model, engine, tokens, store=False)
+                times[mode].append(time.perf_counter() - started)
+        plan = aware.plan(tokens)
+        row: dict[str, Any] = {f"{mode}_s": statistics.median(values) for mode, values in times.items()}
+        row.update(planned_tokens=plan.planned_tokens, cached_tokens=plan.cached_tokens,
+                   hot_tokens=hot_chunks * CHUNK, reused_tokens=result.reused_tokens)
+        if slow.proxy is not None:
+            slow.proxy.reset_counts()
+            aware.retrieve(tokens)
+            row["requests"] = dict(slow.proxy.counts)
+            row["chunks_from_slow"] = plan.chunks_per_tier.get("slow", 0)
+    return row
+
+
+@contextlib.contextmanager
+def object_store() -> Iterator[dict[str, Any]]:
+    from tierkv.testing.s3server import S3Server
+
+    with S3Server() as server:
+        bucket = f"tierkv-cost-{uuid.uuid4().hex[:8]}"
+        server.boto3_client().create_bucket(Bucket=bucket)
+        yield {"bucket": bucket, "prefix": "cost", **server.client_options()}
+
+
+def run_cost(lengths: list[int], bandwidths_mbps: list[float], latencies_ms: list[float], tiers: list[str],
+             repeats: int = 3, hot_fraction: float = 0.5, progress: bool = True) -> list[dict[str, Any]]:
+    """Every point of the sweep (see the module docstring); rows with the three times."""
+    from tierkv.integrations.hf import document_kv
+
+    model = build_demo_model()
+    generator = torch.Generator().manual_seed(2)
+    prompts = {n: [random_tokens(n, generator) for _ in range(2)] for n in lengths}  # measured + warm-up
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(object_store()) if "s3" in tiers else None  # running for every measurement
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-cost-")))
+        curve = measure_recompute(model, lengths, repeats)  # the engine's recompute speed
+        caches = [(tokens, document_kv(model, tokens)) for group in prompts.values() for tokens in group]
+        for kind in tiers:
+            slow = SlowTier(kind, workdir, s3)
+            stack.callback(slow.close)
+            populate(slow, curve, caches)
+            for n in lengths:
+                tokens, warmup = prompts[n]
+                block = []
+                never_samples = []
+                for latency_ms in latencies_ms:
+                    # one full prefill per latency, spread through the block: "never" sees the same machine
+                    never_samples.append(_median_time(lambda t=tokens: _full_prefill(model, t), 1)[1])
+                    for mbps in bandwidths_mbps:
+                        row = {"tier": kind, "tokens": n, "latency_ms": latency_ms, "bandwidth_MBps": mbps,
+                               **run_point(model, slow, curve, tokens, warmup, latency_ms / 1e3, mbps * 1e6,
+                                           hot_fraction, repeats)}
+                        block.append(row)
+                        if progress:
+                            print(f"  {kind} {n} tokens, {latency_ms:g} ms, {mbps:g} MB/s: always {row['always_s']:.3f}s"
+                                  f" cost-aware {row['cost_aware_s']:.3f}s"
+                                  f" ({row['planned_tokens']}/{row['cached_tokens']} tokens loaded)", flush=True)
+                never_s = statistics.median(never_samples)
+                for row in block:
+                    row["never_s"] = never_s
+                    best = min(row["always_s"], never_s)
+                    row["cost_vs_best"] = row["cost_aware_s"] / best
+                    row["partial_win"] = (0 < row["planned_tokens"] < row["cached_tokens"]
+                                          and row["cost_aware_s"] < best)
+                rows.extend(block)
+                if progress:
+                    print(f"  {kind} {n} tokens: never {never_s:.3f}s", flush=True)
+    return rows
+
+
+def summarize_cost(rows: list[dict[str, Any]]) -> bool:
+    """Print the targets and whether each is met; True when all are."""
+    worst = max(rows, key=lambda r: r["cost_vs_best"])
+    within = worst["cost_vs_best"] <= TOLERANCE
+    partial = [r for r in rows if r["partial_win"]]
+    print(f"cost-aware vs min(always, never), worst point: {worst['cost_vs_best']:.3f}x "
+          f"({worst['tier']}, {worst['tokens']} tokens, {worst['latency_ms']:g} ms, {worst['bandwidth_MBps']:g} MB/s)"
+          f" -- target <= {TOLERANCE}x: {'met' if within else 'NOT MET'}")
+    print(f"points where a partial load beat both always and never: {len(partial)} of {len(rows)}"
+          f" -- target >= 1: {'met' if partial else 'NOT MET'}")
+    if partial:
+        best = min(partial, key=lambda r: r["cost_aware_s"] / min(r["always_s"], r["never_s"]))
+        print(f"  best: {best['tier']}, {best['tokens']} tokens, {best['latency_ms']:g} ms, {best['bandwidth_MBps']:g}"
+              f" MB/s: cost-aware {best['cost_aware_s']:.3f}s vs always {best['always_s']:.3f}s, never "
+              f"{best['never_s']:.3f}s ({best['planned_tokens']} of {best['cached_tokens']} tokens loaded)")
+    s3_rows = [r for r in rows if "requests" in r]
+    one_pass = all(r["requests"].get("HEAD", 0) == 0 and set(r["requests"]) <= {"GET"} for r in s3_rows)
+    if s3_rows:
+        heads = sum(r["requests"].get("HEAD", 0) for r in s3_rows)
+        gets = sum(r["requests"].get("GET", 0) for r in s3_rows)
+        chunks = sum(r["chunks_from_slow"] for r in s3_rows)
+        print(f"s3 retrieves: {gets} GETs for {chunks} planned chunks from s3, {heads} HEADs"
+              f" -- target: GETs only: {'met' if one_pass else 'NOT MET'}")
+    return within and bool(partial) and one_pass
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def cell(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    widths = {c: max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in COLUMNS}
+    print("  ".join(c.rjust(widths[c]) for c in COLUMNS))
+    for row in rows:
+        print("  ".join(cell(row.get(c, "")).rjust(widths[c]) for c in COLUMNS))
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Time vs tier bandwidth, one panel per (tier, length, latency), three lines each."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = sorted({(r["tier"], r["tokens"], r["latency_ms"]) for r in rows})
+    columns = len({(r["tier"], r["latency_ms"]) for r in rows})
+    lengths = sorted({r["tokens"] for r in rows})
+    figure, axes = plt.subplots(len(lengths), columns, figsize=(4 * columns, 3.2 * len(lengths)), squeeze=False)
+    column_of = {key: i for i, key in enumerate(sorted({(r["tier"], r["latency_ms"]) for r in rows}))}
+    for tier, tokens, latency in panels:
+        ax = axes[lengths.index(tokens)][column_of[(tier, latency)]]
+        points = sorted((r for r in rows if (r["tier"], r["tokens"], r["latency_ms"]) == (tier, tokens, latency)),
+                        key=lambda r: r["bandwidth_MBps"])
+        x = [r["bandwidth_MBps"] for r in points]
+        for key, label, style in (("always_s", "always load", "o--"), ("never_s", "never (recompute)", "s:"),
+                                  ("cost_aware_s", "cost-aware", "^-")):
+            ax.plot(x, [r[key] for r in points], style, label=label)
+        ax.set_xscale("log")
+        ax.set_title(f"{tier}, {tokens} tokens, +{latency:g} ms", fontsize=9)
+        ax.set_xlabel("tier bandwidth (MB/s)", fontsize=8)
+        ax.set_ylabel("time to KV ready (s)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
+    with open(out / "cost.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return ["cost.json", "cost.csv"] + (["cost.png"] if plot(rows, out / "cost.png") else [])
+
+
+def workload_text(hot_fraction: float) -> str:
+    return (f"cpu tier (holding the first {hot_fraction:.0%} of each prompt) over a slow tier; HF demo model on the CPU,"
+            f" chunk {CHUNK} tokens, 2 KiB of KV per token")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=_int_list, default=[1024, 4096, 16384])
+    parser.add_argument("--bandwidths-mbps", type=_float_list, default=[20, 50, 100, 200, 400])
+    parser.add_argument("--latencies-ms", type=_float_list, default=[0, 50, 200])
+    parser.add_argument("--tiers", default="fs,s3", help="slow tiers to sweep: fs, s3 or both")
+    parser.add_argument("--hot-fraction", type=float, default=0.5, help="share of each prompt also in the cpu tier")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench-results/cost")
+    args = parser.parse_args()
+    tiers = [t for t in args.tiers.split(",") if t]
+    unknown = set(tiers) - {"fs", "s3"}
+    if unknown:
+        parser.error(f"--tiers: expected fs and/or s3, got {sorted(unknown)}")
+    if not 0 <= args.hot_fraction < 1:
+        parser.error(f"--hot-fraction: expected a fraction in [0, 1), got {args.hot_fraction}")
+    started = time.time()
+    print(f"== cost-aware retrieval: {workload_text(args.hot_fraction)} ==", flush=True)
+    rows = run_cost(args.lengths, args.bandwidths_mbps, args.latencies_ms, tiers, args.repeats, args.hot_fraction)
+    print_table(rows)
+    ok = summarize_cost(rows)
+    written = write(rows, Path(args.out), {"workload": workload_text(args.hot_fraction),
+                                           "seconds": round(time.time() - started, 1), "repeats": args.repeats})
+    print(f"wrote {', '.join(written)} under {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
