@@ -161,8 +161,9 @@ def run_point(model: Any, slow: SlowTier, curve: dict[int, float], tokens: torch
         for count in (1, max(1, len(keys) // 2), len(keys)):
             aware.batched_get(keys[:count])
         times: dict[str, list[float]] = {"always": [], "cost_aware": []}
-        for _ in range(repeats):
-            for mode, engine in (("always", always), ("cost_aware", aware)):
+        pair = [("always", always), ("cost_aware", aware)]
+        for repeat in range(repeats):
+            for mode, engine in (pair if repeat % 2 == 0 else pair[::-1]):  # neither always goes first
                 started = time.perf_counter()
                 result = hf.prefill_with_reuse(model, engine, tokens, store=False)
                 times[mode].append(time.perf_counter() - started)
@@ -189,7 +190,7 @@ def object_store() -> Iterator[dict[str, Any]]:
 
 
 def run_cost(lengths: list[int], bandwidths_mbps: list[float], latencies_ms: list[float], tiers: list[str],
-             repeats: int = 3, hot_fraction: float = 0.5, progress: bool = True) -> list[dict[str, Any]]:
+             repeats: int = 5, hot_fraction: float = 0.5, progress: bool = True) -> list[dict[str, Any]]:
     """Every point of the sweep (see the module docstring); rows with the three times."""
     from tierkv.integrations.hf import document_kv
 
@@ -325,7 +326,7 @@ def main() -> int:
     parser.add_argument("--latencies-ms", type=_float_list, default=[0, 50, 200])
     parser.add_argument("--tiers", default="fs,s3", help="slow tiers to sweep: fs, s3 or both")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="share of each prompt also in the cpu tier")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench-results/cost")
     args = parser.parse_args()
     tiers = [t for t in args.tiers.split(",") if t]

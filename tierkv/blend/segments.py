@@ -26,8 +26,8 @@ import torch
 
 from tierkv import kvlayout
 from tierkv.engine import Engine
-from tierkv.integrations.namespace import in_namespace, namespaced_keys
 from tierkv.keys import CacheKey, as_token_array
+from tierkv.namespaces import in_namespace, namespaced_keys
 
 SEGMENT_NAMESPACE = "blend-segment"
 POSITIONS_NAMESPACE = "blend-positions"

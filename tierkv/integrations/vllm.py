@@ -24,8 +24,8 @@ from collections import OrderedDict
 import torch
 
 from tierkv.engine import Engine
-from tierkv.integrations.namespace import named_key
 from tierkv.keys import CacheKey, as_token_array
+from tierkv.namespaces import named_key
 
 LOOKUP_NAMESPACE = "vllm-lookup"
 STORE_NAMESPACE = "vllm-store"

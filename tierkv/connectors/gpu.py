@@ -3,41 +3,20 @@
 The interface follows LMCache's GPU connector (``from_gpu`` / ``to_gpu`` / ``get_shape``),
 reimplemented. A connector reads a token range ``[start, end)`` of the *whole* token sequence
 out of the serving engine's KV (``from_gpu``, for a store) or writes one back (``to_gpu``, for a
-retrieve). The memory object is a blob tensor in the connector's format — ``vllm``
-``[layers, 2, tokens, heads, head_size]`` or ``huggingface`` ``[layers, 2, heads, tokens,
-head_size]`` — or any object with such a ``.tensor``.
-
-* :class:`NestedTupleConnector`: KV is a tuple of per-layer ``(K, V)``, each ``[num_tokens, heads,
-  head_size]`` (huggingface: ``[heads, num_tokens, head_size]``).
-* :class:`PagedConnector`: a paged cache (per layer a ``(K, V)`` pair of ``[num_blocks, block_size,
-  heads, head_size]`` or one fused ``[2, num_blocks, ...]`` tensor) and a *full* ``slot_mapping``
-  (one slot per token of the whole sequence, ``-1`` for tokens not in the cache). All layers move
-  in one :func:`tierkv.ops.paged_gather` / ``paged_scatter`` call.
-* :class:`PagedConnectorV2`: the same, through a reusable device staging buffer: one kernel
-  gathers all layers into it, then one copy goes to the host (and the reverse).
-
-All connectors work on CPU tensors too (then no staging is needed). The engine-level helpers
-:func:`store_with_connector` / :func:`retrieve_with_connector` (async) and :func:`store_paged` /
-:func:`retrieve_paged` (blocking :class:`~tierkv.Engine`) store straight from, and retrieve
-straight into, the serving engine's cache.
+retrieve). See :mod:`tierkv.connectors` for the layouts each class handles.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from tierkv import copies, kvlayout, ops, policy, transfer
-from tierkv.keys import KV_FORMATS, CacheKey, as_token_array
-
-if TYPE_CHECKING:
-    from tierkv.engine import AsyncEngine, Engine
-
+from tierkv import copies, ops
+from tierkv.keys import KV_FORMATS
 
 
 def _tensor_of(memory_obj: Any) -> torch.Tensor:
@@ -293,175 +272,3 @@ class PagedConnectorV2(PagedConnector):
 
     def _release_staging(self, event: torch.cuda.Event | None) -> None:
         self._busy = event
-
-
-# --------------------------------------------------------------------------------------------
-# Engine-level store / retrieve through a connector
-# --------------------------------------------------------------------------------------------
-
-
-def _check_format(engine: AsyncEngine, connector: GPUConnector) -> None:
-    if connector.fmt != engine.metadata.fmt:
-        raise ValueError(
-            f"connector produces {connector.fmt!r} blobs but the engine stores {engine.metadata.fmt!r}; "
-            "construct the connector with the engine's kv_format"
-        )
-
-
-class ConnectorSource:
-    """A store's chunks gathered by ``connector.from_gpu`` straight into the tier's memory.
-
-    The gather runs on the CUDA stream that was current where the source was made (the
-    serving engine's), whichever thread the engine copies on.
-    """
-
-    def __init__(self, connector: GPUConnector, kwargs: dict[str, Any], num_tokens: int) -> None:
-        self.connector = connector
-        self.kwargs = {**kwargs, "sync": True}
-        self.dtype = connector.dtype_of(**kwargs)
-        self.device = torch.device("cpu")
-        self.num_tokens = num_tokens
-        self._stream = _current_stream(kwargs)
-
-    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return tuple(self.connector.get_shape(num_tokens))
-
-    def view(self, start: int, end: int) -> None:
-        return None
-
-    def write_into(self, dest: torch.Tensor, start: int, end: int) -> None:
-        with _on_stream(self._stream):
-            self.connector.from_gpu(dest, start, end, **self.kwargs)
-        copies.count(dest.numel() * dest.element_size())
-
-
-class ConnectorSink:
-    """A retrieve's chunks scattered by ``connector.to_gpu`` straight out of the tier's memory
-    (tokens before ``offset`` in a chunk, an unaligned mask, are left alone)."""
-
-    def __init__(self, connector: GPUConnector, kwargs: dict[str, Any], offset: int) -> None:
-        self.connector = connector
-        self.kwargs = {**kwargs, "sync": True}
-        self.dtype = connector.dtype_of(**kwargs)
-        self.offset = offset
-        self._stream = _current_stream(kwargs)
-
-    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return tuple(self.connector.get_shape(num_tokens))
-
-    def destination(self, start: int, end: int) -> None:
-        return None
-
-    def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
-        skip = max(0, self.offset - start)
-        if skip:
-            dim = kvlayout.token_dim(self.connector.fmt)
-            chunk = chunk.narrow(dim, skip, end - start - skip).contiguous()
-        with _on_stream(self._stream):
-            self.connector.to_gpu(chunk, start + skip, end, **self.kwargs)
-        copies.count(chunk.numel() * chunk.element_size())
-
-
-def _current_stream(kwargs: dict[str, Any]) -> torch.cuda.Stream | None:
-    """The caller's current stream on the serving engine's cache device (None on the CPU)."""
-    try:
-        device = kwargs["kvcaches"][0][0].device  # a (K, V) pair's K, or a fused layer's K half
-    except (KeyError, TypeError, IndexError, AttributeError):
-        return None
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-
-def _on_stream(stream: torch.cuda.Stream | None) -> Any:
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | None
-                       ) -> tuple[Any, int, list[CacheKey], list[tuple[int, int]]]:
-    """The tokens, how many leading tokens need no store (masked out or already cached), and
-    the keys and token ranges of the chunks to store."""
-    token_array = as_token_array(tokens)
-    num_tokens = len(token_array)
-    skip = kvlayout.store_mask_skip(mask, num_tokens, engine.chunk_size)
-    keys = engine.keys_for(token_array)[skip // engine.chunk_size :]
-    if keys:
-        first = policy.first_missing(await engine.batched_contains(keys))
-        keys = keys[first:]
-        skip = min(skip + first * engine.chunk_size, num_tokens)
-    return token_array, skip, keys, transfer.chunk_ranges(skip, num_tokens, engine.chunk_size)
-
-
-async def store_with_connector(
-    engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
-) -> int:
-    """Store the KV of ``tokens`` straight from the serving engine's cache; returns chunks written.
-
-    ``kwargs`` go to ``connector.from_gpu`` (``kvcaches``, ``slot_mapping``). Each chunk is
-    gathered once, straight into the memory of the first tier that takes it (a chunk-sized
-    pooled buffer for tiers without memory of their own): no prompt-sized blob. Chunks
-    already cached at the start of the prompt are neither gathered nor written again; a
-    suffix ``mask`` (aligned to chunks) leaves its unmasked prefix out, as in ``AsyncEngine.store``.
-    """
-    _check_format(engine, connector)
-    token_array, skip, keys, ranges = await _store_range(engine, tokens, mask)
-    if not keys:
-        return 0
-    return await engine.store_from(keys, ConnectorSource(connector, kwargs, len(token_array) - skip), ranges)
-
-
-async def retrieve_with_connector(
-    engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
-    deadline_s: float | None = None, **kwargs: Any
-) -> torch.Tensor:
-    """Retrieve the cached prefix of ``tokens`` straight into the serving engine's cache.
-
-    ``kwargs`` go to ``connector.to_gpu``. Chunks in a memory tier are scattered straight out
-    of its slabs. Returns the mask of the tokens written (as ``AsyncEngine.retrieve``'s
-    ``ret_mask``); tokens outside it are left untouched.
-    """
-    _check_format(engine, connector)
-    skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s)
-
-
-
-
-def store_paged(
-    engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
-) -> int:
-    """Blocking :func:`store_with_connector` for :class:`~tierkv.Engine` (the gathers run on the
-    caller's CUDA stream)."""
-    core = engine.core
-    _check_format(core, connector)
-    source = ConnectorSource(connector, kwargs, 0)
-
-    async def store() -> int:
-        token_array, skip, keys, ranges = await _store_range(core, tokens, mask)
-        if not keys:
-            return 0
-        source.num_tokens = len(token_array) - skip
-        return await core.store_from(keys, source, ranges)
-    return engine.run(store())
-
-
-def retrieve_paged(
-    engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
-    deadline_s: float | None = None, **kwargs: Any
-) -> torch.Tensor:
-    """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine` (the scatters run on
-    the caller's CUDA stream)."""
-    core = engine.core
-    _check_format(core, connector)
-    skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return engine.run(core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s))
-
-
-__all__ = [
-    "GPUConnector",
-    "NestedTupleConnector",
-    "PagedConnector",
-    "PagedConnectorV2",
-    "retrieve_paged",
-    "retrieve_with_connector",
-    "store_paged",
-    "store_with_connector",
-]

@@ -1,0 +1,182 @@
+"""Kernel entry points: the ``cuda_ext`` extension when it is built, a pure-torch reference otherwise.
+
+Every public function here has one signature whatever runs underneath. The reference
+implementations are plain torch (``index_select`` / ``index_copy_`` / float32 math); they are
+used when the extension is not loaded and are the oracle the extension is tested against.
+When the extension is loaded (see :func:`extension_status`), the same calls dispatch to
+``torch.ops.tierkv.*``, whose C++ CPU kernels and CUDA kernels share one op schema and one
+header of index math (``cuda_ext/tierkv_index.h``).
+
+Layouts:
+
+* a *paged* cache, per layer, is K and V tensors ``[num_blocks, block_size, num_kv_heads, head_size]``
+  (separate K/V: a sequence of ``(K, V)`` pairs) or one fused tensor ``[2, num_blocks, block_size,
+  num_kv_heads, head_size]`` per layer; token ``i`` lives in slot ``slot_mapping[i]`` =
+  ``block * block_size + offset``; slot ``-1`` means "not in the cache" and is skipped;
+* a *chunk* is contiguous ``[num_layers, 2, num_tokens, num_kv_heads, head_size]`` (vllm order) or
+  ``[num_layers, 2, num_kv_heads, num_tokens, head_size]`` (huggingface order).
+
+Gathers and scatters are raw byte copies, so any dtype works (float8 and int8 as raw bytes);
+the extension is bit-exact with the reference for them.
+
+The extension is optional and never built implicitly on import (it takes ~30 s): build it once
+with ``python -m tierkv.ops build`` (or :func:`build_extension`); later processes load the
+prebuilt library from the cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+``TIERKV_NO_EXT=1`` forces the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierkv.ops.checks import (
+    PagedKVCache,
+    Tensor,
+    _check_blend_scatter,
+    _check_kv_deviation,
+    _check_paged,
+    _check_rope,
+    _chunk_shape,
+    split_paged_cache,
+)
+from tierkv.ops.extension import _dispatch, build_extension, extension_status, source_dir
+from tierkv.ops.reference import (
+    blend_scatter_reference,
+    kv_deviation_reference,
+    paged_gather_reference,
+    paged_scatter_reference,
+    rope_rerotate_reference,
+)
+
+__all__ = [
+    "PagedKVCache", "blend_scatter", "blend_scatter_reference", "build_extension", "extension_status",
+    "kv_deviation", "kv_deviation_reference", "make_cos_sin_cache", "paged_gather", "paged_gather_reference",
+    "paged_scatter", "paged_scatter_reference", "rope_rerotate", "rope_rerotate_reference", "source_dir",
+    "split_paged_cache",
+]
+
+
+def kv_deviation(retrieved_k: Tensor, fresh_k: Tensor) -> Tensor:
+    """Per-token squared L2 distance between retrieved and freshly computed K at one layer.
+
+    This is CacheBlend's token-selection score: tokens whose cached K deviates most from the
+    fresh K are the ones worth recomputing. ``retrieved_k`` and ``fresh_k`` are
+    ``[num_tokens, num_heads, head_size]`` of the same shape, any floating dtype; the result is
+    float32 ``[num_tokens]``, accumulated in float32.
+    """
+    _check_kv_deviation(retrieved_k, fresh_k)
+    if _dispatch(retrieved_k):
+        return torch.ops.tierkv.kv_deviation(retrieved_k, fresh_k)
+    return kv_deviation_reference(retrieved_k, fresh_k)
+
+
+def blend_scatter(dst: Tensor, src: Tensor, indices: Tensor) -> Tensor:
+    """Write recomputed rows into the retrieved KV, in place: ``dst[indices] = src``; returns ``dst``.
+
+    ``dst`` is ``[num_tokens, ...]``, ``src`` is ``[len(indices), ...]`` with the same trailing
+    shape and dtype, ``indices`` is 1-D int64 with values in ``[0, num_tokens)`` (checked: an
+    index out of range is an IndexError, never a silent write elsewhere). With repeated indices
+    the last row wins on CPU; on CUDA which one wins is unspecified, as with ``index_copy_``.
+    """
+    _check_blend_scatter(dst, src, indices)
+    if _dispatch(dst) and dst.is_contiguous() and src.is_contiguous():
+        torch.ops.tierkv.blend_scatter(dst, src, indices)
+        return dst
+    return blend_scatter_reference(dst, src, indices)
+
+
+def make_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0) -> Tensor:
+    """The standard RoPE cos/sin table in vLLM's layout: float32 ``[max_position, rot_dim]``.
+
+    Row ``p`` holds ``cos(p * inv_freq)`` in its first ``rot_dim / 2`` columns and
+    ``sin(p * inv_freq)`` in the last ``rot_dim / 2``, with
+    ``inv_freq[i] = base ** (-2 i / rot_dim)``.
+    """
+    if max_position < 1:
+        raise ValueError(f"max_position must be >= 1, got {max_position}")
+    if rot_dim < 2 or rot_dim % 2:
+        raise ValueError(f"rot_dim must be a positive even number, got {rot_dim}")
+    if base <= 0:
+        raise ValueError(f"base must be > 0, got {base}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=1).to(torch.float32)
+
+
+def rope_rerotate(
+    k: Tensor, old_positions: Tensor, new_positions: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
+) -> Tensor:
+    """Re-rotate cached K in place from the positions it was stored at to new positions; returns ``k``.
+
+    RoPE rotates K by an angle proportional to its position, so a chunk reused at another
+    offset (CacheBlend, non-prefix reuse) must be rotated by ``new - old``. This does it in one
+    pass: the combined rotation is built from the cache rows of both positions (undo old, apply
+    new), so any table of pure rotations works (plain, linear- or NTK-scaled RoPE).
+
+    ``k`` is ``[num_tokens, num_heads, head_size]``; ``old_positions`` / ``new_positions`` are
+    ``[num_tokens]`` int32/int64 in ``[0, max_position)``; ``cos_sin_cache`` is float32
+    ``[max_position, rot_dim]`` (cos in the first half of the columns, sin in the second: see
+    :func:`make_cos_sin_cache`); only the first ``rot_dim`` dims of each head rotate.
+    ``is_neox`` selects rotate-halves (GPT-NeoX, Llama) or interleaved pairs (GPT-J). Math is
+    float32; the result is written back in ``k``'s dtype.
+    """
+    _check_rope(k, old_positions, new_positions, cos_sin_cache)
+    if _dispatch(k) and k.stride(2) == 1 and cos_sin_cache.is_contiguous():
+        torch.ops.tierkv.rope_rerotate(
+            k, old_positions.long().contiguous(), new_positions.long().contiguous(), cos_sin_cache, is_neox
+        )
+        return k
+    return rope_rerotate_reference(k, old_positions, new_positions, cos_sin_cache, is_neox)
+
+
+def _ext_paged_ok(keys: Sequence[Tensor], values: Sequence[Tensor], chunk: Tensor) -> bool:
+    """Whether the kernel's addressing (one block stride, one slot stride, contiguous rows) fits."""
+    if not chunk.is_contiguous():
+        return False
+    first = keys[0]
+    heads, head_size = first.shape[2], first.shape[3]
+    for tensor in (*keys, *values):
+        if tensor.stride() != first.stride():
+            return False
+        if tensor.stride(3) != 1 or tensor.stride(2) != head_size:
+            return False
+    return heads * head_size > 0
+
+
+def paged_gather(
+    kv_caches: PagedKVCache, slot_mapping: Tensor, out: Tensor | None = None, order: str = "vllm"
+) -> Tensor:
+    """Gather all layers' K and V of a run of tokens from a paged cache into one contiguous chunk.
+
+    ``kv_caches``: per layer a ``(K, V)`` pair of ``[num_blocks, block_size, heads, head_size]``
+    or one fused ``[2, num_blocks, block_size, heads, head_size]`` tensor. ``slot_mapping``:
+    ``[num_tokens]`` int32/int64, ``-1`` = skip (the chunk row is left as it was). ``out``:
+    optional preallocated chunk (``vllm`` order ``[layers, 2, tokens, heads, head_size]`` or
+    ``huggingface`` order ``[layers, 2, heads, tokens, head_size]``) on the cache's device;
+    when omitted a zero-filled one is allocated. With the extension this is one launch for all
+    layers (layer base pointers passed as an array). Returns the chunk.
+    """
+    keys, values = split_paged_cache(kv_caches)
+    if out is None:
+        out = torch.zeros(_chunk_shape(keys, slot_mapping.numel(), order), dtype=keys[0].dtype, device=keys[0].device)
+    _check_paged(keys, out, slot_mapping, order, "out")
+    if _dispatch(out) and _ext_paged_ok(keys, values, out):
+        torch.ops.tierkv.paged_gather(keys, values, slot_mapping, out, order == "huggingface")
+        return out
+    return paged_gather_reference((tuple(zip(keys, values))), slot_mapping, out, order)
+
+
+def paged_scatter(chunk: Tensor, kv_caches: PagedKVCache, slot_mapping: Tensor, order: str = "vllm") -> None:
+    """Scatter a contiguous chunk into a paged cache (the reverse of :func:`paged_gather`).
+
+    Token ``i`` of ``chunk`` goes to slot ``slot_mapping[i]`` of every layer's K and V; ``-1``
+    slots are skipped. Layouts as in :func:`paged_gather`; the chunk must be on the cache's device.
+    """
+    keys, values = split_paged_cache(kv_caches)
+    _check_paged(keys, chunk, slot_mapping, order, "chunk")
+    if _dispatch(chunk) and _ext_paged_ok(keys, values, chunk):
+        torch.ops.tierkv.paged_scatter(chunk, keys, values, slot_mapping, order == "huggingface")
+        return
+    paged_scatter_reference(chunk, tuple(zip(keys, values)), slot_mapping, order)
