@@ -52,6 +52,9 @@ from tierkv.testing.faults import FaultyBackend
 
 CHUNK = 256
 TOLERANCE = 1.05
+# pause before each timed call: the object store and proxy threads finish what the previous
+# read left (on 2 cores that work otherwise lands in the next measurement, whichever it is)
+SETTLE_S = 0.1
 COLUMNS = ["tier", "tokens", "latency_ms", "bandwidth_MBps", "never_s", "always_s", "cost_aware_s",
            "planned_tokens", "cached_tokens", "hot_tokens", "cost_vs_best", "partial_win"]
 
@@ -157,6 +160,7 @@ def run_point(model: Any, slow: SlowTier, curve: dict[int, float], tokens: torch
             slow.throttle(engine, 0.0, None)
             warm_the_head(engine, tokens, hot_chunks)
             slow.throttle(engine, latency_s, bytes_per_s)
+        aware.retrieve(warmup)  # learns the chunk layout (a fresh process loads its first prompt whole)
         keys = aware.keys_for(warmup)  # the engine measures its tiers on reads of a few sizes, as in service
         for count in (1, max(1, len(keys) // 2), len(keys)):
             aware.batched_get(keys[:count])
@@ -164,6 +168,7 @@ def run_point(model: Any, slow: SlowTier, curve: dict[int, float], tokens: torch
         pair = [("always", always), ("cost_aware", aware)]
         for repeat in range(repeats):
             for mode, engine in (pair if repeat % 2 == 0 else pair[::-1]):  # neither always goes first
+                time.sleep(SETTLE_S)
                 started = time.perf_counter()
                 result = hf.prefill_with_reuse(model, engine, tokens, store=False)
                 times[mode].append(time.perf_counter() - started)
@@ -213,6 +218,7 @@ def run_cost(lengths: list[int], bandwidths_mbps: list[float], latencies_ms: lis
                 never_samples = []
                 for latency_ms in latencies_ms:
                     # one full prefill per latency, spread through the block: "never" sees the same machine
+                    time.sleep(SETTLE_S)
                     never_samples.append(_median_time(lambda t=tokens: _full_prefill(model, t), 1)[1])
                     for mbps in bandwidths_mbps:
                         row = {"tier": kind, "tokens": n, "latency_ms": latency_ms, "bandwidth_MBps": mbps,

@@ -38,45 +38,72 @@ _REFERENCE_BYTES = 32 << 20  # the size the seed's prior is anchored at (one Lla
 
 
 class _DecayedFit:
-    """Weighted least squares of ``y = a*x1 + b*x2`` (or ``a + b*x`` with x1 = 1), newest
-    samples weighing most (weights halve every ``half_life`` samples), plus prior points whose
-    weight shrinks by ``prior_decay`` with every sample (the prior speaks until data does)."""
+    """Weighted least squares of ``y = sum(coef[i] * x[i])`` with every coefficient >= 0 (both
+    are costs), newest samples weighing most (weights halve every ``half_life`` samples), plus
+    prior points whose weight shrinks by ``prior_decay`` with every sample (the prior speaks
+    until data does)."""
 
-    def __init__(self, half_life: float, prior: Sequence[tuple[float, float, float]], weight: float,
-                 prior_decay: float = 1.0) -> None:
+    def __init__(self, terms: int, half_life: float, prior: Sequence[tuple[Sequence[float], float]], weight: float,
+                 prior_decay: float = 1.0, drop_first: Sequence[int] = ()) -> None:
+        self.terms = terms
+        self.drop_first = list(drop_first)  # which terms to give up first when the data cannot tell them apart
         self.decay = 0.5 ** (1.0 / half_life)
-        self.prior = list(prior)
+        self.prior = [([float(v) for v in x], float(y)) for x, y in prior]
         self.prior_weight = weight
         self.prior_decay = prior_decay
-        self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
+        self.xx = [[0.0] * terms for _ in range(terms)]
+        self.xy = [0.0] * terms
         self.samples = 0
 
-    def add(self, x1: float, x2: float, y: float) -> None:
+    def add(self, x: Sequence[float], y: float) -> None:
         d = self.decay
-        self.s11 = self.s11 * d + x1 * x1
-        self.s12 = self.s12 * d + x1 * x2
-        self.s22 = self.s22 * d + x2 * x2
-        self.s1y = self.s1y * d + x1 * y
-        self.s2y = self.s2y * d + x2 * y
+        for i in range(self.terms):
+            self.xy[i] = self.xy[i] * d + x[i] * y
+            for j in range(self.terms):
+                self.xx[i][j] = self.xx[i][j] * d + x[i] * x[j]
         self.samples += 1
 
-    def solve(self) -> tuple[float, float]:
-        s11, s12, s22, s1y, s2y = self.s11, self.s12, self.s22, self.s1y, self.s2y
+    def solve(self) -> list[float]:
+        xx = [row[:] for row in self.xx]
+        xy = self.xy[:]
         w = self.prior_weight * self.prior_decay ** self.samples
-        for x1, x2, y in self.prior:
-            s11, s12, s22 = s11 + w * x1 * x1, s12 + w * x1 * x2, s22 + w * x2 * x2
-            s1y, s2y = s1y + w * x1 * y, s2y + w * x2 * y
-        det = s11 * s22 - s12 * s12
-        a = b = -1.0
-        if det > 1e-12 * max(s11 * s22, 1e-300):
-            a = (s1y * s22 - s2y * s12) / det
-            b = (s2y * s11 - s1y * s12) / det
-        if a >= 0 and b >= 0:
-            return a, b
-        # a term came out negative (or cannot be told apart): both are costs, so fit one alone
-        if a < 0 <= b and s22 > 0:
-            return 0.0, max(s2y / s22, 0.0)
-        return (max(s1y / s11, 0.0) if s11 > 0 else 0.0), 0.0
+        for x, y in self.prior:
+            for i in range(self.terms):
+                xy[i] += w * x[i] * y
+                for j in range(self.terms):
+                    xx[i][j] += w * x[i] * x[j]
+        active = [i for i in range(self.terms) if xx[i][i] > 0]
+        while active:  # drop the terms that come out negative and refit the rest (a tiny NNLS)
+            coef = _solve([[xx[i][j] for j in active] for i in active], [xy[i] for i in active])
+            if coef is not None and all(c >= 0 for c in coef):
+                result = [0.0] * self.terms
+                for i, c in zip(active, coef):
+                    result[i] = c
+                return result
+            if coef is None:
+                victim = next((i for i in self.drop_first if i in active), active[-1])
+                active = [i for i in active if i != victim]
+            else:
+                active = [i for i, c in zip(active, coef) if c > 0]
+        return [0.0] * self.terms
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting, scaled; None when singular."""
+    n = len(b)
+    scale = [math.sqrt(a[i][i]) or 1.0 for i in range(n)]  # columns of very different magnitude
+    m = [[a[i][j] / (scale[i] * scale[j]) for j in range(n)] + [b[i] / scale[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
 
 
 class TierSpeed:
@@ -88,7 +115,7 @@ class TierSpeed:
         self.seed = seed
         x = float(_REFERENCE_BYTES)
         # two prior points on the seed's line: it governs until real gets outweigh it
-        self._fit = _DecayedFit(half_life, [(1.0, 0.0, seed.fixed_s), (1.0, x, seed.fixed_s + x / seed.bytes_per_s)],
+        self._fit = _DecayedFit(2, half_life, [((1.0, 0.0), seed.fixed_s), ((1.0, x), seed.fixed_s + x / seed.bytes_per_s)],
                                 weight=0.5, prior_decay=0.7)
         self._fixed_s, self._per_byte = seed.fixed_s, 1.0 / seed.bytes_per_s
 
@@ -96,7 +123,7 @@ class TierSpeed:
         """A get batch of ``nbytes`` took ``seconds``."""
         if nbytes <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
-        self._fit.add(1.0, float(nbytes), seconds)
+        self._fit.add((1.0, float(nbytes)), seconds)
         fixed, per_byte = self._fit.solve()
         self._fixed_s, self._per_byte = fixed, max(per_byte, 1e-15)
 
@@ -124,6 +151,10 @@ class TierSpeed:
 class RecomputeModel:
     """Prefill time of ``L`` tokens from scratch, ``T(L) = a*L + b*L^2``.
 
+    A measured prefill also pays a fixed per-call overhead (fitted apart, never counted as
+    saved: the model runs for the last token whatever is loaded), so tiny prefills do not
+    make every token look expensive.
+
     ``tokens_per_s`` (one throughput) or ``curve`` (throughput at a few prompt lengths, as
     ``[(tokens, tokens_per_s), ...]``) set it; :meth:`observe` refines it from prefills that
     were timed (``new`` tokens computed after ``context`` cached ones took ``seconds``).
@@ -137,13 +168,15 @@ class RecomputeModel:
             points.append((4096, float(tokens_per_s)))
         if any(tokens <= 0 or speed <= 0 for tokens, speed in points):
             raise ValueError(f"recompute: lengths and tokens_per_s must be positive, got {points}")
+        # terms: a per-call overhead (measured prefills only: it is paid whether or not a prefix
+        # is loaded, so it never counts as saved), a*L, b*L^2
         if tokens_per_s is not None and not curve:
-            prior = [(1.0 * tokens, 0.0, tokens / speed) for tokens, speed in points]  # linear: one throughput
+            prior = [((0.0, tokens, 0.0), tokens / speed) for tokens, speed in points]  # linear: one throughput
         else:
-            prior = [(1.0 * tokens, 1.0 * tokens * tokens, tokens / speed) for tokens, speed in points]
+            prior = [((0.0, tokens, float(tokens) * tokens), tokens / speed) for tokens, speed in points]
         self.configured = bool(points)
-        self._fit = _DecayedFit(half_life, prior, weight=1.0, prior_decay=0.9)
-        self._a, self._b = self._fit.solve() if points else (0.0, 0.0)
+        self._fit = _DecayedFit(3, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(0, 2))
+        self._overhead_s, self._a, self._b = self._fit.solve()
 
     @property
     def known(self) -> bool:
@@ -154,8 +187,8 @@ class RecomputeModel:
         if new_tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         end = context_tokens + new_tokens
-        self._fit.add(float(new_tokens), float(end * end - context_tokens * context_tokens), seconds)
-        self._a, self._b = self._fit.solve()
+        self._fit.add((1.0, float(new_tokens), float(end * end - context_tokens * context_tokens)), seconds)
+        self._overhead_s, self._a, self._b = self._fit.solve()
 
     def seconds(self, num_tokens: int) -> float:
         """T(num_tokens): prefill from scratch."""
