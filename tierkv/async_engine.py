@@ -29,7 +29,7 @@ from tierkv.kvlayout import KVCache
 from tierkv.memory import empty_host
 from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
 from tierkv.pressure import MemoryProbe
-from tierkv.router import TierRouter, _in_place, _nbytes, _off_loop
+from tierkv.router import FILL_QUEUE, TierRouter, _in_place, _nbytes, _off_loop
 
 logger = logging.getLogger("tierkv.engine")
 
@@ -138,14 +138,22 @@ class AsyncEngine(TierRouter):
             )
         if self.config.dtype is not None and source.dtype != self.config.dtype:
             raise ValueError(f"KV dtype {source.dtype} does not match the configured dtype {self.config.dtype}")
-        keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
-        ranges = transfer.chunk_ranges(skip, num_tokens, self.chunk_size)
-        if skip_existing and keys:
-            first = policy.first_missing(await self.batched_contains(keys))
-            keys, ranges = keys[first:], ranges[first:]
+        keys, ranges = await self.chunks_to_store(token_array, skip, skip_existing)
         if not keys:
             return 0
         return await self.store_from(keys, source, ranges)
+
+    async def chunks_to_store(self, token_array: np.ndarray, skip: int, skip_existing: bool = True
+                              ) -> tuple[list[CacheKey], list[tuple[int, int]]]:
+        """Keys and token ranges of the chunks of a validated token array (:func:`as_token_array`)
+        to store, from token ``skip`` (chunk-aligned) on; with ``skip_existing``, without the
+        chunks already cached at the start."""
+        keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
+        ranges = transfer.chunk_ranges(skip, len(token_array), self.chunk_size)
+        if skip_existing and keys:
+            first = policy.first_missing(await self.batched_contains(keys))
+            keys, ranges = keys[first:], ranges[first:]
+        return keys, ranges
 
     async def store_from(self, keys: Sequence[CacheKey], source: transfer.ChunkSource,
                          ranges: Sequence[tuple[int, int]]) -> int:
@@ -263,9 +271,7 @@ class AsyncEngine(TierRouter):
         levels = self._locate_for_read(keys)
         keys = keys[: policy.first_missing([level is not None for level in levels])]
         if plan and keys and self.cost_aware:
-            chunk_levels: list[int | None] = [None] * first_chunk
-            chunk_levels += levels[: len(keys)]
-            prefix_plan = self._plan(chunk_levels, num_tokens, assume_cached=first_chunk)
+            prefix_plan = self._plan(levels[: len(keys)], num_tokens, first_chunk)
             keys = keys[: max(0, -(-prefix_plan.planned_tokens // self.chunk_size) - first_chunk)]
         ranges = transfer.chunk_ranges(skip - skip % self.chunk_size, num_tokens, self.chunk_size)[: len(keys)]
         hits = 0
@@ -293,7 +299,7 @@ class AsyncEngine(TierRouter):
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(len(token_array), await self._locate_prefix(token_array))
+        return self._record_lookup(len(token_array), await self._locate_prefix(token_array)).planned_tokens
 
     def lookup_nowait(self, tokens: TokenIds) -> int | None:
         """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
@@ -301,7 +307,7 @@ class AsyncEngine(TierRouter):
         self._ensure_open()
         token_array = as_token_array(tokens)
         levels = self._locate_prefix_nowait(token_array)
-        return None if levels is None else self._record_lookup(len(token_array), levels)
+        return None if levels is None else self._record_lookup(len(token_array), levels).planned_tokens
 
     async def locate_prefix(self, tokens: TokenIds) -> list[str]:
         """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
@@ -317,7 +323,11 @@ class AsyncEngine(TierRouter):
 
     def _tier_names(self, levels: list[int | None]) -> list[str]:
         prefix = levels[: policy.first_missing([level is not None for level in levels])]
-        return ["fill-queue" if level == -1 else self.tiers[level].name for level in prefix]  # type: ignore[index]
+        return [self._level_name(level) for level in prefix if level is not None]
+
+    def _level_name(self, level: int) -> str:
+        """The tier at ``level``, or ``"fill-queue"`` (-1) for a chunk only waiting to be written."""
+        return FILL_QUEUE if level < 0 else self.tiers[level].name
 
     async def _locate_prefix(self, token_array: np.ndarray) -> list[int | None]:
         keys = self._iter_keys(token_array)
@@ -334,13 +344,13 @@ class AsyncEngine(TierRouter):
             levels = None if rest is None else levels + rest
         return levels
 
-    def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> int:
+    def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> PrefixPlan:
         """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
         hit_chunks = policy.first_missing([level is not None for level in levels])
         cached = min(hit_chunks * self.chunk_size, num_tokens)
         prefix_plan = self._plan(levels[:hit_chunks], num_tokens)
         self._last_lookup = (num_tokens, cached, levels[:hit_chunks], prefix_plan)
-        return prefix_plan.planned_tokens
+        return prefix_plan
 
     def _last_lookup_summary(self) -> dict[str, Any] | None:
         if self._last_lookup is None:
@@ -375,8 +385,7 @@ class AsyncEngine(TierRouter):
         levels = self._locate_prefix_nowait(token_array)
         if levels is None:
             return None
-        self._record_lookup(len(token_array), levels)
-        return self._last_lookup[3]  # type: ignore[index]
+        return self._record_lookup(len(token_array), levels)
 
     async def plan(self, tokens: TokenIds) -> PrefixPlan:
         """How much of the cached prefix of ``tokens`` is worth loading: for each prefix length,
@@ -385,16 +394,14 @@ class AsyncEngine(TierRouter):
         recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
         self._ensure_open()
         token_array = as_token_array(tokens)
-        self._record_lookup(len(token_array), await self._locate_prefix(token_array))
-        return self._last_lookup[3]  # type: ignore[index]
+        return self._record_lookup(len(token_array), await self._locate_prefix(token_array))
 
-    def _plan(self, levels: Sequence[int | None], num_tokens: int, assume_cached: int = 0) -> PrefixPlan:
-        """The plan for cached chunks at ``levels`` (a prefix, from the prompt's first chunk);
-        the first ``assume_cached`` chunks are the caller's already (not loaded, not counted)."""
-        base = min(assume_cached * self.chunk_size, num_tokens)
-        names = [("fill-queue" if level == -1 else self.tiers[level].name)  # type: ignore[index]
-                 for level in levels[assume_cached:]]
-        sizes = [min(self.chunk_size, num_tokens - (assume_cached + i) * self.chunk_size) for i in range(len(names))]
+    def _plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
+        """The plan for the cached chunks at ``levels``, which start at chunk ``first_chunk`` of
+        the prompt (the chunks before it are the caller's already: not loaded, not counted)."""
+        base = min(first_chunk * self.chunk_size, num_tokens)
+        names = [self._level_name(level) for level in levels if level is not None]
+        sizes = [min(self.chunk_size, num_tokens - (first_chunk + i) * self.chunk_size) for i in range(len(names))]
         if not self.cost_aware:
             return load_everything(names, sizes, "cost_aware is off" if self.config.cost_aware is False else
                                    "no recompute speed known (recompute: in the config, or measured prefills)", base)
@@ -412,7 +419,7 @@ class AsyncEngine(TierRouter):
     async def locate(self, tokens: TokenIds) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
         levels = await self.locate_keys(self.keys_for(as_token_array(tokens)))
-        return [None if level is None else ("fill-queue" if level < 0 else self.tiers[level].name) for level in levels]
+        return [None if level is None else self._level_name(level) for level in levels]
 
     async def prefetch(self, tokens: TokenIds) -> None:
         """Start moving the cached prefix of ``tokens`` up to the top tier; returns at once.
@@ -480,12 +487,12 @@ def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tup
         def write_all() -> None:
             for key, view in views.items():
                 source.write_into(view, *where[key])
-        await _off_loop(write_all, sum(view.numel() * view.element_size() for view in views.values()))
+        await _off_loop(write_all, sum(view.nbytes for view in views.values()))
     return write
 
 
 async def _gathered(source: transfer.ChunkSource, shape: tuple[int, ...], rng: tuple[int, int]) -> torch.Tensor:
     """A pooled chunk buffer filled from ``source`` (for sources with no zero-copy view)."""
     chunk = empty_host(shape, source.dtype)
-    await _off_loop(lambda: source.write_into(chunk, *rng), chunk.numel() * chunk.element_size())
+    await _off_loop(lambda: source.write_into(chunk, *rng), chunk.nbytes)
     return chunk

@@ -176,7 +176,7 @@ class RecomputeModel:
             prior = [((0.0, tokens, float(tokens) * tokens), tokens / speed) for tokens, speed in points]
         self.configured = bool(points)
         self._fit = _DecayedFit(3, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(0, 2))
-        self._overhead_s, self._a, self._b = self._fit.solve()
+        _, self._a, self._b = self._fit.solve()  # the overhead is paid either way: never saved
 
     @property
     def known(self) -> bool:
@@ -188,7 +188,7 @@ class RecomputeModel:
             return
         end = context_tokens + new_tokens
         self._fit.add((1.0, float(new_tokens), float(end * end - context_tokens * context_tokens)), seconds)
-        self._overhead_s, self._a, self._b = self._fit.solve()
+        _, self._a, self._b = self._fit.solve()  # the overhead is paid either way: never saved
 
     def seconds(self, num_tokens: int) -> float:
         """T(num_tokens): prefill from scratch."""

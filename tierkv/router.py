@@ -46,6 +46,9 @@ logger = logging.getLogger("tierkv.engine")
 
 T = TypeVar("T")
 
+FILL_QUEUE = "fill-queue"
+"""Where a chunk is that was acknowledged but not yet written to the tiers below (level -1)."""
+
 _OFFLOAD_COPY_BYTES = 4 << 20
 _FILL_BATCH_BYTES = 256 << 20
 
@@ -95,7 +98,7 @@ class TierRouter:
         self._promote = [tier.promote for tier in config.tiers]
         self._metrics = {tier.name: TierMetrics() for tier in self.tiers}
         self._speeds = {tier.name: TierSpeed(type(tier).speed_seed) for tier in self.tiers}
-        self._speeds["fill-queue"] = TierSpeed(HOST_MEMORY_SEED)  # acknowledged chunks still in host memory
+        self._speeds[FILL_QUEUE] = TierSpeed(HOST_MEMORY_SEED)  # acknowledged chunks still in host memory
         health = config.health
         self._health = {tier.name: TierHealth(health.failure_threshold, health.retry_after_s) for tier in self.tiers}
         self._timeout = health.timeout_s
@@ -215,7 +218,7 @@ class TierRouter:
             return 0
         keys, chunks = list(keys), list(chunks)
         with copies.on_path(self._copies, "store"):
-            self._copies.add_delivered("store", sum(c.numel() * c.element_size() for c in chunks))
+            self._copies.add_delivered("store", sum(c.nbytes for c in chunks))
             errors: list[BaseException] = []
             for level in range(len(self.tiers)):
                 if not self._admits(level):
@@ -388,7 +391,7 @@ class TierRouter:
             else:
                 assert chunks is not None  # one of the two forms is always given
                 stored = await self._timed(tier.batched_put(keys, chunks))
-                nbytes = sum(c.numel() * c.element_size() for c in chunks)
+                nbytes = sum(c.nbytes for c in chunks)
         except CapacityError as exc:  # the tier is fine, the chunk just does not fit
             metrics.add("errors")
             logger.info("tier %r: %s", tier.name, exc)
@@ -427,16 +430,9 @@ class TierRouter:
         except Exception as exc:
             self._tier_failed(level, "get", exc)
             return [False] * len(keys)
-        seconds = time.perf_counter() - started
-        metrics.get_latency.observe(seconds)
+        metrics.get_latency.observe(time.perf_counter() - started)
         self._health[tier.name].record_success()
-        hits = sum(got)
-        nbytes = sum(out.numel() * out.element_size() for out, hit in zip(outs, got) if hit)
-        metrics.add("hits", hits)
-        metrics.add("misses", len(got) - hits)
-        metrics.add("bytes_out", nbytes)
-        if hits:
-            self._speeds[tier.name].observe(nbytes, seconds)
+        self._count_read(level, len(got), [out for out, hit in zip(outs, got) if hit], started)
         return list(got)
 
     async def _tier_get(self, level: int, keys: list[CacheKey]) -> list[torch.Tensor | None]:
@@ -450,17 +446,22 @@ class TierRouter:
         except Exception as exc:
             self._tier_failed(level, "get", exc)
             return [None] * len(keys)
-        seconds = time.perf_counter() - started
-        metrics.get_latency.observe(seconds)
+        metrics.get_latency.observe(time.perf_counter() - started)
         self._health[tier.name].record_success()
-        hits = [c for c in got if c is not None]
-        nbytes = sum(c.numel() * c.element_size() for c in hits)
+        self._count_read(level, len(got), [c for c in got if c is not None], started)
+        return got
+
+    def _count_read(self, level: int, asked: int, hits: Sequence[torch.Tensor], started: float) -> None:
+        """Hits, misses and bytes of one read of tier ``level`` that began at ``started``
+        (perf_counter), and a sample of the tier's speed for the cost model."""
+        name = self.tiers[level].name
+        nbytes = sum(chunk.nbytes for chunk in hits)
+        metrics = self._metrics[name]
         metrics.add("hits", len(hits))
-        metrics.add("misses", len(got) - len(hits))
+        metrics.add("misses", asked - len(hits))
         metrics.add("bytes_out", nbytes)
         if nbytes:
-            self._speeds[tier.name].observe(nbytes, seconds)
-        return got
+            self._speeds[name].observe(nbytes, time.perf_counter() - started)
 
     async def _get_one_checked(self, level: int, key: CacheKey) -> torch.Tensor | None:
         """Single get that turns an undecodable value into a miss, a delete and a count."""
@@ -599,7 +600,7 @@ class TierRouter:
             except Exception:
                 self._metrics[self.tiers[level].name].add("dropped_fills", len(keys))
                 return
-            self._copies.add_delivered("fill", sum(c.numel() * c.element_size() for c in chunks))
+            self._copies.add_delivered("fill", sum(c.nbytes for c in chunks))
 
     async def _read_held(self, level: int, keys: list[CacheKey], ranges: list[tuple[int, int]], indices: list[int],
                          sink: transfer.ChunkSink) -> list[bool]:
@@ -612,7 +613,7 @@ class TierRouter:
                                                        sink.dtype) for i, h in zip(indices, holds)]
             work = [(h.chunk, ranges[i]) for i, h, hit in zip(indices, holds, hits) if hit and h is not None]
             await _off_loop(functools.partial(_read_all, sink, work),
-                            sum(chunk.numel() * chunk.element_size() for chunk, _ in work))
+                            sum(chunk.nbytes for chunk, _ in work))
             if level > 0 and work:
                 await self._promote_hits(level, [keys[i] for i, hit in zip(indices, hits) if hit],
                                          [chunk for chunk, _ in work])
@@ -620,13 +621,7 @@ class TierRouter:
             for hold in holds:
                 if hold is not None:
                     hold.release()
-        metrics = self._metrics[tier.name]
-        nbytes = sum(chunk.numel() * chunk.element_size() for chunk, _ in work)
-        metrics.add("hits", sum(hits))
-        metrics.add("misses", len(hits) - sum(hits))
-        metrics.add("bytes_out", nbytes)
-        if nbytes:
-            self._speeds[tier.name].observe(nbytes, time.perf_counter() - started)
+        self._count_read(level, len(hits), [chunk for chunk, _ in work], started)
         return hits
 
     async def _read_chunks(self, keys: list[CacheKey], levels: list[int | None], ranges: list[tuple[int, int]],
@@ -680,7 +675,7 @@ class TierRouter:
         late = [(staged[i], ranges[i]) for i in sorted(staged) if i < delivered]
         if late:
             await _off_loop(functools.partial(_read_all, sink, late),
-                            sum(chunk.numel() * chunk.element_size() for chunk, _ in late))
+                            sum(chunk.nbytes for chunk, _ in late))
         return delivered
 
     async def _read_level(self, level: int, asked: list[int], keys: list[CacheKey], ranges: list[tuple[int, int]],
@@ -703,12 +698,15 @@ class TierRouter:
                 start, end = ranges[index]
                 target = None if stage else sink.destination(start, end)
                 if target is None:
-                    target = staged.get(index)
-                    if target is None:
-                        target = staged[index] = empty_host(sink.chunk_shape(end - start), sink.dtype)
+                    target = staged[index] = empty_host(sink.chunk_shape(end - start), sink.dtype)
                 targets.append(target)
             got = await self._tier_get_into(level, [keys[i] for i in asked], targets, deadline)
             hits.update(zip(asked, got))
+            for index, hit, target in zip(asked, got, targets):
+                if not hit and staged.get(index) is target:
+                    # a miss, or a read abandoned at the deadline that may still be writing: never
+                    # reuse it, never copy it out (a later round reads the chunk afresh)
+                    del staged[index]
             if level > 0 and any(got):
                 await self._promote_hits(level, [keys[i] for i, hit in zip(asked, got) if hit],
                                          [t for t, hit in zip(targets, got) if hit])
@@ -762,4 +760,4 @@ async def _copy_pairs_off_loop(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
     def copy_all() -> None:
         for dst, src in pairs:
             copy_into(dst, src)
-    await _off_loop(copy_all, sum(dst.numel() * dst.element_size() for dst, _ in pairs))
+    await _off_loop(copy_all, sum(dst.nbytes for dst, _ in pairs))

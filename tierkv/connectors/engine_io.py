@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierkv import copies, kvlayout, policy, transfer
+from tierkv import copies, kvlayout
 from tierkv.keys import CacheKey, as_token_array
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class ConnectorSource:
     def write_into(self, dest: torch.Tensor, start: int, end: int) -> None:
         with _on_stream(self._stream):
             self.connector.from_gpu(dest, start, end, **self.kwargs)
-        copies.count(dest.numel() * dest.element_size())
+        copies.count(dest.nbytes)
 
 
 class ConnectorSink:
@@ -77,7 +77,7 @@ class ConnectorSink:
             chunk = chunk.narrow(dim, skip, end - start - skip).contiguous()
         with _on_stream(self._stream):
             self.connector.to_gpu(chunk, start + skip, end, **self.kwargs)
-        copies.count(chunk.numel() * chunk.element_size())
+        copies.count(chunk.nbytes)
 
 
 def _current_stream(kwargs: dict[str, Any]) -> torch.cuda.Stream | None:
@@ -94,18 +94,13 @@ def _on_stream(stream: torch.cuda.Stream | None) -> Any:
 
 
 async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | None
-                       ) -> tuple[Any, int, list[CacheKey], list[tuple[int, int]]]:
-    """The tokens, how many leading tokens need no store (masked out or already cached), and
-    the keys and token ranges of the chunks to store."""
+                       ) -> tuple[int, list[CacheKey], list[tuple[int, int]]]:
+    """How many tokens the chunks to store cover (masked-out and already cached ones left out),
+    and their keys and token ranges."""
     token_array = as_token_array(tokens)
-    num_tokens = len(token_array)
-    skip = kvlayout.store_mask_skip(mask, num_tokens, engine.chunk_size)
-    keys = engine.keys_for(token_array)[skip // engine.chunk_size :]
-    if keys:
-        first = policy.first_missing(await engine.batched_contains(keys))
-        keys = keys[first:]
-        skip = min(skip + first * engine.chunk_size, num_tokens)
-    return token_array, skip, keys, transfer.chunk_ranges(skip, num_tokens, engine.chunk_size)
+    skip = kvlayout.store_mask_skip(mask, len(token_array), engine.chunk_size)
+    keys, ranges = await engine.chunks_to_store(token_array, skip)
+    return (len(token_array) - ranges[0][0] if ranges else 0), keys, ranges
 
 
 async def store_with_connector(
@@ -120,10 +115,10 @@ async def store_with_connector(
     suffix ``mask`` (aligned to chunks) leaves its unmasked prefix out, as in ``AsyncEngine.store``.
     """
     _check_format(engine, connector)
-    token_array, skip, keys, ranges = await _store_range(engine, tokens, mask)
+    num_tokens, keys, ranges = await _store_range(engine, tokens, mask)
     if not keys:
         return 0
-    return await engine.store_from(keys, ConnectorSource(connector, kwargs, len(token_array) - skip), ranges)
+    return await engine.store_from(keys, ConnectorSource(connector, kwargs, num_tokens), ranges)
 
 
 async def retrieve_with_connector(
@@ -141,8 +136,6 @@ async def retrieve_with_connector(
     return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s)
 
 
-
-
 def store_paged(
     engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
 ) -> int:
@@ -153,10 +146,9 @@ def store_paged(
     source = ConnectorSource(connector, kwargs, 0)
 
     async def store() -> int:
-        token_array, skip, keys, ranges = await _store_range(core, tokens, mask)
+        source.num_tokens, keys, ranges = await _store_range(core, tokens, mask)
         if not keys:
             return 0
-        source.num_tokens = len(token_array) - skip
         return await core.store_from(keys, source, ranges)
     return engine.run(store())
 

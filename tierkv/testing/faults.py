@@ -63,13 +63,13 @@ class FaultyBackend(StorageBackend):
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         await self._maybe_fail("batched_get")
         chunks = await self.inner.batched_get(keys)
-        await self._throttle(sum(c.numel() * c.element_size() for c in chunks if c is not None))
+        await self._throttle(sum(c.nbytes for c in chunks if c is not None))
         return chunks
 
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         await self._maybe_fail("batched_get")  # counted with batched_get: both are one read of the batch
         got = await self.inner.batched_get_into(keys, outs)
-        await self._throttle(sum(out.numel() * out.element_size() for out, hit in zip(outs, got) if hit))
+        await self._throttle(sum(out.nbytes for out, hit in zip(outs, got) if hit))
         return got
 
     def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
