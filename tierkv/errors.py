@@ -39,3 +39,11 @@ class CapacityError(TierKVError):
 
 class TierUnavailableError(TierKVError):
     """A tier's backing store cannot be reached (down, timed out, unhealthy)."""
+
+
+class TierFullError(CapacityError):
+    """A tier's backing store ran out of space (ENOSPC, EDQUOT) or failed to write (EIO).
+
+    The message names the tier and the path; the tier stops admitting until space returns,
+    and what it stored before stays readable.
+    """

@@ -1,0 +1,96 @@
+"""The ownership rule for memory handed to a copy, enforced here and nowhere else.
+
+Memory handed to a copy (a memory tier's slab, a slice of a caller's ``out``, a paged-cache
+block, a staging buffer) belongs to that copy until the copy has *finished*: nobody frees,
+reuses or returns it earlier, and nothing is written into a caller's memory after the call
+that was given it has returned -- by completion, error, timeout, deadline or cancellation.
+
+Two tools keep the rule:
+
+- :func:`finish` / :func:`in_thread`: work that writes into borrowed memory runs to its end
+  even when the awaiting task is cancelled. The cancellation is delivered (``CancelledError``
+  is re-raised) only after the work stopped, so the caller's ``finally`` / ``except`` blocks
+  that free or reuse the memory run when nobody writes into it any more. Copies in memory
+  are bounded (milliseconds), so waiting for them costs nothing a caller would notice.
+- :class:`WriteGrant`: where waiting is not an option (a network read the caller gave up on
+  at a timeout or deadline), the worker asks the grant before it writes each piece, and the
+  owner :meth:`~WriteGrant.revoke`\\ s it before it hands the memory back. ``revoke`` returns
+  once no piece is being written, and no piece starts after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["WriteGrant", "finish", "in_thread"]
+
+
+async def finish(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the awaiting task is cancelled.
+
+    On cancellation the work keeps running; once it has stopped (result or error, which is
+    dropped), ``CancelledError`` is raised as usual. A second cancellation while waiting
+    does not cut the wait short either.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await _until_done(task)
+        raise
+
+
+async def _until_done(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task`` to stop, ignoring its outcome and further cancellations."""
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:  # the work's own error: the caller is already being cancelled
+            break
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` in a worker thread; return (or deliver a cancellation) only when it has stopped."""
+    return await finish(asyncio.to_thread(functools.partial(fn, *args, **kwargs)))
+
+
+class WriteGrant:
+    """Permission to write into memory somebody else owns, revocable by the owner.
+
+    The worker wraps each write in :meth:`write`; the owner calls :meth:`revoke` before it
+    frees, reuses or returns the memory (for instance when it stops waiting for the worker).
+    After ``revoke`` returns, no write is in progress and none will start.
+    """
+
+    __slots__ = ("_lock", "_revoked")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._revoked = False
+
+    @property
+    def revoked(self) -> bool:
+        return self._revoked
+
+    def write(self, copy: Callable[[], Any]) -> bool:
+        """Run ``copy`` unless the grant was revoked; whether it ran."""
+        with self._lock:
+            if self._revoked:
+                return False
+            copy()
+            return True
+
+    def revoke(self) -> None:
+        """Stop all further writes; wait for one in progress to end (one copy: bounded)."""
+        with self._lock:
+            self._revoked = True
