@@ -15,8 +15,14 @@ How it talks to the store:
   when the object is larger, fetches the remaining ranges in parallel. Below those sizes
   (the default covers a 32-layer, 256-token Llama-3-8B chunk) it is one request each way.
 - Retries: throttling (SlowDown, 429, 503) and transient faults (connection refused/reset,
-  timeouts, 5xx) are retried ``retries`` times with capped, jittered exponential backoff,
-  never past the operation's ``timeout_s`` deadline. Anything else fails at once.
+  timeouts, 5xx, a body cut, short or reset mid-transfer) are retried ``retries`` times with
+  capped, jittered exponential backoff, never past the operation's ``timeout_s`` deadline.
+  Anything else fails at once. A transport fault is never taken for corruption: only a whole
+  body (as long as the reply and the chunk header say) that fails its checksum is deleted
+  (:mod:`tierkv_backends.s3_requests`).
+- Ownership: a read writes into the caller's destinations, and a put reads the caller's
+  chunk, only while the call still owns them (:class:`tierkv.ownership.WriteGrant`): a
+  request abandoned at ``timeout_s`` or by a cancellation never touches them afterwards.
 - Health: a batch whose requests all fail counts against a :class:`~tierkv.health.CircuitBreaker`;
   after ``failure_threshold`` in a row the tier fails fast (no network) and a HEAD on the
   bucket probes it every ``probe_interval_s`` until it answers. Gets return what arrived
@@ -33,7 +39,6 @@ import concurrent.futures
 import contextvars
 import logging
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +53,20 @@ from tierkv.health import CircuitBreaker
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option
+from tierkv.ownership import WriteGrant
 from tierkv.planner import SpeedSeed
+from tierkv_backends.s3_requests import (
+    NO_BUCKET_CODES,
+    TRANSIENT_ERRORS,
+    IncompleteBodyError,
+    bucket_name,
+    checked_body,
+    error_code,
+    http_status,
+    is_missing,
+    is_transient,
+    key_prefix,
+)
 
 try:
     import boto3
@@ -62,60 +80,8 @@ T = TypeVar("T")
 
 _MiB = 1 << 20
 _MIN_PART = 5 * _MiB  # S3's minimum multipart part size (all parts but the last)
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
-_NO_BUCKET_CODES = {"NoSuchBucket"}
-_TRANSIENT_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-    "TooManyRequests", "TooManyRequestsException", "RequestLimitExceeded", "RequestTimeout",
-    "RequestTimeoutException", "InternalError", "ServiceUnavailable", "ServerBusy", "PriorRequestNotComplete",
-}
-_TRANSIENT_ERRORS = (
-    botocore.exceptions.ConnectionError,  # refused, connect timeout, endpoint unreachable
-    botocore.exceptions.HTTPClientError,  # read timeout, connection reset, broken stream
-    botocore.exceptions.IncompleteReadError,
-)
-_CONTENT_RANGE_RE = re.compile(r"bytes \d+-\d+/(\d+)")
 
-
-def bucket_name(value: Any) -> str:
-    """Option converter: an S3 bucket name (3-63 lowercase letters, digits, dots, hyphens)."""
-    if not isinstance(value, str) or not _BUCKET_RE.match(value) or ".." in value:
-        raise ValueError(f"expected an S3 bucket name (3-63 characters: lowercase letters, digits, '.', '-'; "
-                         f"starting and ending with a letter or digit), got {value!r}")
-    return value
-
-
-def key_prefix(value: Any) -> str:
-    """Option converter: an object-name prefix, without leading or trailing slashes."""
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string prefix such as 'tierkv' or 'team/kv', got {value!r}")
-    return value.strip("/")
-
-
-def _error_code(exc: BaseException) -> str:
-    if isinstance(exc, botocore.exceptions.ClientError):
-        error = exc.response.get("Error", {})
-        return str(error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-    return ""
-
-
-def _http_status(exc: BaseException) -> int:
-    if isinstance(exc, botocore.exceptions.ClientError):
-        return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    return 0
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying ``exc`` can help: throttling, 5xx, timeouts, dropped connections."""
-    if isinstance(exc, _TRANSIENT_ERRORS):
-        return True
-    status = _http_status(exc)
-    return _error_code(exc) in _TRANSIENT_CODES or status == 429 or status >= 500
-
-
-def is_missing(exc: BaseException) -> bool:
-    return _error_code(exc) in _MISSING_CODES
+__all__ = ["S3Backend", "bucket_name", "is_missing", "is_transient", "key_prefix"]
 
 
 class S3Backend(BlobBackend):
@@ -191,7 +157,8 @@ class S3Backend(BlobBackend):
                                                                 thread_name_prefix=f"tierkv-s3-{name}-part")
         self._count_lock = threading.Lock()
         self.counters.update({"requests": 0, "retries": 0, "get_errors": 0, "put_errors": 0, "timeouts": 0,
-                              "bytes_read": 0, "bytes_written": 0, "multipart_puts": 0, "ranged_gets": 0})
+                              "bytes_read": 0, "bytes_written": 0, "multipart_puts": 0, "ranged_gets": 0,
+                              "incomplete_bodies": 0, "abandoned_copies": 0})
         self.health = CircuitBreaker(name, self._probe, failure_threshold, probe_interval_s)
         if check_on_start:
             self._check_bucket(create_bucket)
@@ -208,17 +175,17 @@ class S3Backend(BlobBackend):
         except botocore.exceptions.NoCredentialsError as exc:
             raise ConfigError(f"tier {self.name!r}: no S3 credentials: set access_key_id and secret_access_key, "
                               "or configure the boto3 credential chain (AWS_* env, profile, role)") from exc
-        except _TRANSIENT_ERRORS as exc:
+        except TRANSIENT_ERRORS as exc:
             raise ConfigError(f"tier {self.name!r}: cannot reach the S3 endpoint {self.endpoint_url or '(AWS)'}: "
                               f"{self._redact(exc)} (check endpoint_url; check_on_start: false starts anyway)"
                               ) from exc
         except botocore.exceptions.ClientError as exc:
-            status = _http_status(exc)
-            if status in (401, 403) or _error_code(exc) in {"InvalidAccessKeyId", "SignatureDoesNotMatch",
+            status = http_status(exc)
+            if status in (401, 403) or error_code(exc) in {"InvalidAccessKeyId", "SignatureDoesNotMatch",
                                                              "AccessDenied", "Forbidden"}:
                 raise ConfigError(f"tier {self.name!r}: access denied to {self._where()}: wrong access_key_id/"
                                   f"secret_access_key, or no permission on the bucket (HTTP {status})") from exc
-            if not (status == 404 or _error_code(exc) in _NO_BUCKET_CODES):
+            if not (status == 404 or error_code(exc) in NO_BUCKET_CODES):
                 raise ConfigError(f"tier {self.name!r}: checking {self._where()} failed: {self._redact(exc)}"
                                   ) from exc
         if not create:
@@ -231,7 +198,7 @@ class S3Backend(BlobBackend):
                 self._client.create_bucket(Bucket=self.bucket,
                                            CreateBucketConfiguration={"LocationConstraint": self.region})
         except botocore.exceptions.ClientError as exc:
-            if _error_code(exc) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
+            if error_code(exc) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
                 raise ConfigError(f"tier {self.name!r}: cannot create {self._where()}: {self._redact(exc)}") from exc
         logger.info("tier %r: created %s", self.name, self._where())
 
@@ -267,12 +234,19 @@ class S3Backend(BlobBackend):
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def _get_range(self, key: str, start: int, end: int, deadline: float) -> tuple[bytes, int]:
-        """Bytes [start, end] of an object and the object's total size."""
+        """Bytes [start, end] of an object and the object's total size.
+
+        A body that did not arrive whole (cut, short, reset mid-body) is a transient fault
+        (see :mod:`tierkv_backends.s3_requests`): retried here, never taken for corruption.
+        """
         def call() -> tuple[bytes, int]:
             response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}")
             body = response["Body"].read()
-            match = _CONTENT_RANGE_RE.match(response.get("ContentRange") or "")
-            return body, int(match.group(1)) if match else len(body)
+            try:
+                return body, checked_body(body, response, start)
+            except IncompleteBodyError:
+                self._count("incomplete_bodies")
+                raise
         return self._request(call, deadline)
 
     def _fetch(self, name: str, deadline: float) -> bytes | bytearray | None:
@@ -283,7 +257,7 @@ class S3Backend(BlobBackend):
         except botocore.exceptions.ClientError as exc:
             if is_missing(exc):
                 return None
-            if _error_code(exc) == "InvalidRange":  # a zero-byte object: garbage, not a chunk
+            if error_code(exc) == "InvalidRange":  # a zero-byte object: garbage, not a chunk
                 return b""
             raise
         if total <= len(first):
@@ -295,9 +269,13 @@ class S3Backend(BlobBackend):
         starts = range(len(first), total, self.part_size)
         parts = [self._part_pool.submit(self._get_range, key, s, min(s + self.part_size, total) - 1, deadline)
                  for s in starts]
-        for start, part in zip(starts, parts):
-            body, _ = part.result()
-            data[start : start + len(body)] = body
+        try:
+            for start, part in zip(starts, parts):
+                body, _ = part.result()
+                data[start : start + len(body)] = body
+        finally:
+            for part in parts:
+                part.cancel()
         self._count("bytes_read", total)
         return data
 
@@ -343,24 +321,53 @@ class S3Backend(BlobBackend):
             raise
         self._count("multipart_puts")
 
-    def _encode_and_store(self, name: str, chunk: torch.Tensor, fmt: str, deadline: float) -> None:
-        """Header and payload gathered once into the request body."""
-        self._store(name, serde.encode(chunk, fmt if fmt in KV_FORMATS else None), deadline)
+    def _encode_and_store(self, name: str, chunk: torch.Tensor, fmt: str, deadline: float, grant: WriteGrant
+                          ) -> None:
+        """Header and payload gathered once into the request body, then sent.
 
-    def _load_into(self, name: str, out: torch.Tensor, deadline: float) -> bool | ChunkFormatError:
-        """Fetch an object, verify it in the response buffer, copy it once into ``out``."""
+        ``chunk`` is the caller's memory: it is read only while ``grant`` allows it, so a put
+        the caller gave up on (timeout, cancellation) never reads memory that may by then
+        hold another prompt's bytes -- it would store them under this key.
+        """
+        encoded: list[bytearray] = []
+        if not grant.write(lambda: encoded.append(serde.encode(chunk, fmt if fmt in KV_FORMATS else None))):
+            self._count("abandoned_copies")
+            raise TimeoutError("put abandoned before its chunk was read")
+        self._store(name, encoded[0], deadline)
+
+    def _load_into(self, name: str, out: torch.Tensor, deadline: float, grant: WriteGrant
+                   ) -> bool | ChunkFormatError:
+        """Fetch an object, verify it in the response buffer, copy it once into ``out``.
+
+        ``out`` is the caller's: the copy runs only while ``grant`` allows it, so a request
+        the caller stopped waiting for (timeout, cancellation) never writes into ``out``
+        after the call returned. Verification happens before, outside the grant.
+        """
+        if grant.revoked:
+            return False
         data = self._fetch(name, deadline)
         if data is None:
             return False
-        target, staged = direct_target(out)
         try:
             header = serde.decode_header(data)
-            hit = serde.copy_payload_into(header, memoryview(data)[header.header_len :], target)
+            payload = memoryview(data)[header.header_len :]
+            if not serde.fits(header, out):
+                return False
+            serde.verify_payload(header, [payload])
         except ChunkFormatError as exc:
             return exc
-        if hit and staged:
-            copy_into(out, target)
-        return hit
+
+        def copy() -> bool:
+            target, staged = direct_target(out)
+            hit = serde.copy_payload_into(header, payload, target, verify=False)
+            if hit and staged:
+                copy_into(out, target)
+            return hit
+        copied: list[bool] = []
+        if not grant.write(lambda: copied.append(copy())):
+            self._count("abandoned_copies")
+            return False
+        return copied[0]
 
     def _head(self, name: str, deadline: float) -> bool:
         try:
@@ -394,7 +401,12 @@ class S3Backend(BlobBackend):
         deadline = time.monotonic() + self.timeout_s
         # each request carries the caller's context (copy accounting follows it into the pool)
         futures = [loop.run_in_executor(self._pool, contextvars.copy_context().run, call, deadline) for call in calls]
-        done, pending = await asyncio.wait(futures, timeout=self.timeout_s)
+        try:
+            done, pending = await asyncio.wait(futures, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            for future in futures:  # requests not started yet never start; running ones lose their grant
+                future.cancel()
+            raise
         for future in pending:
             future.cancel()
         results: list[Any] = []
@@ -422,9 +434,13 @@ class S3Backend(BlobBackend):
         return results
 
     async def _probe(self) -> None:
+        """A HEAD on the bucket; its error (kept by the breaker as ``last_error``) is redacted."""
         loop = asyncio.get_running_loop()
-        await asyncio.wait_for(loop.run_in_executor(None, lambda: self._client.head_bucket(Bucket=self.bucket)),
-                               self.timeout_s)
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, lambda: self._client.head_bucket(Bucket=self.bucket)),
+                                   self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure means "still down"; say why without secrets
+            raise TierUnavailableError(f"{self._where()}: {type(exc).__name__}: {self._redact(exc)}") from None
 
     # -- StorageBackend -----------------------------------------------------------------------------
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
@@ -435,10 +451,20 @@ class S3Backend(BlobBackend):
         return [r if isinstance(r, torch.Tensor) else None for r in results]
 
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Every object fetched in parallel, verified, and copied once into its destination."""
+        """Every object fetched in parallel, verified, and copied once into its destination.
+
+        The destinations are the caller's until this returns (or raises): a request still
+        running at ``timeout_s`` or at a cancellation loses its grant to write before this
+        call gives them back (:class:`tierkv.ownership.WriteGrant`).
+        """
         check_destinations(keys, outs)
         names = [key.to_string() for key in keys]
-        results = await self._batch("get", [lambda d, n=n, o=o: self._load_into(n, o, d) for n, o in zip(names, outs)])
+        grant = WriteGrant()
+        try:
+            results = await self._batch("get", [lambda d, n=n, o=o: self._load_into(n, o, d, grant)
+                                                for n, o in zip(names, outs)])
+        finally:
+            grant.revoke()
         await self._drop_corrupt_objects([n for n, r in zip(names, results) if isinstance(r, ChunkFormatError)],
                                          [r for r in results if isinstance(r, ChunkFormatError)])
         return [r is True for r in results]
@@ -463,8 +489,13 @@ class S3Backend(BlobBackend):
         latest = {key.to_string(): (key, chunk) for key, chunk in zip(keys, chunks)}  # later duplicates win
         for _, chunk in latest.values():
             self._check_fits(chunk.numel() * chunk.element_size())
-        calls = [lambda d, n=n, k=k, c=c: self._encode_and_store(n, c, k.fmt, d) for n, (k, c) in latest.items()]
-        results = await self._batch("put", calls)
+        grant = WriteGrant()  # the chunks are the caller's until this returns
+        calls = [lambda d, n=n, k=k, c=c: self._encode_and_store(n, c, k.fmt, d, grant)
+                 for n, (k, c) in latest.items()]
+        try:
+            results = await self._batch("put", calls)
+        finally:
+            grant.revoke()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise TierUnavailableError(f"tier {self.name!r}: {len(failed)} of {len(calls)} put(s) to "

@@ -87,6 +87,32 @@ class SlowProxy:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _intercept(self, handler: BaseHTTPRequestHandler) -> bool:
+        """Answer a request without asking upstream (a subclass injecting faults); whether it did."""
+        return False
+
+    def _reply(self, handler: BaseHTTPRequestHandler, status: int, reason: str, headers: list[tuple[str, str]],
+               data: bytes) -> None:
+        """Send upstream's reply (its headers less Content-Length and hop-by-hop ones) to the client."""
+        handler.send_response(status, reason)
+        for key, value in headers:
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        if handler.command != "HEAD":
+            self._send_body(handler, data)
+
+    def _send_body(self, handler: BaseHTTPRequestHandler, data: bytes | memoryview) -> None:
+        """Write a body no faster than the shared link allows."""
+        view = memoryview(data)
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            ready_at = self.link.send_time(len(piece))
+            delay = ready_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            handler.wfile.write(piece)
+
     def _count(self, method: str) -> None:
         with self._counts_lock:
             self.counts[method] += 1
@@ -119,27 +145,16 @@ class SlowProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
                 if body is not None:
                     headers["Content-Length"] = str(len(body))
+                if proxy._intercept(self):
+                    return
                 try:
                     reply, data = self._ask_upstream(headers, body)
                 except OSError as exc:
                     self.send_error(502, f"upstream unreachable: {exc}")
                     return
-                self.send_response(reply.status, reply.reason)
-                for key, value in reply.getheaders():
-                    if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command == "HEAD":
-                    return
-                view = memoryview(data)
-                for start in range(0, len(view), _PIECE):
-                    piece = view[start : start + _PIECE]
-                    ready_at = proxy.link.send_time(len(piece))
-                    delay = ready_at - time.monotonic()
-                    if delay > 0:
-                        time.sleep(delay)
-                    self.wfile.write(piece)
+                kept = [(key, value) for key, value in reply.getheaders()
+                        if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length"]
+                proxy._reply(self, reply.status, reply.reason, kept, data)
 
             def _read_body(self) -> bytes | None:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
