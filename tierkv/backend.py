@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from tierkv import serde
-from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError
+from tierkv.errors import BackendClosedError, CapacityError, ChunkFormatError, TierFullError
 from tierkv.keys import CacheKey
 from tierkv.memory import copy_into
 from tierkv.options import Option, format_size, parse_options
@@ -200,6 +202,19 @@ class InPlaceTier(Protocol):
         """The bytes of each stored chunk (None for misses), valid until released; ``pin``
         keeps the chunk from eviction meanwhile."""
         ...
+
+
+#: write errors that mean "the disk takes no more": full, over quota, or failing
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+
+
+def full_disk_error(tier: str, path: object, code: int | None) -> TierFullError | None:
+    """The :class:`TierFullError` for a write to ``path`` that failed with errno ``code``
+    because the disk is full (None for any other error): it names the tier and the path."""
+    if code not in FULL_DISK_ERRNOS:
+        return None
+    return TierFullError(f"tier {tier!r}: cannot write {str(path)!r}: [Errno {code}] {os.strerror(code)}; "
+                         "the tier takes no more until space is freed (what it holds stays readable)")
 
 
 def check_batch(keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> None:

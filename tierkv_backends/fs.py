@@ -12,7 +12,17 @@ checksum after, so a damaged file can leave bytes in a destination it reports mi
 (``streams_into_destination``). Which chunks exist is answered from an in-memory index
 filled by a scan at start-up and by this process's writes (and, with
 ``rescan_interval_s``, refreshed from the directory for writers in other processes), so
-a lookup never touches the filesystem.
+a lookup never touches the filesystem. Every read path -- lookups from any thread
+included -- only checks the clock; when the interval has passed the tier's event loop
+starts a rescan in the background.
+
+Ownership: the threads that ``writev`` from the caller's chunks or ``preadv`` into its
+destinations are always waited for (:func:`tierkv.ownership.finish`): a call returns,
+raises or is cancelled only once none of them touches the caller's memory any more.
+
+A full disk (ENOSPC, EDQUOT, EIO on write) is a :class:`~tierkv.errors.TierFullError`
+naming the tier and the file; the failed file is removed, what was written stays
+readable, and the next put tries again (after space was freed, it succeeds).
 """
 
 from __future__ import annotations
@@ -28,10 +38,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import aiofiles.os
 import torch
 
-from tierkv import copies, serde
-from tierkv.backend import BlobBackend, check_batch, check_destinations
+from tierkv import copies, ownership, serde
+from tierkv.backend import BlobBackend, check_batch, check_destinations, full_disk_error
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import as_bytes, byte_runs, copy_into, direct_target, empty_host
@@ -46,8 +57,6 @@ _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
 _IOV_MAX = 1024
 _DIGEST_CACHE = 1 << 16
-
-
 def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes, list[memoryview]]:
     """Header bytes and zero-copy views of the payload's pieces, written with one writev."""
     runs = serde.payload_runs(chunk)
@@ -109,6 +118,9 @@ class FSBackend(BlobBackend):
         self.rescan_interval_s = rescan_interval_s
         self._scanned_at = time.monotonic()
         self._rescan: asyncio.Task[None] | None = None
+        self._rescan_kicked = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._note_loop()
         probe = self.root / f".probe-{uuid.uuid4().hex}"
         try:
             probe.write_bytes(b"")
@@ -142,19 +154,57 @@ class FSBackend(BlobBackend):
                 found.append((stat.st_mtime, digest, stat.st_size))
         return found
 
-    def _maybe_rescan(self) -> None:
-        """Refresh the index in the background when ``rescan_interval_s`` has passed."""
-        if self.rescan_interval_s is None or (self._rescan is not None and not self._rescan.done()):
+    def _note_loop(self) -> None:
+        """Remember the event loop this tier runs on: lookups on other threads kick rescans there."""
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+
+    def _rescan_due(self) -> bool:
+        return (self.rescan_interval_s is not None and not self._closed
+                and time.monotonic() - self._scanned_at >= self.rescan_interval_s)
+
+    def _kick_rescan(self) -> None:
+        """From any thread, at the cost of a clock read: when ``rescan_interval_s`` has passed,
+        have the tier's loop start a background rescan. The caller never scans a directory."""
+        if not self._rescan_due():
             return
-        if time.monotonic() - self._scanned_at < self.rescan_interval_s:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None:
+            self._loop = self._loop or running
+            self._maybe_rescan()
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._rescan_kicked:
+            return
+        self._rescan_kicked = True
+        try:
+            loop.call_soon_threadsafe(self._maybe_rescan)
+        except RuntimeError:  # the loop closed meanwhile
+            self._rescan_kicked = False
+
+    def _maybe_rescan(self) -> None:
+        """Refresh the index in the background when ``rescan_interval_s`` has passed (loop thread)."""
+        self._rescan_kicked = False
+        if not self._rescan_due() or (self._rescan is not None and not self._rescan.done()):
             return
         self._scanned_at = time.monotonic()
-        self._rescan = asyncio.get_running_loop().create_task(self._refresh_index())
+        self._rescan = asyncio.get_running_loop().create_task(self._refresh_index(),
+                                                              name=f"tierkv-fs-rescan-{self.name}")
 
     async def _refresh_index(self) -> None:
-        listed = await asyncio.to_thread(self._list_files, set(self._index.keys()))
+        """Pick up chunks other processes wrote, forget the ones they deleted. One worker-thread
+        walk of the tree; the index changes on the loop thread."""
+        known = set(self._index.keys())
+        try:
+            listed = await asyncio.to_thread(self._list_files, known)
+        except OSError as exc:
+            logger.warning("tier %r: rescanning %s failed: %s", self.name, self.root, exc)
+            return
         present = {digest for _, digest, _ in listed}
-        for digest in [d for d in self._index.keys() if d not in present and not self._index.is_pinned(d)]:
+        for digest in [d for d in known if d not in present and d in self._index and not self._index.is_pinned(d)]:
             self._index.remove(digest)  # deleted by another process
         for _, digest, size in sorted(listed):
             if size >= 0 and digest not in self._index:
@@ -184,8 +234,13 @@ class FSBackend(BlobBackend):
 
     # -- batched paths: one worker-thread hop per batch, one copy per chunk -------------------
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        """Write each chunk to a temporary file and rename it into place, straight from the
+        caller's memory (``writev``). Returns only when no thread reads that memory any more,
+        cancellation included; what was renamed into place is indexed whatever happens, a
+        file that failed or never started is not there (no partial file is ever visible)."""
         self._ensure_open()
         check_batch(keys, chunks)
+        self._note_loop()
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         encoded = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
@@ -194,13 +249,23 @@ class FSBackend(BlobBackend):
             self._check_fits(size)
         async with self._write_lock():
             await self._make_room(sizes)
-            await self._in_threads(list(encoded.items()), self._write_files)
-            for digest, size in sizes.items():
-                self._index.add(digest, size)
+            await self._write_indexed(list(encoded.items()), sizes)
         return len(keys)
+
+    async def _write_indexed(self, items: list[tuple[str, tuple[bytes, list[memoryview]]]],
+                             sizes: dict[str, int]) -> None:
+        """Write files in worker threads; index every file renamed into place, even when
+        another failed or the call was cancelled (the threads are waited for either way)."""
+        written: list[str] = []
+        try:
+            await self._in_threads(items, lambda part: self._write_files(part, written))
+        finally:
+            for digest in written:
+                self._index.add(digest, sizes[digest])
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         self._ensure_open()
+        self._kick_rescan()
         names = [key.to_string() for key in keys]
         digests = [self._digest(name) for name in names]
         results = await self._in_threads(digests, self._read_files)
@@ -210,6 +275,7 @@ class FSBackend(BlobBackend):
         """``preadv`` straight into each destination's pieces, checksum verified after."""
         self._ensure_open()
         check_destinations(keys, outs)
+        self._kick_rescan()
         names = [key.to_string() for key in keys]
         digests = [self._digest(name) for name in names]
         results = await self._in_threads(list(zip(digests, outs)), self._read_files_into)
@@ -231,31 +297,45 @@ class FSBackend(BlobBackend):
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         self._ensure_open()
-        self._maybe_rescan()
+        self._kick_rescan()
         return [self._digest(key.to_string()) in self._index for key in keys]
 
     def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
         if self._closed:
             return None
+        self._kick_rescan()  # a clock read; the rescan itself runs on the tier's loop
         index, digest = self._index, self._digest
         return [digest(key.to_string()) in index for key in keys]
 
     async def _in_threads(self, items: list[Any], work: Callable[[list[Any]], list[Any]]) -> list[Any]:
-        """Run ``work`` over ``items`` in worker threads: one slice per thread, in order."""
+        """Run ``work`` over ``items`` in worker threads: one slice per thread, in order.
+
+        The threads read or write memory the caller owns (its chunks, its destinations), so
+        this returns, raises or delivers a cancellation only once every thread has stopped
+        (:func:`tierkv.ownership.finish`); the first error is raised after all of them ended.
+        """
         if not items:
             return []
         slices = min(_IO_THREADS, len(items))
         size = -(-len(items) // slices)
         parts = [items[i : i + size] for i in range(0, len(items), size)]
-        done = await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))
+        done = await ownership.finish(asyncio.gather(*(asyncio.to_thread(work, part) for part in parts),
+                                                     return_exceptions=True))
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return [result for part in done for result in part]
 
-    def _write_files(self, items: list[tuple[str, tuple[bytes, list[memoryview]]]]) -> list[None]:
+    def _write_files(self, items: list[tuple[str, tuple[bytes, list[memoryview]]]],
+                     written: list[str] | None = None) -> list[None]:
+        """Write each file under a temporary name and rename it into place; ``written`` gets
+        each digest renamed into place. A full disk is a TierFullError; the temporary file of
+        a failed write is removed, so no partial file is ever visible."""
         for digest, (header, runs) in items:
             final = self._file(digest)
-            final.parent.mkdir(parents=True, exist_ok=True)
             temporary = final.parent / f".{digest}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
             try:
+                final.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     _write_all(fd, [memoryview(header), *runs])
@@ -265,10 +345,15 @@ class FSBackend(BlobBackend):
                 finally:
                     os.close(fd)
                 os.replace(temporary, final)
-            except BaseException:
+            except BaseException as exc:
                 with contextlib.suppress(OSError):
                     os.remove(temporary)
+                full = full_disk_error(self.name, final, exc.errno) if isinstance(exc, OSError) else None
+                if full is not None:
+                    raise full from exc
                 raise
+            if written is not None:
+                written.append(digest)
         return [None] * len(items)
 
     def _read_files(self, digests: list[str]) -> list[torch.Tensor | ChunkFormatError | None]:
@@ -348,14 +433,25 @@ class FSBackend(BlobBackend):
         victims = self._index.victims(need, self.capacity, protect=list(sizes))
         if victims is None:
             raise CapacityError(f"tier {self.name!r}: no room for {format_size(need)}")
-        if victims:
-            await asyncio.to_thread(lambda: [self._unlink_sync(v) for v in victims])
-            for victim in victims:
-                self._count_eviction(self._index.remove(victim))
+        outcomes = await asyncio.gather(*(self._unlink(victim) for victim in victims), return_exceptions=True)
+        for victim, outcome in zip(victims, outcomes):
+            if isinstance(outcome, BaseException):
+                logger.warning("tier %r: could not evict %s: %s", self.name, self._file(victim), outcome)
+                continue
+            self._count_eviction(self._index.remove(victim))
+
+    async def _unlink(self, digest: str) -> bool:
+        """Remove a chunk file off the loop thread (aiofiles); whether it was there."""
+        try:
+            await aiofiles.os.remove(self._file(digest))
+        except FileNotFoundError:
+            return False
+        return True
 
     # -- single-key byte interface (BlobBackend) -----------------------------------------------
     async def get_bytes(self, key: str) -> bytes | None:
-        self._maybe_rescan()
+        self._ensure_open()
+        self._kick_rescan()
         digest = self._digest(key)
         try:
             data = await asyncio.to_thread(self._file(digest).read_bytes)
@@ -365,28 +461,21 @@ class FSBackend(BlobBackend):
         return data
 
     async def put_bytes(self, key: str, data: bytes) -> None:
+        self._ensure_open()
         digest = self._digest(key)
         self._check_fits(len(data))
         async with self._write_lock():
             await self._make_room({digest: len(data)})
-            await asyncio.to_thread(self._write_files, [(digest, (data, []))])
-            self._index.add(digest, len(data))
-
-    def _unlink_sync(self, digest: str) -> bool:
-        try:
-            os.remove(self._file(digest))
-        except FileNotFoundError:
-            return False
-        return True
+            await self._write_indexed([(digest, (data, []))], {digest: len(data)})
 
     async def delete_bytes(self, key: str) -> bool:
         digest = self._digest(key)
-        existed = await asyncio.to_thread(self._unlink_sync, digest)
+        existed = await self._unlink(digest)
         self._index.remove(digest)
         return existed
 
     async def exists(self, key: str) -> bool:
-        return await asyncio.to_thread(self._file(self._digest(key)).exists)
+        return bool(await aiofiles.os.path.exists(self._file(self._digest(key))))
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "chunks": len(self._index), "path": str(self.root)}

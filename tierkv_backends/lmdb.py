@@ -8,6 +8,15 @@ copy them once, from the map into the output tensor, after the checksum passes.
 A ``batched_put`` is one write transaction. When the map fills (LMDB needs contiguous
 free pages for a large value) least-recently-used chunks are evicted in a committed
 transaction of their own and the batch is retried, instead of failing with MapFullError.
+That is the tier's own capacity; the disk under it filling up is another matter: LMDB
+fails the commit (it reports the short write as EIO), nothing of the batch is stored, and
+the put raises :class:`~tierkv.errors.TierFullError` naming the tier and the map file.
+What was committed before stays readable, and a later put succeeds once space returns.
+
+Ownership: every transaction that reads the caller's chunks or writes into its
+destinations runs in a worker thread that is waited for (:func:`tierkv.ownership.finish`),
+cancellation included, so a call never returns while LMDB still touches caller memory;
+a commit that completed under a cancelled call is still indexed.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ from typing import Any, ClassVar
 import lmdb
 import torch
 
-from tierkv import copies, serde
-from tierkv.backend import StorageBackend, check_batch, check_destinations
+from tierkv import copies, ownership, serde
+from tierkv.backend import FULL_DISK_ERRNOS, StorageBackend, check_batch, check_destinations, full_disk_error
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import copy_into, direct_target
@@ -142,14 +151,29 @@ class LMDBBackend(StorageBackend):
 
     # -- helpers ----------------------------------------------------------------------------
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` in a worker thread and return (or raise, or deliver a cancellation) only
+        once it has stopped: it may read the caller's chunks or write into its destinations
+        (:func:`tierkv.ownership.finish`). LMDB errors become tierkv errors naming the path."""
         future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         self._inflight.add(future)
         try:
-            return await future
+            return await ownership.finish(future)
         except lmdb.Error as exc:
+            full = self._full_disk(exc)
+            if full is not None:
+                raise full from exc
             raise TierUnavailableError(f"tier {self.name!r}: LMDB error at {self.path!r}: {exc}") from exc
         finally:
             self._inflight.discard(future)
+
+    def _full_disk(self, exc: lmdb.Error) -> Exception | None:
+        """A TierFullError when LMDB failed because the disk is full. LMDB reports a short
+        write while flushing pages as EIO ("Input/output error"), ENOSPC where it sees it."""
+        text = str(exc)
+        for code in sorted(FULL_DISK_ERRNOS):
+            if os.strerror(code) in text:
+                return full_disk_error(self.name, os.path.join(self.path, "data.mdb"), code)
+        return None
 
     def _lock(self) -> asyncio.Lock:
         if self._write_lock is None:
@@ -187,18 +211,22 @@ class LMDBBackend(StorageBackend):
             records = [(kb, key.fmt, chunk) for kb, (key, chunk) in latest.items()]
             first_seq = self._seq + 1
             self._seq += len(records)
-            while True:
-                try:
-                    written = await self._in_thread(self._write, victims, records, first_seq)
-                    break
-                except TierUnavailableError as exc:
-                    if not isinstance(exc.__cause__, lmdb.MapFullError):
-                        raise
-                    victims = self._more_victims(victims, latest, need)
-            for victim in victims:
-                self._count_eviction(self._index.remove(victim))
-            for kb, size in written:
-                self._index.add(kb, size)
+            committed: list[tuple[list[bytes], list[tuple[bytes, int]]]] = []
+            try:
+                while True:
+                    try:
+                        await self._in_thread(self._write, victims, records, first_seq, committed)
+                        break
+                    except TierUnavailableError as exc:
+                        if not isinstance(exc.__cause__, lmdb.MapFullError):
+                            raise
+                        victims = self._more_victims(victims, latest, need)
+            finally:  # a commit counts even when the call was cancelled while it ran
+                for evicted, written in committed:
+                    for victim in evicted:
+                        self._count_eviction(self._index.remove(victim))
+                    for kb, size in written:
+                        self._index.add(kb, size)
         return len(keys)
 
     def _more_victims(self, victims: list[bytes], protect: dict[bytes, Any], need: int) -> list[bytes]:
@@ -212,8 +240,10 @@ class LMDBBackend(StorageBackend):
         self._evict_now(victims + candidates[: max(1, len(candidates) // 4)] if candidates else victims)
         return []
 
-    def _write(self, victims: list[bytes], records: list[tuple[bytes, str, torch.Tensor]], first_seq: int
-               ) -> list[tuple[bytes, int]]:
+    def _write(self, victims: list[bytes], records: list[tuple[bytes, str, torch.Tensor]], first_seq: int,
+               committed: list[tuple[list[bytes], list[tuple[bytes, int]]]]) -> None:
+        """One write transaction: delete ``victims``, put ``records``; once it committed,
+        ``committed`` gets (victims, [(key, size)]). An aborted transaction changes nothing."""
         formats = [fmt if fmt in KV_FORMATS else None for _, fmt, _ in records]
         for (_, _, chunk), fmt in zip(records, formats):
             serde.check_encodable(chunk, fmt)
@@ -238,7 +268,7 @@ class LMDBBackend(StorageBackend):
                 header = serde.encode_header(chunk, fmt, payload, digest)
                 txn.put(kb, _SEQ.pack(first_seq + offset) + header, db=self._meta)
                 written.append((kb, len(header) + payload.nbytes))
-        return written
+        committed.append((victims, written))
 
     async def delete(self, key: CacheKey) -> bool:
         self._ensure_open()
@@ -296,7 +326,10 @@ class LMDBBackend(StorageBackend):
             return self._read_part(kbs, outs)
         context = contextvars.copy_context()  # the copy counter's path follows into the helper thread
         other = _read_pool().submit(context.run, self._read_part, kbs[1::2], outs[1::2])
-        even_hits, even_corrupt = self._read_part(kbs[0::2], outs[0::2])
+        try:
+            even_hits, even_corrupt = self._read_part(kbs[0::2], outs[0::2])
+        finally:  # the helper writes into the caller's destinations too: never return before it stopped
+            concurrent.futures.wait([other])
         odd_hits, odd_corrupt = other.result()
         hits = [False] * len(kbs)
         hits[0::2], hits[1::2] = even_hits, odd_hits
