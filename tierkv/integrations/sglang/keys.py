@@ -1,0 +1,49 @@
+"""SGLang page hashes as tierkv keys.
+
+SGLang names each page of a prompt by a chained hash of its tokens (a hex string; other
+pools add a suffix such as ``.mamba``). tierkv keys carry the model, the tensor-parallel
+world size and rank, and a chunk hash. A page key here is in its own namespace
+(:data:`NAMESPACE`, as in :mod:`tierkv.namespaces`), so it never collides with the engine's
+prefix-chunk keys, and its hash also covers the page geometry (layers, heads, head size,
+page size, dtype, pipeline stage): caches of different models, shapes or TP layouts never mix,
+even in one shared tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierkv.keys import CacheKey
+from tierkv.namespaces import named_key
+
+NAMESPACE = "sglang-hicache"
+"""Namespace of SGLang HiCache pages (a suffix of the model name in every key)."""
+
+
+@dataclass(frozen=True)
+class PageKeySpace:
+    """Maps SGLang page hashes to tierkv keys for one (model, rank, geometry)."""
+
+    model_name: str
+    world_size: int
+    rank: int
+    geometry: str
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("a page key space needs a non-empty model name")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+
+    def template(self) -> CacheKey:
+        return CacheKey("vllm", self.model_name, self.world_size, self.rank, "")
+
+    def key(self, page_hash: str) -> CacheKey:
+        """The tierkv key of one SGLang page."""
+        if not isinstance(page_hash, str) or not page_hash:
+            raise ValueError(f"an SGLang page key must be a non-empty string, got {page_hash!r}")
+        return named_key(self.template(), NAMESPACE, self.geometry, page_hash)
+
+    def keys(self, page_hashes: list[str]) -> list[CacheKey]:
+        template = self.template()
+        return [named_key(template, NAMESPACE, self.geometry, page_hash) for page_hash in page_hashes]

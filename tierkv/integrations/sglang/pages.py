@@ -1,0 +1,142 @@
+"""SGLang pages through a tierkv engine: stored straight out of, and read straight into,
+SGLang's host pool (one copy per byte), located from the tiers' in-memory indexes.
+
+A page batch is handed to the engine as a :class:`ViewSource` / :class:`ViewSink` over chunk
+views of the pool (:mod:`.layout`), the same ``ChunkSource`` / ``ChunkSink`` machinery the
+connectors use (:mod:`tierkv.connectors.engine_io`): a memory tier copies a page into its slab
+or out of it once, a disk tier reads or writes the page's contiguous runs in place. Page ``j``
+of a batch stands at "tokens" ``[j * page, (j + 1) * page)`` of the batch.
+
+The engine's public API reads prompts by their tokens; SGLang asks for pages by hash. The
+key-level read, locate and plan used here (:class:`PageIO`) are the steps the engine's
+``retrieve_to`` / ``lookup_nowait`` / ``plan_nowait`` take after hashing the tokens, called
+with SGLang's keys instead; they are the only place this package touches the engine's
+internals (a public ``retrieve_keys_to`` / ``locate_keys_nowait`` / ``plan_keys`` would
+replace them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tierkv import copies, policy
+from tierkv.engine import Engine
+from tierkv.keys import CacheKey
+from tierkv.memory import copy_into
+from tierkv.transfer import chunk_ranges
+
+
+class ViewSource:
+    """A store's pages, each a chunk view of the caller's memory (``ranges[j]`` is page ``j``)."""
+
+    def __init__(self, views: Sequence[torch.Tensor], page_size: int) -> None:
+        if not views:
+            raise ValueError("a page source needs at least one page")
+        self.views = list(views)
+        self.page_size = page_size
+        self.dtype = views[0].dtype
+        self.device = torch.device("cpu")
+        self.num_tokens = len(views) * page_size
+        self._shape = tuple(views[0].shape)
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        if num_tokens != self.page_size:
+            raise ValueError(f"an SGLang page holds {self.page_size} tokens, asked for {num_tokens}")
+        return self._shape
+
+    def view(self, start: int, end: int) -> torch.Tensor:
+        return self.views[start // self.page_size]
+
+    def write_into(self, dest: torch.Tensor, start: int, end: int) -> None:
+        copy_into(dest, self.view(start, end))
+
+
+class ViewSink:
+    """A read's pages, each written straight into a chunk view of the caller's memory."""
+
+    def __init__(self, views: Sequence[torch.Tensor], page_size: int) -> None:
+        if not views:
+            raise ValueError("a page sink needs at least one page")
+        self.views = list(views)
+        self.page_size = page_size
+        self.dtype = views[0].dtype
+        self._shape = tuple(views[0].shape)
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return self._shape  # every range the engine is given here is one page
+
+    def destination(self, start: int, end: int) -> torch.Tensor:
+        return self.views[start // self.page_size]
+
+    def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
+        copy_into(self.views[start // self.page_size], chunk)
+
+
+class PageIO:
+    """Key-level page reads, writes and lookups through one engine (any thread)."""
+
+    def __init__(self, engine: Engine, page_size: int) -> None:
+        self.engine = engine
+        self.core = engine.core
+        self.page_size = page_size
+
+    def ranges(self, count: int) -> list[tuple[int, int]]:
+        return chunk_ranges(0, count * self.page_size, self.page_size)
+
+    # -- where pages are ---------------------------------------------------------------------------
+    def locate(self, keys: Sequence[CacheKey]) -> list[int | None]:
+        """The tier level holding each page (-1: acknowledged, still in the fill queue; None:
+        nowhere), from in-memory indexes on the calling thread; a tier without an index (S3)
+        is asked on the engine's loop."""
+        if not keys:
+            return []
+        levels = self.core._locate_nowait(keys)
+        if levels is None:
+            levels = self.engine.run(self.core.locate_keys(keys))
+        return levels
+
+    def held_prefix(self, levels: Sequence[int | None]) -> int:
+        return policy.first_missing([level is not None for level in levels])
+
+    def worth_loading(self, levels: Sequence[int | None], first_page: int) -> int:
+        """How many of the held leading pages are faster to load than to recompute, under the
+        engine's plan (all of them when the engine is not cost-aware); ``first_page``: pages
+        of the prompt before these (SGLang has them already: context, not load)."""
+        if not levels or not self.engine.cost_aware:
+            return len(levels)
+        num_tokens = (first_page + len(levels)) * self.page_size
+        plan = self.core._plan(list(levels), num_tokens, first_page)
+        return max(0, min(len(levels), -(-plan.planned_tokens // self.page_size) - first_page))
+
+    # -- moving pages ------------------------------------------------------------------------------
+    def write(self, keys: Sequence[CacheKey], source: ViewSource) -> int:
+        """Store the pages of ``source`` under ``keys``; pages written."""
+        return self.engine.run(self.core.store_from(list(keys), source, self.ranges(len(keys))))
+
+    def read(self, keys: Sequence[CacheKey], sink: ViewSink, deadline_s: float | None) -> int:
+        """Read the leading pages held by some tier into ``sink``; how many leading pages arrived
+        (a damaged page is a miss and ends the prefix; pages past it are not to be used)."""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        return self.engine.run(self._read(list(keys), sink, deadline))
+
+    async def _read(self, keys: list[CacheKey], sink: ViewSink, deadline: float | None) -> int:
+        core = self.core
+        core._ensure_open()
+        await core._start()
+        keys = keys[: await core._await_inflight(keys, deadline)]
+        levels = core._locate_for_read(keys)
+        held = self.held_prefix(levels)
+        if not held:
+            return 0
+        with copies.on_path(core._copies, "retrieve"):
+            # caller_owned=False: a tier that verifies after streaming may write straight into a page
+            # whose check then fails; that page is reported missing and SGLang never reads it
+            delivered = await core._read_chunks(keys[:held], levels[:held], self.ranges(held), sink, False, None,
+                                                deadline)
+            if delivered:
+                page_bytes = sink.views[0].nbytes
+                core._copies.add_delivered("retrieve", delivered * page_bytes)
+        return delivered
