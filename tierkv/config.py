@@ -21,7 +21,7 @@ import yaml
 from tierkv import registry
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS
-from tierkv.options import Option, parse_options, parse_size, unknown_key_error
+from tierkv.options import Option, OptionValues, parse_options, parse_size, redacted_repr, unknown_key_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,14 @@ class TierConfig:
     options: Mapping[str, Any]
     path: str  # where in the YAML it came from, for error messages
     promote: bool = True  # copy hits from lower tiers up into this tier
+
+    def __repr__(self) -> str:
+        """Options declared secret (and any named like a credential) show as ``<redacted>``."""
+        secret = self.options.secret if isinstance(self.options, OptionValues) else ()
+        return (f"TierConfig(name={self.name!r}, backend={self.backend!r}, capacity={self.capacity!r}, "
+                f"options={redacted_repr(self.options, secret)}, path={self.path!r}, promote={self.promote!r})")
+
+    __str__ = __repr__
 
 
 @dataclass(frozen=True)

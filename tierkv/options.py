@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,14 +64,65 @@ class Option:
     secret: bool = False  # never echoed back in errors or reprs
 
 
+REDACTED = "<redacted>"
+# option names that hold credentials even where no Option declared them secret (a plain dict)
+_SECRET_WORDS = ("secret", "password", "passwd", "token", "credential", "access_key", "private_key", "api_key")
+
+
+def looks_secret(name: str) -> bool:
+    """Whether an option name says it holds a credential (for mappings without a spec)."""
+    lowered = name.lower()
+    return any(word in lowered for word in _SECRET_WORDS)
+
+
+class OptionValues(dict[str, Any]):
+    """Validated options of one tier: a plain dict (``Backend(**values)`` works) whose repr
+    and str show ``<redacted>`` for every secret option (credentials, URLs with passwords),
+    so printing a config, a tier or an error never reveals them."""
+
+    __slots__ = ("secret",)
+
+    def __init__(self, values: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
+                 secret: Iterable[str] = ()) -> None:
+        super().__init__(values)
+        self.secret = frozenset(secret)
+
+    def __repr__(self) -> str:
+        return redacted_repr(self, self.secret)
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self), tuple(self.secret)))
+
+
+def redacted_repr(values: Mapping[str, Any], secret: Iterable[str] = ()) -> str:
+    """``repr`` of a mapping of options with secret values (declared, or named like one) hidden."""
+    hidden = frozenset(secret)
+
+    def show(key: Any, value: Any) -> str:
+        secret_value = value is not None and (key in hidden or looks_secret(str(key)))
+        return REDACTED if secret_value else repr(value)
+    return "{" + ", ".join(f"{key!r}: {show(key, value)}" for key, value in values.items()) + "}"
+
+
+def _redact_text(text: str, value: Any) -> str:
+    """``text`` with every occurrence of a secret ``value`` (and its repr) replaced."""
+    for form in {repr(value), str(value)}:
+        if form and form not in ("None", "''"):
+            text = text.replace(form, REDACTED)
+    return text
+
+
 def _convert(option: Option, value: Any, path: str) -> Any:
     kind = option.kind
-    shown = "<redacted>" if option.secret else repr(value)
+    shown = REDACTED if option.secret else repr(value)
     if callable(kind):
         try:
             return kind(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
+            message = _redact_text(str(exc), value) if option.secret else str(exc)
+            raise ConfigError(f"{path}: {message}") from (None if option.secret else exc)
     if kind == "size":
         return parse_size(value, path)
     if kind == "bool":
@@ -99,12 +150,13 @@ def unknown_key_error(key: str, valid: list[str], path: str) -> ConfigError:
     return ConfigError(f"{path}: unknown key {key!r}{suggestion}; valid keys: {', '.join(sorted(valid))}")
 
 
-def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """Check ``raw`` against ``spec``: unknown keys, missing required ones, types, choices."""
+def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str) -> OptionValues:
+    """Check ``raw`` against ``spec``: unknown keys, missing required ones, types, choices.
+    The result's repr hides the options declared ``secret``."""
     for key in raw:
         if key not in spec:
             raise unknown_key_error(key, list(spec), path)
-    parsed: dict[str, Any] = {}
+    parsed = OptionValues(secret=(name for name, option in spec.items() if option.secret))
     for name, option in spec.items():
         where = f"{path}.{name}" if path else name
         if name not in raw or raw[name] is None:
@@ -113,9 +165,10 @@ def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str)
             parsed[name] = option.default
             continue
         value = _convert(option, raw[name], where)
+        shown = REDACTED if option.secret else repr(value)
         if option.choices is not None and value not in option.choices:
-            raise ConfigError(f"{where}: expected one of {list(option.choices)}, got {value!r}")
+            raise ConfigError(f"{where}: expected one of {list(option.choices)}, got {shown}")
         if option.minimum is not None and value < option.minimum:
-            raise ConfigError(f"{where}: must be >= {option.minimum}, got {value!r}")
+            raise ConfigError(f"{where}: must be >= {option.minimum}, got {shown}")
         parsed[name] = value
     return parsed
