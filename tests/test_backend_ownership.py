@@ -97,3 +97,39 @@ def test_a_cancelled_put_leaves_only_whole_chunks_and_keeps_its_accounting(kind:
         finally:
             await reopened.close()
     asyncio.run(body())
+
+
+def test_redis_reads_abandoned_mid_flight_never_write_afterwards(tmp_path: Path) -> None:
+    """The redis example copies on the event loop right after each reply: a cancelled read
+    leaves nothing running that could write into the caller's destinations."""
+    pytest.importorskip("tierkv_redis.testing", reason="the redis example plugin is not installed here")
+    from tierkv_redis.backend import RedisBackend
+    from tierkv_redis.testing import RedisServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    rng = random.Random(3)
+    keys = [make_key(i) for i in range(CHUNKS)]
+    with RedisServer() as server:
+        async def body() -> None:
+            backend = RedisBackend("cache", url=server.url)
+            try:
+                await backend.batched_put(keys, [chunk(i) for i in range(CHUNKS)])
+                cancelled = late = 0
+                for _ in range(10):
+                    outs = [torch.full_like(chunk(0), SENTINEL) for _ in keys]
+                    task = asyncio.ensure_future(backend.batched_get_into(keys, outs))
+                    await asyncio.sleep(rng.uniform(0, 0.02))
+                    task.cancel()
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        cancelled += 1
+                        seen = [out.clone() for out in outs]
+                        await asyncio.sleep(0.05)
+                        late += sum(not torch.equal(a, b) for a, b in zip(seen, outs))
+                assert cancelled > 0
+                assert late == 0
+            finally:
+                await backend.close()
+        asyncio.run(body())

@@ -10,13 +10,21 @@ server that is down or silent raises :class:`~tierkv.errors.TierUnavailableError
 within ``connect_timeout`` / ``socket_timeout`` (no retries, no backoff): the engine
 turns that into misses and skips the tier for a while, so a dead Redis never stalls a
 request for longer than one timeout.
+
+Ownership (what a caller may rely on when it abandons a call -- a timeout, a deadline, a
+cancellation): nothing here runs on another thread. A reply is verified and copied into
+the caller's destination on the event loop, in the same step that follows the await for
+that reply, and a put gathers the caller's chunk into a buffer of its own before its
+first await. So once a call returned, raised or was cancelled, it neither writes into
+the caller's destinations nor reads the caller's chunks any more; an abandoned reply is
+dropped with the coroutine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
 import numpy as np
@@ -24,7 +32,7 @@ import torch
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 
 from tierkv import serde
 from tierkv.backend import BlobBackend, check_destinations
@@ -33,6 +41,7 @@ from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import as_bytes, copy_into, direct_target, empty_host, gather_bytes
 from tierkv.options import Option, format_size
 from tierkv.planner import SpeedSeed
+from tierkv_redis import cluster as redis_cluster
 from tierkv_redis.options import REDIS_MAX_VALUE_BYTES, duration, redact_url, redis_url, value_limit
 
 logger = logging.getLogger(__name__)
@@ -60,6 +69,8 @@ class RedisBackend(BlobBackend):
         "connect_timeout": Option(duration, 1.0, doc="seconds to wait for a connection (e.g. 500ms)"),
         "socket_timeout": Option(duration, 2.0, doc="seconds to wait for a reply before the tier counts as down"),
         "max_value_size": Option(value_limit, REDIS_MAX_VALUE_BYTES, doc="largest encoded chunk; Redis's own limit is 512MiB"),
+        "cluster": Option(redis_cluster.cluster_nodes, False,
+                          doc="true: a Redis Cluster seeded from url; or its seed nodes, [host:port, ...]"),
     }
 
     def __init__(
@@ -73,6 +84,7 @@ class RedisBackend(BlobBackend):
         connect_timeout: float = 1.0,
         socket_timeout: float = 2.0,
         max_value_size: int = REDIS_MAX_VALUE_BYTES,
+        cluster: bool | list[str] = False,
     ) -> None:
         super().__init__(name, capacity)
         self.url = redis_url(url)
@@ -82,16 +94,21 @@ class RedisBackend(BlobBackend):
         self.connect_timeout = connect_timeout
         self.socket_timeout = socket_timeout
         self.max_value_size = value_limit(max_value_size)
+        self.cluster = redis_cluster.cluster_nodes(cluster)
         # redis.asyncio clients belong to one event loop: built lazily in the loop that uses them
         self._redis: Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.counters.update({"server_errors": 0, "bytes_written": 0, "bytes_read": 0})
+        self.counters.update({"server_errors": 0, "bytes_written": 0, "bytes_read": 0, "node_failures": 0})
 
     # -- connection --------------------------------------------------------------------------
     def _client(self) -> Redis:
         self._ensure_open()
         loop = asyncio.get_running_loop()
-        if self._redis is None or self._loop is not loop:
+        if (self._redis is None or self._loop is not loop) and self.cluster:
+            self._redis = redis_cluster.make_client(self.url, self.cluster, self.max_connections, self.connect_timeout,
+                                                    self.socket_timeout)  # type: ignore[assignment]
+            self._loop = loop
+        elif self._redis is None or self._loop is not loop:
             pool = BlockingConnectionPool.from_url(
                 self.url,
                 max_connections=self.max_connections,
@@ -203,6 +220,11 @@ class RedisBackend(BlobBackend):
         return len(keys)
 
     async def _set_many(self, client: Redis, items: list[tuple[str, memoryview]]) -> None:
+        if self.cluster:  # one pipeline per node, all at once; a later duplicate wins
+            blobs = dict(items)
+            await self._per_node("SET", list(blobs), lambda group: self._set_pipeline(client, group, blobs))
+            self.counters["bytes_written"] += sum(blob.nbytes for blob in blobs.values())
+            return
         pipe = client.pipeline(transaction=False)
         for name, blob in items:  # in order: a later duplicate overwrites an earlier one
             pipe.set(name, blob, px=self.ttl_ms)
@@ -257,7 +279,15 @@ class RedisBackend(BlobBackend):
 
     async def _fetch(self, client: Redis, names: list[str]) -> list[bytes | None]:
         # replies are bytes: the client is built without decode_responses
+        if self.cluster:  # each node's share in one pipeline; a dead node's chunks are misses
+            return cast(list[bytes | None], await self._per_node("GET", names, lambda group: self._fetch_node(
+                client, group), missing=None))
+        return await self._fetch_node(client, names)
+
+    async def _fetch_node(self, client: Redis, names: list[str]) -> list[bytes | None]:
         if self.ttl_ms is None:
+            if self.cluster:  # keys of many slots: one MGET per slot, pipelined
+                return cast(list[bytes | None], await self._call("MGET", client.mget_nonatomic(names)))
             return cast(list[bytes | None], await self._call("MGET", client.mget(names)))
         pipe = client.pipeline(transaction=False)
         for name in names:  # a read slides the expiry, so hot chunks stay
@@ -268,10 +298,44 @@ class RedisBackend(BlobBackend):
         client = self._client()
         if not keys:
             return []
+        names = [self._redis_key(key) for key in keys]
+        if self.cluster:
+            return [bool(found) for found in await self._per_node(
+                "EXISTS", names, lambda group: self._exists_pipeline(client, group), missing=False)]
+        return await self._exists_pipeline(client, names)
+
+    async def _exists_pipeline(self, client: Redis, names: list[str]) -> list[bool]:
         pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self._redis_key(key))
+        for name in names:
+            pipe.exists(name)
         return [bool(found) for found in await self._call("EXISTS", pipe.execute())]
+
+    # -- Redis Cluster: a batch fanned out per node -----------------------------------------------
+    async def _set_pipeline(self, client: Redis, names: list[str], blobs: dict[str, memoryview]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.set(name, blobs[name], px=self.ttl_ms)
+        return cast(list[Any], await self._call("SET", pipe.execute()))
+
+    async def _per_node(self, operation: str, names: list[str], send: Callable[[list[str]], Awaitable[list[T]]],
+                        missing: Any = None) -> list[Any]:
+        """Each node's share of ``names`` through ``send``, all nodes at once; a failed node's keys
+        get ``missing`` (their chunks are misses) unless every node failed, which raises."""
+        client = cast(redis_cluster.RedisCluster, self._client())
+        try:
+            await self._call("CLUSTER SLOTS", client.initialize())  # the slot map, once (again after a failure)
+        except RedisClusterException as exc:  # no seed node answered
+            raise TierUnavailableError(f"tier {self.name!r}: no node of the redis cluster at "
+                                       f"{redact_url(self.url)} answered: {exc}") from exc
+        results = await redis_cluster.per_node(client, names, send)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed and len(failed) == len(results):
+            raise failed[0]
+        if failed:
+            self.counters["node_failures"] += 1
+            logger.warning("tier %r: %d of %d key(s) of a %s batch failed (a cluster node is down?): %s",
+                           self.name, len(failed), len(results), operation, failed[0])
+        return [missing if isinstance(r, BaseException) else r for r in results]
 
     # -- bytes (the BlobBackend contract, used by contains/delete and by tools) ----------------
     async def get_bytes(self, key: str) -> bytes | None:
@@ -299,6 +363,7 @@ class RedisBackend(BlobBackend):
             "url": redact_url(self.url),
             "key_prefix": self.key_prefix,
             "ttl_s": None if self.ttl_ms is None else self.ttl_ms / 1000,
+            "cluster": bool(self.cluster),
         }
 
     def __repr__(self) -> str:
