@@ -21,15 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv import copies, kvlayout, policy, transfer
+from tierkv import copies, kvlayout, ownership, policy, transfer
 from tierkv.config import EngineConfig, load_config
-from tierkv.errors import ConfigError, TierUnavailableError
+from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
 from tierkv.memory import empty_host
 from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
 from tierkv.pressure import MemoryProbe
-from tierkv.router import FILL_QUEUE, TierRouter, _in_place, _nbytes, _off_loop
+from tierkv.router import FILL_QUEUE, TierRouter, _in_place, _nbytes, _off_loop, _rejection
 
 logger = logging.getLogger("tierkv.engine")
 
@@ -170,29 +170,35 @@ class AsyncEngine(TierRouter):
         self._layout = (kvlayout.with_tokens(layouts[0][0], self.metadata.fmt, 0), source.dtype)
         with copies.on_path(self._copies, "store"):
             self._copies.add_delivered("store", sum(_nbytes(shape, dtype) for shape, dtype in layouts))
+            skipped: dict[str, str] = {}
             errors: list[BaseException] = []
             for level in range(len(self.tiers)):
-                if not self._admits(level):
+                if not self._admits(level, skipped):
                     continue
-                chunks: list[torch.Tensor] = []
-                owned: list[bool] = []
                 try:
-                    if _in_place(self.tiers[level]):
-                        stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges))
-                    else:
-                        views = [source.view(start, end) for start, end in ranges]
-                        owned = [view is None for view in views]
-                        chunks = [view if view is not None else await _gathered(source, shape, rng)
-                                  for view, (shape, _), rng in zip(views, layouts, ranges)]
-                        stored = await self._tier_put(level, keys, chunks)
+                    # once a tier put has begun, a cancellation waits for it and for its fill to
+                    # be queued: a chunk in the tier is then also on its way below (write-through)
+                    return await ownership.finish(self._store_at(level, keys, source, ranges, layouts))
                 except Exception as exc:
                     errors.append(exc)
-                    continue
-                await self._queue_fill(level, keys, chunks, owned)
-                return stored
-        if errors:
-            raise errors[0]
-        raise TierUnavailableError("no tier is available to take the chunks (all unhealthy or under pressure)")
+                    skipped[self.tiers[level].name] = _rejection(exc)
+        raise self._no_tier_took(len(keys), skipped) from (errors[0] if errors else None)
+
+    async def _store_at(self, level: int, keys: list[CacheKey], source: transfer.ChunkSource,
+                        ranges: list[tuple[int, int]], layouts: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """Put the chunks into tier ``level`` (one copy, from ``source``) and queue their fill."""
+        chunks: list[torch.Tensor] = []
+        owned: list[bool] = []
+        if _in_place(self.tiers[level]):
+            stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges))
+        else:
+            views = [source.view(start, end) for start, end in ranges]
+            owned = [view is None for view in views]
+            chunks = [view if view is not None else await _gathered(source, shape, rng)
+                      for view, (shape, _), rng in zip(views, layouts, ranges)]
+            stored = await self._tier_put(level, keys, chunks)
+        await self._queue_fill(level, keys, chunks, owned)
+        return stored
 
     async def retrieve(
         self,

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["WriteGrant", "finish", "in_thread"]
+__all__ = ["WriteGrant", "finish", "gather", "in_thread"]
 
 
 async def finish(work: Awaitable[T]) -> T:
@@ -62,6 +62,33 @@ async def _until_done(task: asyncio.Future[Any]) -> None:
 async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn`` in a worker thread; return (or deliver a cancellation) only when it has stopped."""
     return await finish(asyncio.to_thread(functools.partial(fn, *args, **kwargs)))
+
+
+async def gather(*work: Awaitable[T]) -> list[T]:
+    """Run ``work`` concurrently; their results in order (the first error is raised).
+
+    Unlike :func:`asyncio.gather`, it returns or raises only once every piece has stopped: on
+    an error the others run to their end, and on cancellation every piece is cancelled (each
+    may still finish its copy, see :func:`finish`) and waited for before ``CancelledError``
+    is re-raised. ``asyncio.gather`` would return at the first piece that stopped, while
+    others still write into memory the caller is about to free or return.
+    """
+    tasks = [asyncio.ensure_future(piece) for piece in work]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            await _until_done(task)
+        raise
+    errors = [task.exception() for task in tasks]
+    for error in errors:
+        if error is not None:
+            raise error
+    return [task.result() for task in tasks]
 
 
 class WriteGrant:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierkv import copies, policy, registry, transfer
+from tierkv import copies, ownership, policy, registry, transfer
 from tierkv.backend import InPlaceTier, StorageBackend, check_batch, fits_destination
 from tierkv.config import EngineConfig
 from tierkv.errors import (
@@ -30,6 +30,7 @@ from tierkv.errors import (
     CapacityError,
     ChunkFormatError,
     ConfigError,
+    TierFullError,
     TierKVError,
     TierUnavailableError,
 )
@@ -102,6 +103,8 @@ class TierRouter:
         health = config.health
         self._health = {tier.name: TierHealth(health.failure_threshold, health.retry_after_s) for tier in self.tiers}
         self._timeout = health.timeout_s
+        self._full_retry_s = health.retry_after_s
+        self._full: dict[str, tuple[float, str]] = {}  # tier -> (when it said full, what it said)
         self._fill = FillQueue(config.background.queue_bytes, config.background.when_full)
         self._inflight: dict[CacheKey, asyncio.Future[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -219,20 +222,22 @@ class TierRouter:
         keys, chunks = list(keys), list(chunks)
         with copies.on_path(self._copies, "store"):
             self._copies.add_delivered("store", sum(c.nbytes for c in chunks))
+            skipped: dict[str, str] = {}
             errors: list[BaseException] = []
             for level in range(len(self.tiers)):
-                if not self._admits(level):
+                if not self._admits(level, skipped):
                     continue
-                try:
-                    stored = await self._tier_put(level, keys, chunks)
+                try:  # a cancellation waits for the put and its fill (see AsyncEngine.store_from)
+                    return await ownership.finish(self._put_and_fill(level, keys, chunks))
                 except Exception as exc:
                     errors.append(exc)
-                    continue
-                await self._queue_fill(level, keys, chunks, [False] * len(chunks))
-                return stored
-        if errors:
-            raise errors[0]
-        raise TierUnavailableError("no tier is available to take the chunks (all unhealthy or under pressure)")
+                    skipped[self.tiers[level].name] = _rejection(exc)
+        raise self._no_tier_took(len(keys), skipped) from (errors[0] if errors else None)
+
+    async def _put_and_fill(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> int:
+        stored = await self._tier_put(level, keys, chunks)
+        await self._queue_fill(level, keys, chunks, [False] * len(chunks))
+        return stored
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """Chunks for ``keys`` in order (None for misses), each from the highest tier holding it.
@@ -357,18 +362,58 @@ class TierRouter:
         self._metrics[tier.name].add("skipped_unhealthy")
         return False
 
-    def _admits(self, level: int) -> bool:
-        """Whether new chunks may be written to this tier now (healthy, not under pressure)."""
-        pressure = self._pressure.get(self.tiers[level].name)
+    def _admits(self, level: int, skipped: dict[str, str] | None = None) -> bool:
+        """Whether new chunks may be written to this tier now (healthy, not under pressure, not
+        full); when not, why goes into ``skipped`` (tier name -> reason)."""
+        name = self.tiers[level].name
+        pressure = self._pressure.get(name)
         if pressure is not None and not pressure.admitting:
-            self._metrics[self.tiers[level].name].add("skipped_pressure")
+            self._metrics[name].add("skipped_pressure")
+            if skipped is not None:
+                skipped[name] = f"under memory pressure (capacity now {self.tiers[level].capacity_bytes} bytes)"
             return False
-        return self._available(level)
+        full = self._full.get(name)
+        if full is not None:
+            now = time.monotonic()
+            if now < full[0] + self._full_retry_s:  # bounded: then one put is let through to see
+                self._metrics[name].add("skipped_full")
+                if skipped is not None:
+                    skipped[name] = (f"full for {now - full[0]:.1f}s (asked again in "
+                                     f"{full[0] + self._full_retry_s - now:.1f}s): {full[1]}")
+                return False
+        if self._available(level):
+            return True
+        if skipped is not None:
+            skipped[name] = self._unhealthy_reason(level)
+        return False
+
+    def _unhealthy_reason(self, level: int) -> str:
+        health = self._health[self.tiers[level].name]
+        now = time.monotonic()
+        retry_at = health.retry_at if health.retry_at is not None else now
+        return (f"unhealthy for {max(0.0, now - (retry_at - health.cooldown_s)):.1f}s after "
+                f"{health.consecutive_failures} failures in a row (retried in {max(0.0, retry_at - now):.1f}s; "
+                f"last error: {health.last_error})")
+
+    def _no_tier_took(self, count: int, skipped: dict[str, str]) -> TierUnavailableError:
+        """The error of a put no tier took: every tier and why it was skipped or failed."""
+        reasons = "; ".join(f"{tier.name!r}: {skipped.get(tier.name, 'not tried')}" for tier in self.tiers)
+        return TierUnavailableError(f"no tier took the {count} chunk(s): {reasons}")
 
     async def _timed(self, awaitable: Awaitable[T]) -> T:
         if self._timeout is None:
             return await awaitable
         return await asyncio.wait_for(awaitable, self._timeout)
+
+    async def _timed_owned(self, awaitable: Awaitable[T], timeout: float | None = None) -> T:
+        """``awaitable``, which copies into or out of memory it was lent, with a timeout
+        (``timeout``, else the health timeout): on timeout or cancellation it is cancelled and
+        waited for (:func:`tierkv.ownership.finish`; ``asyncio.wait_for`` alone stops waiting
+        when it is cancelled again while it cancels)."""
+        timeout = self._timeout if timeout is None else timeout
+        if timeout is None:
+            return await ownership.finish(awaitable)
+        return await ownership.finish(asyncio.wait_for(awaitable, timeout))
 
     def _tier_failed(self, level: int, operation: str, exc: BaseException) -> None:
         tier = self.tiers[level]
@@ -386,12 +431,21 @@ class TierRouter:
         started = time.perf_counter()
         try:
             if write is not None and layouts is not None:
-                stored = await self._timed(tier.put_with(keys, layouts, write))  # type: ignore[attr-defined]
+                stored = await self._timed_owned(tier.put_with(keys, layouts, write))  # type: ignore[attr-defined]
                 nbytes = sum(_nbytes(shape, dtype) for shape, dtype in layouts)
             else:
                 assert chunks is not None  # one of the two forms is always given
-                stored = await self._timed(tier.batched_put(keys, chunks))
+                # the tier reads the chunks (a caller's tensor, held slabs) until the put stopped,
+                # and a backend's worker thread may go on after its coroutine was cancelled: a
+                # timeout or cancellation waits for the put's end before that memory goes back
+                stored = await self._timed_owned(ownership.finish(tier.batched_put(keys, chunks)))
                 nbytes = sum(c.nbytes for c in chunks)
+        except TierFullError as exc:  # the tier's store is full: not admitting for a while, reads go on
+            metrics.add("errors")
+            if tier.name not in self._full:
+                logger.warning("tier %r: full, not admitting for %.1fs: %s", tier.name, self._full_retry_s, exc)
+            self._full[tier.name] = (time.monotonic(), str(exc))
+            raise
         except CapacityError as exc:  # the tier is fine, the chunk just does not fit
             metrics.add("errors")
             logger.info("tier %r: %s", tier.name, exc)
@@ -401,15 +455,21 @@ class TierRouter:
             raise
         metrics.put_latency.observe(time.perf_counter() - started)
         self._health[tier.name].record_success()
+        if self._full.pop(tier.name, None) is not None:
+            logger.info("tier %r: admitting again (a put succeeded)", tier.name)
         metrics.add("puts", stored)
         metrics.add("bytes_in", nbytes)
         return stored
 
     async def _tier_get_into(self, level: int, keys: list[CacheKey], outs: list[torch.Tensor],
-                             deadline: float | None = None) -> list[bool]:
+                             deadline: float | None = None, abandonable: bool = False) -> list[bool]:
         """``batched_get_into`` on tier ``level`` with timeout, metrics and health; errors are
         misses. At ``deadline`` the chunks not in yet are misses (counted apart: a slow tier
-        is not a failing one)."""
+        is not a failing one).
+
+        ``abandonable``: ``outs`` are staging buffers nobody else uses (kept alive by the
+        tier's worker while it writes), so a timeout or cancellation may leave the read
+        behind. Otherwise (a caller's memory, slabs) the read is waited for to its end."""
         tier = self.tiers[level]
         metrics = self._metrics[tier.name]
         timeout, by_deadline = self._timeout, False
@@ -420,7 +480,10 @@ class TierRouter:
         started = time.perf_counter()
         try:
             request = tier.batched_get_into(keys, outs)
-            got = await (request if timeout is None else asyncio.wait_for(request, timeout))
+            if abandonable:
+                got = await (request if timeout is None else asyncio.wait_for(request, timeout))
+            else:
+                got = await self._timed_owned(ownership.finish(request), timeout)
         except TimeoutError as exc:
             if by_deadline:
                 metrics.add("deadline_misses", len(keys))
@@ -574,7 +637,13 @@ class TierRouter:
             await _copy_pairs_off_loop(pairs)
             fresh = iter(dst for dst, _ in pairs)
             chunks = [c if mine else next(fresh) for c, mine in zip(chunks, owned)]
-        if not await self._fill.put(FillJob(keys, chunks, below, release)):
+        try:
+            queued = await self._fill.put(FillJob(keys, chunks, below, release))
+        except BaseException:  # cancelled while waiting for room: the job never got in
+            if release is not None:
+                release()
+            raise
+        if not queued:
             for target in below:
                 self._metrics[self.tiers[target].name].add("dropped_fills", len(keys))
 
@@ -655,7 +724,9 @@ class TierRouter:
             if not done[index] and level is not None and level >= 0:
                 first_round.setdefault(level, []).append(index)
         reads = [(level, asked) for level, asked in first_round.items() if self._available(level)]
-        for (_, asked), got in zip(reads, await asyncio.gather(
+        # ownership.gather, not asyncio.gather: a cancelled retrieve returns only once every
+        # tier's read into the sink has stopped
+        for (_, asked), got in zip(reads, await ownership.gather(
                 *(self._read_level(level, asked, keys, ranges, sink, caller_owned, staged, deadline)
                   for level, asked in reads))):
             for index, hit in zip(asked, got):
@@ -700,7 +771,7 @@ class TierRouter:
                 if target is None:
                     target = staged[index] = empty_host(sink.chunk_shape(end - start), sink.dtype)
                 targets.append(target)
-            got = await self._tier_get_into(level, [keys[i] for i in asked], targets, deadline)
+            got = await self._tier_get_into(level, [keys[i] for i in asked], targets, deadline, abandonable=stage)
             hits.update(zip(asked, got))
             for index, hit, target in zip(asked, got, targets):
                 if not hit and staged.get(index) is target:
@@ -727,6 +798,15 @@ def _place(found: list[int | None], missing: list[int], flags: Sequence[bool], l
     return still
 
 
+def _rejection(exc: BaseException) -> str:
+    """Why a tier did not take a put, for :class:`TierUnavailableError`."""
+    if isinstance(exc, TierFullError):
+        return f"full: {exc}"
+    if isinstance(exc, CapacityError):
+        return f"rejected the size: {exc}"
+    return f"failed: {type(exc).__name__}: {exc}"
+
+
 def _in_place(tier: StorageBackend) -> bool:
     """Whether ``tier`` keeps chunks in memory the engine may write and read in place."""
     kind = type(tier)
@@ -749,9 +829,13 @@ def _read_all(sink: transfer.ChunkSink, work: list[tuple[torch.Tensor, tuple[int
 
 
 async def _off_loop(work: Callable[[], Any], nbytes: int) -> None:
-    """Run a copy off the event loop when it is large, so other requests keep moving."""
+    """Run a copy off the event loop when it is large, so other requests keep moving.
+
+    The copy writes into memory handed to it (reserved slabs, the caller's ``out``, a paged
+    cache): a cancellation is delivered only once the copy stopped (:func:`tierkv.ownership.in_thread`).
+    """
     if nbytes > _OFFLOAD_COPY_BYTES:
-        await asyncio.to_thread(work)
+        await ownership.in_thread(work)
     else:
         work()
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from tierkv import copies
+from tierkv import copies, ownership
 from tierkv.errors import ConfigError
 from tierkv.memory import copy_into, cuda_available, empty_host
 from tierkv.options import Option
@@ -91,7 +91,9 @@ class GPUBackend(MemoryTier):
                     dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        await wait_for_event(event)
+        # the DMA writes into slabs or a caller's memory and reads the pinned copies: a
+        # cancellation is delivered only once it completed (tierkv.ownership)
+        await ownership.finish(wait_for_event(event))
         del staged
 
     def stats(self) -> dict[str, object]:

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierkv import ownership
 from tierkv.backend import StorageBackend, check_batch, check_destinations, fits_destination
 from tierkv.errors import CapacityError
 from tierkv.keys import CacheKey
@@ -167,7 +168,8 @@ class MemoryTier(StorageBackend):
     async def copy_chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (dst, src) pair, off the event loop when large."""
         if sum(dst.numel() * dst.element_size() for dst, _ in pairs) > THREAD_COPY_BYTES:
-            await asyncio.to_thread(self._copy_pairs, pairs)
+            # the destinations are slabs or a caller's memory: a cancellation waits for the copy
+            await ownership.in_thread(self._copy_pairs, pairs)
         else:
             self._copy_pairs(pairs)
 
@@ -200,14 +202,19 @@ class MemoryTier(StorageBackend):
         need = sum(sizes.values()) - sum(self._index.size_of(k) or 0 for k in latest)
         await self._make_room(need, protect=latest.keys())
         reservations: list[Reservation] = []
-        for key, (shape, dtype) in latest.items():
-            slab = await self._allocate(sizes[key], protect=latest.keys())
-            if slab is None:
-                self.abort(reservations)
-                raise CapacityError(f"tier {self.name!r}: memory for a {format_size(sizes[key])} chunk is exhausted "
-                                    "(the rest is held by readers or background fills)")
-            self._reserved += slab.numel()
-            reservations.append(Reservation(key, Resident(slab, dtype, tuple(shape), layout_nbytes(shape, dtype))))
+        try:
+            for key, (shape, dtype) in latest.items():
+                # may evict (and demote, in write-back) to make room: a cancellation can land here
+                slab = await self._allocate(sizes[key], protect=latest.keys())
+                if slab is None:
+                    raise CapacityError(f"tier {self.name!r}: memory for a {format_size(sizes[key])} chunk is "
+                                        "exhausted (the rest is held by readers or background fills)")
+                self._reserved += slab.numel()
+                reservations.append(Reservation(key, Resident(slab, dtype, tuple(shape),
+                                                              layout_nbytes(shape, dtype))))
+        except BaseException:  # failed or cancelled: nothing was written yet, give back what was set aside
+            self.abort(reservations)
+            raise
         return reservations
 
     def commit(self, reservations: Iterable[Reservation]) -> None:
@@ -253,7 +260,11 @@ class MemoryTier(StorageBackend):
     async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[ChunkLayout],
                        write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]) -> int:
         """Reserve slabs, let ``write`` fill them (key -> chunk view), then commit them; nothing
-        is committed if ``write`` fails."""
+        is committed if ``write`` fails.
+
+        ``write`` must not return (nor raise, cancelled or not) while a copy into the views
+        still runs (:mod:`tierkv.ownership`): the slabs are given back as soon as it ended.
+        """
         reservations = await self.reserve(keys, layouts)
         try:
             await write({r.key: r.chunk for r in reservations})
