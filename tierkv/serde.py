@@ -150,7 +150,7 @@ def encode(tensor: torch.Tensor, kv_format: str | None = None) -> bytearray:
     return data
 
 
-def decode_header(data: bytes | memoryview) -> ChunkHeader:
+def decode_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     """Parse and sanity-check a header; raises ChunkFormatError on anything malformed."""
     view = memoryview(data)
     if len(view) < _FIXED.size:
@@ -231,7 +231,7 @@ def decode_payload(
     return out
 
 
-def decode(data: bytes | memoryview, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = empty_host) -> torch.Tensor:
+def decode(data: bytes | bytearray | memoryview, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = empty_host) -> torch.Tensor:
     """Inverse of :func:`encode`; raises ChunkFormatError for anything but a valid chunk."""
     header = decode_header(data)
     view = memoryview(data)

@@ -57,7 +57,7 @@ _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
 _IOV_MAX = 1024
 _DIGEST_CACHE = 1 << 16
-def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes, list[memoryview]]:
+def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes | bytearray, list[memoryview]]:
     """Header bytes and zero-copy views of the payload's pieces, written with one writev."""
     runs = serde.payload_runs(chunk)
     return serde.encode_header(chunk, key.fmt if key.fmt in KV_FORMATS else None, runs), runs
@@ -252,7 +252,7 @@ class FSBackend(BlobBackend):
             await self._write_indexed(list(encoded.items()), sizes)
         return len(keys)
 
-    async def _write_indexed(self, items: list[tuple[str, tuple[bytes, list[memoryview]]]],
+    async def _write_indexed(self, items: list[tuple[str, tuple[bytes | bytearray, list[memoryview]]]],
                              sizes: dict[str, int]) -> None:
         """Write files in worker threads; index every file renamed into place, even when
         another failed or the call was cancelled (the threads are waited for either way)."""
@@ -321,12 +321,14 @@ class FSBackend(BlobBackend):
         parts = [items[i : i + size] for i in range(0, len(items), size)]
         done = await ownership.finish(asyncio.gather(*(asyncio.to_thread(work, part) for part in parts),
                                                      return_exceptions=True))
+        results: list[Any] = []
         for outcome in done:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return [result for part in done for result in part]
+            results.extend(outcome)
+        return results
 
-    def _write_files(self, items: list[tuple[str, tuple[bytes, list[memoryview]]]],
+    def _write_files(self, items: list[tuple[str, tuple[bytes | bytearray, list[memoryview]]]],
                      written: list[str] | None = None) -> list[None]:
         """Write each file under a temporary name and rename it into place; ``written`` gets
         each digest renamed into place. A full disk is a TierFullError; the temporary file of
@@ -378,7 +380,7 @@ class FSBackend(BlobBackend):
             os.close(fd)
 
     def _read_files_into(self, items: list[tuple[str, torch.Tensor]]) -> list[bool | ChunkFormatError]:
-        fds = []
+        fds: list[int | None] = []
         for digest, _ in items:  # open and hint the whole slice first: the disk sees every read at once
             try:
                 fd = os.open(self._file(digest), os.O_RDONLY)
@@ -391,9 +393,9 @@ class FSBackend(BlobBackend):
         try:
             return [False if fd is None else self._read_file_into(fd, out) for fd, (_, out) in zip(fds, items)]
         finally:
-            for fd in fds:
-                if fd is not None:
-                    os.close(fd)
+            for opened in fds:
+                if opened is not None:
+                    os.close(opened)
 
     def _read_file_into(self, fd: int, out: torch.Tensor) -> bool | ChunkFormatError:
         """Read one chunk file into ``out`` (one copy); False when it holds another layout."""
@@ -460,7 +462,7 @@ class FSBackend(BlobBackend):
         self._index.touch(digest)
         return data
 
-    async def put_bytes(self, key: str, data: bytes) -> None:
+    async def put_bytes(self, key: str, data: bytes | bytearray) -> None:
         self._ensure_open()
         digest = self._digest(key)
         self._check_fits(len(data))

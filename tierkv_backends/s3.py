@@ -527,7 +527,7 @@ class S3Backend(BlobBackend):
         data = await self._one("get", lambda d: self._fetch(key, d))
         return None if data is None else bytes(data)
 
-    async def put_bytes(self, key: str, data: bytes) -> None:
+    async def put_bytes(self, key: str, data: bytes | bytearray) -> None:
         await self._one("put", lambda d: self._store(key, bytes(data), d))
 
     async def delete_bytes(self, key: str) -> bool:
