@@ -1,0 +1,139 @@
+"""Time to first token of a real SGLang (CPU) whose prompt prefix must come from its L3 backend.
+
+One random-weight Llama big enough that prefill dominates (8 layers, hidden 1024, 8 KV heads
+x 128), prompts of 2K / 4K / 8K tokens. Each configuration is one SGLang process: it first
+generates every prompt cold (the storing pass: prefill plus the L3 writes), then, for each
+prompt, ``--repeats`` times: ``flush_cache()`` (GPU and host caches emptied, so the prefix can
+only come from L3) and one timed request (``max_new_tokens=1``: the time to first token).
+
+Configurations, side by side in one run: no L3 (recompute), SGLang's own file backend,
+tierkv with a cpu tier, an lmdb tier, and an fs tier read by a new process (a second SGLang
+process over what the first stored). Ratios are against no L3 timed in the same run.
+
+Targets (issue 24): tierkv cpu <= 0.3x no-L3 at 8K; tierkv's best local tier <= SGLang's file
+backend at every length; the storing pass <= 1.05x no-L3. Prints each target and whether it
+is met; exits 0 (a benchmark reports, CI does not gate on timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "sglang"))
+
+from sglang_runner import make_model, run_spec  # noqa: E402
+
+from tierkv.integrations.sglang import BACKEND_CLASS, BACKEND_MODULE  # noqa: E402
+
+PAGE = 16
+
+
+def tierkv_extra(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"backend_name": "tierkv", "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS,
+            "interface_v1": 1, "config": {"tiers": tiers}}
+
+
+def measure(name: str, model: Path, backend: str, extra: dict[str, Any] | None, prompts: list[list[int]],
+            repeats: int, work: Path, cold: bool = True) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = [{"gen": i} for i in range(len(prompts))] if cold else []
+    for i in range(len(prompts)):
+        for _ in range(repeats):
+            steps += [{"flush": True}, {"gen": i}]
+    spec = {"model": str(model), "backend": backend, "extra_config": extra, "prompts": prompts, "steps": steps,
+            "page_size": PAGE, "max_new_tokens": 1, "max_total_tokens": 4 * max(len(p) for p in prompts),
+            "chunked_prefill_size": 8192}
+    print(f"[{name}] starting SGLang ...", flush=True)
+    results = [r for r in run_spec(spec, work / name, timeout_s=3000) if "gen" in r]
+    cold_results = results[: len(prompts)] if cold else []
+    warm = results[len(cold_results):]
+    row: dict[str, Any] = {"name": name, "cold_s": {}, "ttft_s": {}, "from_storage": {}}
+    for i, tokens in enumerate(prompts):
+        if cold:
+            row["cold_s"][len(tokens)] = cold_results[i]["seconds"]
+        runs = [r for r in warm if r["gen"] == i]
+        row["ttft_s"][len(tokens)] = statistics.median(r["seconds"] for r in runs)
+        row["from_storage"][len(tokens)] = min(int((r.get("cached_tokens_details") or {}).get("storage", 0))
+                                               for r in runs)
+    print(f"[{name}] {row}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--out", default="bench-results/sglang_ttft.json")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="tierkv-sglang-bench-") as tmp:
+        work = Path(tmp)
+        model = make_model(work / "llama", layers=args.layers, hidden=1024, heads=8, kv_heads=8, head_dim=128,
+                           vocab=32000, intermediate=2816)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1, 32000) for _ in range(length)] for length in args.lengths]
+        cpu = [{"name": "host", "backend": "cpu", "capacity": "8GiB"}]
+        lmdb = [{"name": "disk", "backend": "lmdb", "capacity": "16GiB", "path": str(work / "lmdb")}]
+        fs = [{"name": "files", "backend": "fs", "path": str(work / "fs")}]
+        rows = [
+            measure("no L3", model, "none", None, prompts, args.repeats, work),
+            measure("SGLang file", model, "file", None, prompts, args.repeats, work),
+            measure("tierkv cpu", model, "tierkv", tierkv_extra(cpu), prompts, args.repeats, work),
+            measure("tierkv lmdb", model, "tierkv", tierkv_extra(lmdb), prompts, args.repeats, work),
+        ]
+        rows.append(_fs_two_processes(model, fs, prompts, args.repeats, work))
+    report(rows, args.lengths)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+
+
+def _fs_two_processes(model: Path, fs: list[dict[str, Any]], prompts: list[list[int]], repeats: int,
+                      work: Path) -> dict[str, Any]:
+    """The fs tier filled by one SGLang process and read by a new one."""
+    spec = {"model": str(model), "backend": "tierkv", "extra_config": tierkv_extra(fs), "prompts": prompts,
+            "steps": [{"gen": i, "settle_s": 1.0} for i in range(len(prompts))], "page_size": PAGE,
+            "max_new_tokens": 1, "max_total_tokens": 4 * max(len(p) for p in prompts), "chunked_prefill_size": 8192}
+    print("[tierkv fs] first process stores ...", flush=True)
+    stored = [r for r in run_spec(spec, work / "fs-store", timeout_s=3000) if "gen" in r]
+    row = measure("tierkv fs (new process)", model, "tierkv", tierkv_extra(fs), prompts, repeats, work, cold=False)
+    row["cold_s"] = {len(p): r["seconds"] for p, r in zip(prompts, stored)}
+    return row
+
+
+def report(rows: list[dict[str, Any]], lengths: list[int]) -> None:
+    base = rows[0]
+    print("\nTTFT after flush_cache() (median), x = ratio to no L3 in this run; storing pass = cold request")
+    print(f"{'configuration':26s}" + "".join(f"{f'{n // 1024}K ttft':>18s}" for n in lengths)
+          + "".join(f"{f'{n // 1024}K store':>14s}" for n in lengths))
+    for row in rows:
+        cells = "".join(f"{row['ttft_s'][n]:8.3f}s {row['ttft_s'][n] / base['ttft_s'][n]:5.2f}x "
+                        f"{row['from_storage'][n]:>5d}"[:18].rjust(18) for n in lengths)
+        store = "".join(f"{row['cold_s'].get(n, float('nan')) / base['cold_s'][n]:13.2f}x" for n in lengths)
+        print(f"{row['name']:26s}{cells}{store}")
+    by_name = {row["name"]: row for row in rows}
+    longest = max(lengths)
+    cpu_ratio = by_name["tierkv cpu"]["ttft_s"][longest] / base["ttft_s"][longest]
+    print(f"\ntarget tierkv cpu <= 0.3x no-L3 at {longest // 1024}K: {cpu_ratio:.2f}x "
+          f"{'met' if cpu_ratio <= 0.3 else 'NOT met'}")
+    local = [r for r in rows if r["name"].startswith("tierkv")]
+    for n in lengths:
+        best = min(local, key=lambda r: r["ttft_s"][n])
+        file_s = by_name["SGLang file"]["ttft_s"][n]
+        print(f"target best tierkv tier <= SGLang file at {n // 1024}K: {best['name']} {best['ttft_s'][n]:.3f}s vs "
+              f"{file_s:.3f}s {'met' if best['ttft_s'][n] <= file_s else 'NOT met'}")
+    for row in local:
+        worst = max(row["cold_s"][n] / base["cold_s"][n] for n in lengths)
+        print(f"target storing pass <= 1.05x no-L3 ({row['name']}): worst {worst:.2f}x "
+              f"{'met' if worst <= 1.05 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
