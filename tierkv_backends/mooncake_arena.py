@@ -56,6 +56,7 @@ class StagingArena:
             raise ValueError(f"a staging arena needs at least {_ALIGN} bytes, got {nbytes}")
         self.nbytes = nbytes // _ALIGN * _ALIGN
         self.tensor = huge_pages(torch.empty(self.nbytes, dtype=torch.uint8))
+        self.tensor.zero_()  # touched at start-up: a node's first reads do not pay the page faults
         self.array: np.ndarray = self.tensor.numpy()
         self.ptr: int = self.tensor.data_ptr()
         self._starts: list[int] = [0]  # free intervals, sorted by start
