@@ -201,3 +201,24 @@ def test_backend_raises_tier_full_chained_to_the_os_error_and_admits_again(kind:
         assert torch.equal((await backend.batched_get([make_key(count)]))[0], chunk + count)
         await backend.close()
     asyncio.run(check())
+
+
+def test_faulty_backend_full_refuses_writes_as_a_full_disk_and_keeps_reads(tmp_path: Path) -> None:
+    """tierkv.testing.faults.FaultyBackend.full: a full disk without mounting one (for router tests)."""
+    from tierkv.testing.faults import FaultyBackend
+
+    async def body() -> None:
+        wrapped = FaultyBackend(LMDBBackend("disk", 64 << 20, path=str(tmp_path / "kv")))
+        try:
+            chunk = kv_of(prompt(0))[:, :, :CHUNK]
+            await wrapped.batched_put([make_key(1)], [chunk])
+            wrapped.full = True
+            with pytest.raises(TierFullError, match="tier 'disk'.*No space left"):
+                await wrapped.batched_put([make_key(2)], [chunk])
+            assert torch.equal((await wrapped.batched_get([make_key(1)]))[0], chunk)
+            assert (await wrapped.batched_get([make_key(2)]))[0] is None
+            wrapped.full = False
+            await wrapped.batched_put([make_key(2)], [chunk])
+        finally:
+            await wrapped.close()
+    asyncio.run(body())

@@ -159,12 +159,15 @@ class LMDBBackend(StorageBackend):
         try:
             return await ownership.finish(future)
         except lmdb.Error as exc:
-            full = self._full_disk(exc)
-            if full is not None:
-                raise full from exc
-            raise TierUnavailableError(f"tier {self.name!r}: LMDB error at {self.path!r}: {exc}") from exc
+            raise self._tier_error(exc) from exc
         finally:
             self._inflight.discard(future)
+
+    def _tier_error(self, exc: lmdb.Error) -> Exception:
+        """The tierkv error for an LMDB failure: TierFullError for a full disk, else TierUnavailableError."""
+        full = self._full_disk(exc)
+        return full if full is not None else TierUnavailableError(
+            f"tier {self.name!r}: LMDB error at {self.path!r}: {exc}")
 
     def _full_disk(self, exc: lmdb.Error) -> Exception | None:
         """A TierFullError when LMDB failed because the disk is full. LMDB reports a short
@@ -237,7 +240,10 @@ class LMDBBackend(StorageBackend):
         if not candidates and not victims:
             raise CapacityError(f"tier {self.name!r}: LMDB map at {self.path!r} is full and nothing is left to "
                                 f"evict for a batch of {format_size(need)}")
-        self._evict_now(victims + candidates[: max(1, len(candidates) // 4)] if candidates else victims)
+        try:
+            self._evict_now(victims + candidates[: max(1, len(candidates) // 4)] if candidates else victims)
+        except lmdb.Error as exc:
+            raise self._tier_error(exc) from exc
         return []
 
     def _write(self, victims: list[bytes], records: list[tuple[bytes, str, torch.Tensor]], first_seq: int,

@@ -1,5 +1,6 @@
 """Fault-injecting wrapper for tests and benchmarks: a real backend that can be told to fail,
-stall, or serve its reads at a capped bandwidth (a slow disk or network tier)."""
+stall, refuse writes as a full disk would, or serve its reads at a capped bandwidth (a slow
+disk or network tier)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from collections.abc import Sequence
 import torch
 
 from tierkv.backend import StorageBackend
-from tierkv.errors import TierUnavailableError
+from tierkv.errors import TierFullError, TierUnavailableError
 from tierkv.keys import CacheKey
 
 
 class FaultyBackend(StorageBackend):
     """Wraps a real backend; while ``failing`` every call raises, while ``stall_s`` is set
-    every call first sleeps that long (a slow or hung remote store), while ``bytes_per_s`` is
-    set a read also takes the bytes it returned over that bandwidth. Its in-memory index (if
-    the inner backend has one) answers as the inner backend's does."""
+    every call first sleeps that long (a slow or hung remote store), while ``full`` is set
+    every write raises :class:`~tierkv.errors.TierFullError` as a disk out of space does
+    (reads keep working), while ``bytes_per_s`` is set a read also takes the bytes it
+    returned over that bandwidth. Its in-memory index (if the inner backend has one) answers
+    as the inner backend's does."""
 
     def __init__(self, inner: StorageBackend) -> None:
         super().__init__(inner.name, inner.capacity)
@@ -27,6 +30,7 @@ class FaultyBackend(StorageBackend):
         self.bounded = inner.bounded  # type: ignore[misc]
         self.streams_into_destination = inner.streams_into_destination  # type: ignore[misc]
         self.failing = False
+        self.full = False
         self.stall_s = 0.0
         self.bytes_per_s: float | None = None
         self.calls = 0
@@ -40,8 +44,14 @@ class FaultyBackend(StorageBackend):
         if self.failing:
             raise TierUnavailableError(f"tier {self.name!r}: injected failure")
 
+    def _maybe_full(self) -> None:
+        if self.full:
+            raise TierFullError(f"tier {self.name!r}: cannot write '<injected>': [Errno 28] No space left on device; "
+                                "the tier takes no more until space is freed (what it holds stays readable)")
+
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
         await self._maybe_fail("put")
+        self._maybe_full()
         await self.inner.put(key, chunk)
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
@@ -58,6 +68,7 @@ class FaultyBackend(StorageBackend):
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         await self._maybe_fail("batched_put")
+        self._maybe_full()
         return await self.inner.batched_put(keys, chunks)
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
