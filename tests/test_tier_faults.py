@@ -205,3 +205,33 @@ def test_a_read_abandoned_at_timeout_s_never_writes_into_the_destination_afterwa
             proxy.latency_s = 0.0
             await backend.close()
     asyncio.run(body())
+
+
+def test_latency_past_timeout_s_through_the_engine_is_a_miss_and_out_stays_the_callers(
+        s3_server: S3Server, s3_bucket: str, proxy: FaultProxy) -> None:
+    """The measured case: retrieve(out=...) with no deadline, the s3 tier answering after its
+    timeout_s. The call returns misses; nothing lands in ``out`` afterwards; no object is lost;
+    with the latency gone the same engine serves hits."""
+    prefix = f"faults/latency/{uuid.uuid4().hex[:8]}"
+    config = engine_config(s3_server, s3_bucket, prefix, proxy.url, timeout_s=1.5, read_timeout_s=10.0, retries=0)
+    with Engine(config) as eng:
+        tokens = prompts()[0]
+        assert eng.store(tokens, kv_of(tokens)) == 2
+        eng.flush()
+        before = stored_objects(s3_server, s3_bucket, prefix)
+        proxy.latency_s = 2.5
+        out = torch.full_like(kv_of(tokens), SENTINEL)
+        started = time.monotonic()
+        kv, mask = eng.retrieve(tokens, return_tuple=False, out=out)
+        assert time.monotonic() - started < 60
+        hits = assert_exact_or_miss(kv, mask, tokens)
+        time.sleep(3.0)  # the abandoned requests get their answers meanwhile
+        assert bool((out[:, :, hits:] == SENTINEL).all()), "bytes landed in out after retrieve returned"
+        assert stored_objects(s3_server, s3_bucket, prefix) == before
+        proxy.latency_s = 0.0
+
+        def hit() -> bool:
+            again = torch.full_like(kv_of(tokens), SENTINEL)
+            kv, mask = eng.retrieve(tokens, return_tuple=False, out=again)
+            return assert_exact_or_miss(kv, mask, tokens) == 2 * CHUNK
+        wait_until(hit, "hits once the latency is gone")
