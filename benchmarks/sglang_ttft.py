@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -75,6 +76,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tierkv-sglang-bench-") as tmp:
         work = Path(tmp)
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(work / "sglang-file")  # SGLang's file backend
         model = make_model(work / "llama", layers=args.layers, hidden=1024, heads=8, kv_heads=8, head_dim=128,
                            vocab=32000, intermediate=2816)
         rng = random.Random(0)

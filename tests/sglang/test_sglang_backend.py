@@ -14,8 +14,9 @@ pytest.importorskip("sglang", reason="SGLang is installed only in the tox 'sglan
 import torch  # noqa: E402
 from conftest import damage_page, tier_entry  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 
 from tierkv.errors import ConfigError  # noqa: E402
 from tierkv.integrations.sglang import BACKEND_CLASS, BACKEND_MODULE  # noqa: E402
@@ -40,10 +41,20 @@ def host_pool(layout: str, layers: int = LAYERS, heads: int = HEADS) -> MHAToken
     return pool
 
 
+def mla_host_pool(layout: str) -> MLATokenToKVPoolHost:
+    device = MLATokenToKVPool(64, PAGE, torch.float16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
+                              device="cpu", enable_memory_saver=False)
+    pool = MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
+                                device_capacity_tokens=device.size, start_layer=device.start_layer,
+                                end_layer=device.end_layer, target_layer_num=LAYERS)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(torch.float16))
+    return pool
+
+
 def storage_config(tiers: list[dict[str, Any]], model: str = "org/model", tp_rank: int = 0, tp_size: int = 1,
-                   engine: dict[str, Any] | None = None, **extra: Any) -> HiCacheStorageConfig:
+                   engine: dict[str, Any] | None = None, mla: bool = False, **extra: Any) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=False, model_name=model,
         extra_config={"backend_name": "tierkv", "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS,
                       "interface_v1": 1, "config": {"tiers": tiers, **(engine or {})}, **extra})
@@ -101,6 +112,40 @@ def test_pages_round_trip_through_the_host_pool_once(tmp_path: Path, layout: str
         assert storage.stats()["counters"]["pages_already_stored"] == 3
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_pages_one_copy_for_all_ranks_written_by_one(tmp_path: Path, layout: str) -> None:
+    tiers = [tier_entry("fs", tmp_path)]
+    pool = mla_host_pool(layout)
+    follower = backend(tiers, pool, mla=True, tp_rank=1, tp_size=2)  # MLA KV is the same on every rank
+    source = pool.alloc(2 * PAGE)
+    assert follower.batch_set_v1(keys(2), source) == [True, True]
+    assert follower.batch_exists(keys(2)) == 0, "only the writer rank stores replicated MLA pages"
+    follower.close()
+    writer = backend(tiers, pool, mla=True, tp_rank=0, tp_size=2)
+    assert writer.batch_set_v1(keys(2), source) == [True, True]
+    writer.close()
+    reader_pool = mla_host_pool("page_first" if layout != "page_first" else "layer_first")
+    reader = backend(tiers, reader_pool, mla=True, tp_rank=1, tp_size=2)
+    try:
+        target = reader_pool.alloc(2 * PAGE)
+        assert reader.batch_get_v1(keys(2), target) == [True, True]
+        for i in range(2):
+            want = pool.get_data_page(int(source[i * PAGE]), flat=False)
+            got = reader_pool.get_data_page(int(target[i * PAGE]), flat=False)
+            assert torch.equal(_mla_tokens(reader_pool, got), _mla_tokens(pool, want)), f"page {i} differs"
+    finally:
+        reader.close()
+
+
+def _mla_tokens(pool: MLATokenToKVPoolHost, page: torch.Tensor) -> torch.Tensor:
+    """An MLA page as [token, layer, dim]."""
+    if pool.layout == "layer_first":  # [L, page, 1, D]
+        return page[:, :, 0].transpose(0, 1)
+    if pool.layout == "page_first":  # [page, L, 1, D]
+        return page[:, :, 0]
+    return page[0, :, :, 0].transpose(0, 1)  # [1, L, page, 1, D]
 
 
 def test_a_page_written_in_one_layout_reads_in_another(tmp_path: Path) -> None:
