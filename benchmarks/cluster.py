@@ -146,9 +146,10 @@ def _bench_tier(label: str, tier: dict[str, Any], raw: Side | None, prompts: lis
     def gbps(name: str) -> float:
         return total / statistics.median(samples[name]) / 1e9
 
-    rows = [{"tier": label, "op": "store", "GB/s": gbps("store")},
-            {"tier": label, "op": "retrieve out=", "GB/s": gbps("retrieve out=")},
-            {"tier": label, "op": "lookup", "us": statistics.median(samples["lookup"]) * 1e6}]
+    rows: list[dict[str, Any]] = [
+        {"tier": label, "op": "store", "GB/s": gbps("store")},
+        {"tier": label, "op": "retrieve out=", "GB/s": gbps("retrieve out=")},
+        {"tier": label, "op": "lookup", "us": statistics.median(samples["lookup"]) * 1e6}]
     if raw is not None:
         rows[0].update(baseline="raw put", base=gbps("raw put"))
         rows[1].update(baseline="raw get", base=gbps("raw get"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv.errors import ConfigError, TierUnavailableError
+from tierkv.errors import ConfigError, TierFullError, TierUnavailableError
 from tierkv.keys import CacheKey
 from tierkv.registry import load as load_backend_class
 from tierkv.testing import BackendTests
@@ -171,7 +171,7 @@ def test_master_outage_bounded_unhealthy_then_recovers() -> None:
                     await tier.put(make_key(3), make_chunk(3))
                     if same_bytes(await tier.get(make_key(3)), make_chunk(3)):
                         break
-                except TierUnavailableError:
+                except (TierUnavailableError, TierFullError):  # full: the storage node has not re-registered yet
                     pass
                 await asyncio.sleep(0.3)
             assert tier.health.healthy
@@ -179,3 +179,33 @@ def test_master_outage_bounded_unhealthy_then_recovers() -> None:
         finally:
             await tier.close()
     on_own_cluster(64 << 20, main)
+
+
+def test_abandoned_read_never_writes_the_destination_afterwards(cluster: MooncakeCluster) -> None:
+    """A batch given up at its deadline: destinations reported missing stay untouched, also
+    after the worker that was still transferring has finished (its WriteGrant was revoked)."""
+    async def main() -> None:
+        writer = make_tier(cluster, "abandon/", buffer_size=256 << 20, timeout_s=60.0)
+        shape = (32, 2, 64, 8, 128)  # 8MiB chunks, 96MiB in all: longer than the deadline below
+        chunks = [make_chunk(i, shape=shape) for i in range(12)]
+        keys = [make_key(5000 + i) for i in range(12)]
+        try:
+            await writer.batched_put(keys, chunks)
+        finally:
+            await writer.close()
+        reader = make_tier(cluster, "abandon/", buffer_size=256 << 20, timeout_s=0.02, failure_threshold=100)
+        outs = [torch.full(shape, 5.0, dtype=torch.bfloat16) for _ in keys]
+        try:
+            try:
+                hits = await reader.batched_get_into(keys, outs)
+            except TierUnavailableError:
+                hits = [False] * len(keys)
+        finally:
+            await reader.close()  # waits for the abandoned worker: anything it would write is written by now
+        for hit, out, chunk in zip(hits, outs, chunks):
+            if hit:
+                assert same_bytes(out, chunk)
+            else:
+                assert bool((out == 5).all()), "a destination reported missing was written after the call returned"
+        assert reader.stats()["timeouts"] + sum(hits) >= 1
+    asyncio.run(main())

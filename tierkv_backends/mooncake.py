@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -272,7 +273,7 @@ class MooncakeBackend(StorageBackend):
                     chunk, start = chunks[i], offset
                     payload = region.array[start + _header_len(chunk.dim()) : start + sizes[i]]
                     # the caller's chunk is read only under the grant: never after the put returned
-                    if not grant.write(lambda c=chunk, p=payload: gather_bytes(serde.payload_runs(c), p.data)):
+                    if not grant.write(partial(_gather, chunk, payload)):
                         raise TimeoutError("the put was abandoned at its deadline")
                     header = serde.encode_header(chunk, fmts[i], payload)  # checksum of the bytes sent
                     region.array[start : start + len(header)] = np.frombuffer(header, dtype=np.uint8)
@@ -474,6 +475,10 @@ class MooncakeBackend(StorageBackend):
     def __repr__(self) -> str:
         return f"MooncakeBackend(name={self.name!r}, master_address={self.master_address!r}, " \
                f"protocol={self.protocol!r})"
+
+
+def _gather(chunk: torch.Tensor, payload: np.ndarray) -> None:
+    gather_bytes(serde.payload_runs(chunk), payload.data)
 
 
 def _this_host() -> str:

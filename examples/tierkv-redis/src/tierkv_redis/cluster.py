@@ -72,7 +72,8 @@ async def per_node(client: RedisCluster, names: Sequence[str],
     """
     shares: dict[str, list[int]] = {}
     for index, name in enumerate(names):
-        shares.setdefault(client.get_node_from_key(name).name, []).append(index)
+        node = client.get_node_from_key(name)  # None for a slot no node covers: sent anyway, fails alone
+        shares.setdefault(node.name if node is not None else "", []).append(index)
     groups = list(shares.values())
     replies = await asyncio.gather(*(send([names[i] for i in group]) for group in groups), return_exceptions=True)
     results: list[T | BaseException] = [None] * len(names)  # type: ignore[list-item]
