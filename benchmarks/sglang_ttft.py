@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "sglang"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hicache"))
 
 from sglang_runner import make_model, run_spec  # noqa: E402
 

@@ -1,7 +1,7 @@
 """SGLang tests: run in the tox ``sglang`` env (SGLang 0.5.23 with the CPU torch), skipped elsewhere.
 
 The CPU stand-ins of ``tests/sglang_stubs.py`` are applied here, before SGLang is imported
-(and in SGLang's own processes through ``tests/sglang/site/sitecustomize.py``).
+(and in SGLang's own processes through ``tests/hicache/site/sitecustomize.py``).
 """
 
 from __future__ import annotations

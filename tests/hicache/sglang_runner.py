@@ -9,7 +9,7 @@ writes in flight have landed, so the next request's prefix can only come from L3
 ``gen`` reports its output ids, cached tokens and wall time.
 
 It must run with the CPU stand-ins of ``tests/sglang_stubs.py`` loaded in every process
-(``TIERKV_SGLANG_STUBS=1`` and ``tests/sglang/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
+(``TIERKV_SGLANG_STUBS=1`` and ``tests/hicache/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is installed only in the tox 'sglang' env (tox -e sglang)")
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is installed only in the tox 'sglang' env (tox -e sglang)")
 
 import torch  # noqa: E402
 from conftest import damage_page, tier_entry  # noqa: E402

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is installed only in the tox 'sglang' env (tox -e sglang)")
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is installed only in the tox 'sglang' env (tox -e sglang)")
 
 from conftest import damage_page, tier_entry  # noqa: E402
 from sglang_runner import make_model, run_spec  # noqa: E402
