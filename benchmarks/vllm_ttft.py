@@ -14,8 +14,10 @@ heads of 128: 32 KiB of KV per token), prompts of 2K-8K tokens (``--lengths``; 1
 Every process computes on the same cores (vLLM would otherwise reserve one more core for
 other work when a KV connector is set). Each process first runs one warm-up prompt of every
 length (not timed), then three distinct prompts of every length; each figure is their median. Targets (printed, with
-whether each is met): a cpu-tier hit at 8K tokens <= 0.3x the baseline TTFT; the storing pass
-<= 1.05x the baseline at every length. The baseline and tierkv runs are separate processes
+whether each is met): a cpu-tier hit at 8K tokens <= 0.0073x the baseline TTFT (LMCache's best
+ratio measured on this model, issue 22); the storing pass <= 1.05x the baseline at every length.
+Hits must be exact: the model's output depends on its context (``initializer_range=0.15``), and
+every run's first token is compared with the baseline's for the same prompt (printed). The baseline and tierkv runs are separate processes
 minutes apart on a shared machine, so single-digit percentages are within noise: the table
 shows every figure. Writes ``vllm_ttft.{json,csv}`` and ``vllm_ttft.png`` under ``--out``.
 """
@@ -38,7 +40,7 @@ SAMPLES = 3  # distinct prompts per length; each figure is their median
 # vLLM's CPU backend reserves one more core for "other work" when any KV connector is set; on
 # a small machine that changes how many cores compute. Every run here reserves the same one.
 SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-HIT_TARGET = 0.3  # cpu-tier hit TTFT / no-cache TTFT at 8K tokens
+HIT_TARGET = 0.0073  # cpu-tier hit TTFT / no-cache TTFT at 8K tokens (LMCache: 0.156 s / 21.4 s)
 MISS_TARGET = 1.05  # storing pass TTFT / no-cache TTFT
 
 
@@ -48,7 +50,7 @@ def prompt(seed: int, count: int) -> list[int]:
 
 def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int, workdir: Path) -> list[dict[str, Any]]:
     model = save_random_llama(workdir / "model", num_layers=layers, hidden_size=hidden, num_heads=heads,
-                              num_kv_heads=kv_heads)
+                              num_kv_heads=kv_heads, initializer_range=0.15)
     warm = [prompt(900 + index, length) for index, length in enumerate(lengths)]
     sets = [[prompt(100 * s + index, length) for index, length in enumerate(lengths)] for s in range(1, SAMPLES + 1)]
     max_len = max(lengths) + 64
@@ -63,13 +65,16 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     lmdb = {"name": "disk", "backend": "lmdb", "path": str(workdir / "lmdb"), "capacity": "16GiB"}
     fs = {"name": "files", "backend": "fs", "path": str(workdir / "fs")}
 
+    first_tokens: dict[str, list[int]] = {}
+
     def timed(name: str, extra: dict[str, Any] | None, passes: int) -> list[list[float]]:
-        """Per pass over the prompt sets, the median TTFT per length."""
+        """Per pass over the prompt sets, the median TTFT per length (and each prompt's first token)."""
         print(f"vLLM TTFT: {name} ...", file=sys.stderr, flush=True)
         body = [p for _ in range(passes) for group in sets for p in group]
         spec = {"model": str(model), "prompts": warm + body, "max_tokens": 1, "tierkv": extra, "max_model_len": max_len}
         results = run_vllm(spec, workdir / name, timeout=3600, kv_cache_gib=kv_gib, env=SAME_CORES)
         seconds = [r["seconds"] for r in results[len(warm):]]
+        first_tokens[name] = [r["tokens"][0] if r["tokens"] else -1 for r in results[len(warm):]]
         per_pass = len(lengths) * SAMPLES
         medians = []
         for number in range(passes):
@@ -81,6 +86,10 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     storing, cpu_hit = timed("cpu-lmdb-fs", config(cpu, lmdb, fs), 2)
     (disk_hit,) = timed("lmdb", config(lmdb), 1)
     (fs_hit,) = timed("fs", config(fs), 1)
+    reference = first_tokens["baseline"]
+    for name, got in first_tokens.items():
+        differ = sum(a != b for a, b in zip(got, reference * (len(got) // len(reference))))
+        print(f"{name}: {differ} of {len(got)} first tokens differ from vLLM without tierkv", file=sys.stderr)
     rows = []
     for index, length in enumerate(lengths):
         base = baseline[index]

@@ -6,6 +6,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
+#include <algorithm>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <cstring>
 #include <vector>
 
@@ -163,6 +167,187 @@ void rope_rerotate_cpu(const at::Tensor& k, const at::Tensor& old_positions, con
   });
 }
 
+
+#if defined(__SSE2__)
+// dst[j][i] = src[i][j] for an 8x8 block of 2-byte elements (rows `src_stride` / `dst_stride`
+// elements apart): three rounds of unpacks, in registers.
+inline void transpose8x8_u16(const uint16_t* src, int64_t src_stride, uint16_t* dst, int64_t dst_stride) {
+  __m128i a[8], b[8], c[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * src_stride));
+  for (int i = 0; i < 4; ++i) {
+    b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+    b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[4 * i] = _mm_unpacklo_epi32(b[4 * i], b[4 * i + 2]);
+    c[4 * i + 1] = _mm_unpackhi_epi32(b[4 * i], b[4 * i + 2]);
+    c[4 * i + 2] = _mm_unpacklo_epi32(b[4 * i + 1], b[4 * i + 3]);
+    c[4 * i + 3] = _mm_unpackhi_epi32(b[4 * i + 1], b[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * i) * dst_stride), _mm_unpacklo_epi64(c[i], c[i + 4]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * i + 1) * dst_stride), _mm_unpackhi_epi64(c[i], c[i + 4]));
+  }
+}
+#endif
+
+// Tokens [t, t + 8) sit in consecutive slots of one block (one run in the transposed page).
+inline bool run_of_8(const int64_t* base, int64_t t, int64_t tokens) {
+  if (t + 8 > tokens || base[t] < 0) return false;
+  for (int i = 1; i < 8; ++i) {
+    if (base[t + i] != base[t] + i) return false;
+  }
+  return true;
+}
+
+// Strided paged copy: per layer a K and a V view [num_blocks, block_size, heads, head_size] of any
+// strides (vLLM's CPU cache holds K transposed per (block, head) page: the head_size stride is
+// block_size, the token stride 1) <-> a contiguous chunk [layers, 2, tokens, heads, head_size].
+// Rows whose head_size stride is 1 are memcpy'd; otherwise tiles of 16 tokens x all dims are
+// moved, so each cache line of the transposed page is fetched once per tile, not once per token.
+template <typename T, bool kGather>
+void strided_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
+                  int64_t dim_stride) {
+  if (dim_stride == 1) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (base[t] < 0) continue;
+      if (kGather) {
+        std::memcpy(flat + t * row_stride, cache + base[t], head_size * sizeof(T));
+      } else {
+        std::memcpy(cache + base[t], flat + t * row_stride, head_size * sizeof(T));
+      }
+    }
+    return;
+  }
+#if defined(__SSE2__)
+  if (sizeof(T) == 2 && head_size % 8 == 0) {  // bf16 / fp16: 8x8 register transposes where tokens run
+    auto* flat16 = reinterpret_cast<uint16_t*>(flat);
+    auto* cache16 = reinterpret_cast<uint16_t*>(cache);
+    bool all_runs = true;
+    for (int64_t t = 0; t + 8 <= tokens; t += 8) all_runs = all_runs && run_of_8(base, t, tokens);
+    if (all_runs && tokens % 8 == 0) {
+      for (int64_t t = 0; t < tokens; t += 8) {
+        for (int64_t d = 0; d < head_size; d += 8) {
+          if (kGather) {
+            transpose8x8_u16(cache16 + base[t] + d * dim_stride, dim_stride, flat16 + t * row_stride + d, row_stride);
+          } else {
+            transpose8x8_u16(flat16 + t * row_stride + d, row_stride, cache16 + base[t] + d * dim_stride, dim_stride);
+          }
+        }
+      }
+      return;
+    }
+  }
+#endif
+  // a tile of kTile tokens x kTile dims goes through a local buffer: both sides are then read and
+  // written kTile elements at a time (rows of the transposed page, rows of the chunk), and no
+  // two of the rows in flight alias in the L1 cache as a token-by-token walk would
+  constexpr int64_t kTile = 16;
+  T buffer[kTile][kTile];
+  for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
+    const int64_t tn = std::min(kTile, tokens - t0);
+    const int64_t* tile_base = base + t0;
+    for (int64_t d0 = 0; d0 < head_size; d0 += kTile) {
+      const int64_t dn = std::min(kTile, head_size - d0);
+      if (kGather) {
+        for (int64_t dd = 0; dd < dn; ++dd) {
+          const T* row = cache + (d0 + dd) * dim_stride;
+          for (int64_t i = 0; i < tn; ++i) {
+            if (tile_base[i] >= 0) buffer[dd][i] = row[tile_base[i]];
+          }
+        }
+        for (int64_t i = 0; i < tn; ++i) {
+          if (tile_base[i] < 0) continue;
+          T* out = flat + (t0 + i) * row_stride + d0;
+          for (int64_t dd = 0; dd < dn; ++dd) out[dd] = buffer[dd][i];
+        }
+      } else {
+        for (int64_t i = 0; i < tn; ++i) {
+          if (tile_base[i] < 0) continue;
+          const T* in = flat + (t0 + i) * row_stride + d0;
+          for (int64_t dd = 0; dd < dn; ++dd) buffer[dd][i] = in[dd];
+        }
+        for (int64_t dd = 0; dd < dn; ++dd) {
+          T* row = cache + (d0 + dd) * dim_stride;
+          for (int64_t i = 0; i < tn; ++i) {
+            if (tile_base[i] >= 0) row[tile_base[i]] = buffer[dd][i];
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, bool kGather>
+void strided_paged_copy(const std::vector<at::Tensor>& caches, const int64_t* slots, int64_t tokens,
+                        int64_t block_size, T* chunk) {
+  const int64_t heads = caches[0].size(2), head_size = caches[0].size(3);
+  const int64_t parts = static_cast<int64_t>(caches.size());
+  at::parallel_for(0, parts * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> base(tokens);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t part = item / heads, head = item % heads;
+      const at::Tensor& cache = caches[part];
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t slot = slots[t];
+        base[t] = slot < 0 ? -1
+                           : (slot / block_size) * cache.stride(0) + (slot % block_size) * cache.stride(1) +
+                                 head * cache.stride(2);
+      }
+      T* flat = chunk + (part * tokens * heads + head) * head_size;
+      strided_rows<T, kGather>(flat, static_cast<T*>(cache.data_ptr()), base.data(), tokens, heads * head_size,
+                               head_size, cache.stride(3));
+    }
+  });
+}
+
+void paged_copy_strided_cpu(at::TensorList caches_list, const at::Tensor& slot_mapping, const at::Tensor& chunk,
+                            bool gather) {
+  const std::vector<at::Tensor> caches = caches_list.vec();
+  TORCH_CHECK(!caches.empty() && caches.size() % 2 == 0,
+              "tierkv: caches must hold a K and a V view per layer, got ", caches.size(), " tensors");
+  const at::Tensor& first = caches[0];
+  TORCH_CHECK(first.dim() == 4, "tierkv: caches[0] must be [num_blocks, block_size, heads, head_size], got ",
+              shape_of(first));
+  for (size_t i = 0; i < caches.size(); ++i) {
+    TORCH_CHECK(caches[i].sizes() == first.sizes() && caches[i].scalar_type() == first.scalar_type() &&
+                    caches[i].device().is_cpu(),
+                "tierkv: caches[", i, "] must be a CPU ", first.scalar_type(), " tensor of shape ", shape_of(first),
+                " like caches[0], got ", caches[i].scalar_type(), " ", shape_of(caches[i]), " on ",
+                caches[i].device());
+  }
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
+                  slot_mapping.is_contiguous(),
+              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
+              shape_of(slot_mapping));
+  const int64_t tokens = slot_mapping.size(0);
+  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == first.scalar_type() &&
+                  chunk.sizes() == at::IntArrayRef({layers, 2, tokens, first.size(2), first.size(3)}),
+              "tierkv: chunk must be a contiguous CPU ", first.scalar_type(), " tensor [", layers, ", 2, ", tokens,
+              ", ", first.size(2), ", ", first.size(3), "], got ", chunk.scalar_type(), " ", shape_of(chunk));
+  const int64_t block_size = first.size(1);
+  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, first.size(0) * block_size);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  void* data = chunk.data_ptr();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (gather) {
+      strided_paged_copy<T, true>(caches, slots, tokens, block_size, static_cast<T*>(data));
+    } else {
+      strided_paged_copy<T, false>(caches, slots, tokens, block_size, static_cast<T*>(data));
+    }
+  };
+  switch (first.element_size()) {
+    case 1: run(uint8_t{}); break;
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    case 8: run(uint64_t{}); break;
+    default: TORCH_CHECK(false, "tierkv: paged_copy_strided moves 1-, 2-, 4- or 8-byte elements, got ",
+                         first.element_size(), " bytes (", first.scalar_type(), ")");
+  }
+}
+
 // Meta (shape-only) kernels, so torch.compile / FakeTensor tracing and opcheck work.
 void paged_gather_meta(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&, bool) {}
 void paged_scatter_meta(const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, bool) {}
@@ -172,6 +357,7 @@ at::Tensor kv_deviation_meta(const at::Tensor& retrieved_k, const at::Tensor& fr
 }
 void blend_scatter_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
 void rope_rerotate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {}
+void paged_copy_strided_meta(at::TensorList, const at::Tensor&, const at::Tensor&, bool) {}
 
 }  // namespace
 }  // namespace tierkv
@@ -188,6 +374,7 @@ TORCH_LIBRARY(tierkv, m) {
   m.def(
       "rope_rerotate(Tensor(a!) k, Tensor old_positions, Tensor new_positions, Tensor cos_sin_cache, "
       "bool is_neox) -> ()");
+  m.def("paged_copy_strided(Tensor(a!)[] caches, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
@@ -196,6 +383,7 @@ TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
   m.impl("kv_deviation", &tierkv::kv_deviation_cpu);
   m.impl("blend_scatter", &tierkv::blend_scatter_cpu);
   m.impl("rope_rerotate", &tierkv::rope_rerotate_cpu);
+  m.impl("paged_copy_strided", &tierkv::paged_copy_strided_cpu);
 }
 
 TORCH_LIBRARY_IMPL(tierkv, Meta, m) {
@@ -204,4 +392,5 @@ TORCH_LIBRARY_IMPL(tierkv, Meta, m) {
   m.impl("kv_deviation", &tierkv::kv_deviation_meta);
   m.impl("blend_scatter", &tierkv::blend_scatter_meta);
   m.impl("rope_rerotate", &tierkv::rope_rerotate_meta);
+  m.impl("paged_copy_strided", &tierkv::paged_copy_strided_meta);
 }

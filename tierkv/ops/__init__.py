@@ -45,6 +45,7 @@ from tierkv.ops.extension import _dispatch, build_extension, extension_status, s
 from tierkv.ops.reference import (
     blend_scatter_reference,
     kv_deviation_reference,
+    paged_copy_strided_reference,
     paged_gather_reference,
     paged_scatter_reference,
     rope_rerotate_reference,
@@ -52,7 +53,8 @@ from tierkv.ops.reference import (
 
 __all__ = [
     "PagedKVCache", "blend_scatter", "blend_scatter_reference", "build_extension", "extension_status",
-    "kv_deviation", "kv_deviation_reference", "make_cos_sin_cache", "paged_gather", "paged_gather_reference",
+    "kv_deviation", "kv_deviation_reference", "make_cos_sin_cache", "paged_copy_strided", "paged_copy_strided_available",
+    "paged_copy_strided_reference", "paged_gather", "paged_gather_reference",
     "paged_scatter", "paged_scatter_reference", "rope_rerotate", "rope_rerotate_reference", "source_dir",
     "split_paged_cache",
 ]
@@ -180,3 +182,38 @@ def paged_scatter(chunk: Tensor, kv_caches: PagedKVCache, slot_mapping: Tensor, 
         torch.ops.tierkv.paged_scatter(chunk, keys, values, slot_mapping, order == "huggingface")
         return
     paged_scatter_reference(chunk, tuple(zip(keys, values)), slot_mapping, order)
+
+
+def paged_copy_strided_available(tensor: Tensor) -> bool:
+    """Whether :func:`paged_copy_strided` runs the extension's kernel for tensors like ``tensor``
+    (a CPU tensor and the extension loaded); otherwise it runs the (slower) reference."""
+    return tensor.device.type == "cpu" and _dispatch(tensor)
+
+
+def paged_copy_strided(views: Sequence[tuple[Tensor, Tensor]], slot_mapping: Tensor, chunk: Tensor,
+                       gather: bool) -> None:
+    """Move tokens between per-layer K/V *views* of any strides and a contiguous ``vllm``-order chunk.
+
+    ``views``: per layer ``(K, V)``, each ``[num_blocks, block_size, heads, head_size]`` with any
+    strides (vLLM's CPU cache keeps K transposed per (block, head) page: head_size stride
+    ``block_size``, token stride 1). ``chunk``: contiguous ``[layers, 2, tokens, heads, head_size]``.
+    ``slot_mapping``: ``[tokens]`` int64, ``-1`` = skip. ``gather``: cache -> chunk, else chunk ->
+    cache. The C++ kernel moves a transposed view in tiles (each cache line fetched once per
+    tile, not once per token) and rows with a unit stride by memcpy; CPU only.
+    """
+    pairs = [(k, v) for k, v in views]
+    if not pairs:
+        raise ValueError("views must hold a (K, V) pair per layer, got none")
+    shape = tuple(pairs[0][0].shape)
+    if len(shape) != 4 or any(tuple(t.shape) != shape for pair in pairs for t in pair):
+        raise ValueError(f"every K and V view must be [num_blocks, block_size, heads, head_size] like the first, "
+                         f"got {[tuple(t.shape) for pair in pairs for t in pair]}")
+    want = (len(pairs), 2, slot_mapping.numel(), shape[2], shape[3])
+    if tuple(chunk.shape) != want or not chunk.is_contiguous() or chunk.dtype != pairs[0][0].dtype:
+        raise ValueError(f"chunk must be a contiguous {pairs[0][0].dtype} tensor {want}, got "
+                         f"{chunk.dtype} {tuple(chunk.shape)}")
+    if paged_copy_strided_available(chunk) and all(t.device.type == "cpu" for pair in pairs for t in pair):
+        slots = slot_mapping.to(torch.int64).contiguous()
+        torch.ops.tierkv.paged_copy_strided([t for pair in pairs for t in pair], slots, chunk, gather)
+        return
+    paged_copy_strided_reference(pairs, slot_mapping, chunk, gather)

@@ -132,3 +132,20 @@ def paged_scatter_reference(
             source = raw_chunk[layer, kv]
             rows = source.index_select(0, positions) if order == "vllm" else source.index_select(1, positions).transpose(0, 1)
             _write_slots(_as_raw(cache), slots, rows)
+
+
+def paged_copy_strided_reference(views: list[tuple[Tensor, Tensor]], slot_mapping: Tensor, chunk: Tensor,
+                                 gather: bool) -> None:
+    """Reference for :func:`paged_copy_strided` (advanced indexing on the strided views)."""
+    slots = slot_mapping.to(torch.int64)
+    valid = torch.nonzero(slots >= 0).flatten()
+    if valid.numel() == 0:
+        return
+    block_size = views[0][0].shape[1]
+    blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
+    for layer, pair in enumerate(views):
+        for part, cache in enumerate(pair):
+            if gather:
+                chunk[layer, part, valid] = cache[blocks, offsets]
+            else:
+                cache[blocks, offsets] = chunk[layer, part, valid]

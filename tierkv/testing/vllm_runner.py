@@ -3,14 +3,18 @@
 For tests and benchmarks of the vLLM v1 connector (vLLM keeps process-wide state, so every
 configuration gets a fresh process). :func:`run_vllm` writes a JSON spec and runs
 ``python -m tierkv.testing.vllm_runner SPEC``, which prints one ``TIERKV-RESULT`` line: per
-prompt, the greedy output token ids, the wall time of its generate call, and the connector's
-stats file as it stood after the call. The spec::
+prompt, the greedy output token ids, (with ``"logprobs": k``) the top-k log-probabilities of
+every generated token, the wall time of its generate call, and the connector's stats file as
+it stood after the call. The spec::
 
-    {"model": DIR, "prompts": [[ids], ...], "max_tokens": 8,
+    {"model": DIR, "prompts": [[ids], ...], "max_tokens": 8, "logprobs": null | k,
      "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096}
 
 :func:`save_random_llama` makes a model to serve: a Llama with random weights, saved with
-transformers (no download); prompts are token ids, so no tokenizer is needed.
+transformers (no download); prompts are token ids, so no tokenizer is needed. With the
+default ``initializer_range`` (0.02) a random Llama's greedy output hardly depends on its
+context (every prompt yields the same tokens), so comparing outputs proves nothing; tests of
+exactness use ``initializer_range=0.15``.
 """
 
 from __future__ import annotations
@@ -25,14 +29,31 @@ from typing import Any
 
 
 def save_random_llama(path: str | os.PathLike[str], num_layers: int = 2, hidden_size: int = 256, num_heads: int = 4,
-                      num_kv_heads: int = 2, seed: int = 0) -> Path:
-    """A random-weight Llama (vocabulary 1024, bfloat16) saved under ``path``."""
+                      num_kv_heads: int = 2, seed: int = 0, initializer_range: float | None = None) -> Path:
+    """A random-weight Llama (vocabulary 1024, bfloat16) saved under ``path``; weights drawn
+    with ``initializer_range`` (transformers' default 0.02 when None)."""
     import torch
 
     from tierkv.demo import build_demo_model
 
-    model = build_demo_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                             num_kv_heads=num_kv_heads)
+    if initializer_range is None:
+        model = build_demo_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                                 num_kv_heads=num_kv_heads)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from tierkv.demo import DEMO_VOCAB
+
+        config = LlamaConfig(vocab_size=DEMO_VOCAB, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
+                             num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                             num_key_value_heads=num_kv_heads, max_position_embeddings=32768,
+                             initializer_range=initializer_range)
+        state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            model = LlamaForCausalLM(config).eval()
+        finally:
+            torch.random.set_rng_state(state)
     model.to(torch.bfloat16).save_pretrained(path)
     return Path(path)
 
@@ -74,7 +95,9 @@ def main(spec_path: str) -> int:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
               enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
               disable_log_stats=True, **kwargs)
-    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
+    top = spec.get("logprobs")
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0,
+                            logprobs=int(top) if top else None)
     results = []
     for prompt in spec["prompts"]:
         started = time.perf_counter()
@@ -84,7 +107,11 @@ def main(spec_path: str) -> int:
         if stats_file and os.path.exists(stats_file):
             with open(stats_file) as handle:
                 stats = json.load(handle)
-        results.append({"tokens": list(output.outputs[0].token_ids), "seconds": seconds, "stats": stats})
+        completion = output.outputs[0]
+        logprobs = [{str(token): float(entry.logprob) for token, entry in step.items()}
+                    for step in (completion.logprobs or [])]
+        results.append({"tokens": list(completion.token_ids), "logprobs": logprobs, "seconds": seconds,
+                        "stats": stats})
     del llm
     print("TIERKV-RESULT " + json.dumps(results), flush=True)
     return 0

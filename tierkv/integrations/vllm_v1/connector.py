@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.backend import InPlaceTier
 from tierkv.engine import EngineBuilder
+from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec, SchedulerPlanner
@@ -116,11 +117,14 @@ class TierKVConnector(KVConnectorBase_V1):
                                                  self._settings.metadata(worker_id))
             cpus = keep_off_compute_cores(engine)
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
+            transfers = self._transfers
             if worker_id == 0:
                 memory = {tier.name for tier in engine.tiers if isinstance(tier, InPlaceTier)} | {"fill-queue"}
                 chunk = engine.core.chunk_size
 
                 def lookup(tokens: np.ndarray) -> LookupResult:
+                    if transfers.disabled is not None:
+                        return LookupResult(-1, 0)  # tierkv is off: the scheduler stops planning loads and saves
                     plan = engine.plan(tokens)  # the cost-aware length: the prefix that pays to load
                     names = engine.locate_prefix(tokens)[: -(-plan.planned_tokens // chunk)]
                     in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
@@ -153,13 +157,46 @@ class TierKVConnector(KVConnectorBase_V1):
         heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         head_size = model.get_head_size()
         backend = self._backend_name(names[0])
-        layout, kernel_block = detect_layout(backend, layers[0], heads, head_size)
-        self._worker().register(layers, layout, heads, head_size, kernel_block, self._block_size)
-        logger.info("tierkv: %d layers, %s layout (backend %s), block %d, %d KV heads x %d", len(layers), layout,
-                    backend, kernel_block, heads, head_size)
+        worker = self._worker()
+        try:
+            layout, kernel_block = detect_layout(backend, layers[0], heads, head_size)
+            if self._settings.layout != "auto":
+                layout = self._settings.layout
+            worker.register(layers, layout, heads, head_size, kernel_block, self._block_size)
+            if self._settings.layout_check:
+                verify_layout(layers, worker._connector(), self._cache_writer(names, layers), model.dtype,
+                              block_dim=1 if layout == "kv_first" else 0)
+        except (LayoutMismatchError, ValueError, RuntimeError, NotImplementedError) as exc:
+            isa = getattr(self._attention_layer(names[0]), "isa", None)
+            logger.error("tierkv: OFF for this vLLM (no loads, no saves, as if no KV connector were set): its KV cache "
+                         "(backend %s%s, shape %s, %s) is not laid out as tierkv reads it: %s", backend,
+                         f", isa {isa}" if isa else "", tuple(layers[0].shape), layers[0].dtype, exc)
+            worker.disable(str(exc))
+            self._write_stats()
+            return
+        logger.info("tierkv: %d layers, %s layout (backend %s), block %d, %d KV heads x %d%s", len(layers), layout,
+                    backend, kernel_block, heads, head_size,
+                    "; checked against vLLM's cache-write op" if self._settings.layout_check else "")
+
+    def _attention_layer(self, layer_name: str) -> Any:
+        return self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+
+    def _cache_writer(self, names: list[str], layers: list[torch.Tensor]) -> Any:
+        """vLLM's own cache write for layer ``index`` (the call its forward pass makes), for the layout check."""
+
+        def write(index: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+            layer = self._attention_layer(names[index])
+            update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+            if update is None:
+                raise LayoutMismatchError(f"attention layer {names[index]!r} has no impl.do_kv_cache_update to check "
+                                          "the layout with (set layout_check: false to run unchecked)")
+            device = layers[index].device
+            update(layer, key.to(device), value.to(device), layers[index], slots.to(device))
+
+        return write
 
     def _backend_name(self, layer_name: str) -> str | None:
-        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+        layer = self._attention_layer(layer_name)
         backend = getattr(layer, "attn_backend", None)
         try:
             return str(backend.get_name()) if backend is not None else None

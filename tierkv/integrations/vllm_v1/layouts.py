@@ -22,7 +22,9 @@ Each layout gives, per layer, a K view and a V view indexed ``[block, offset_in_
 :class:`PagedLayerConnector` moves a token range between those views and a tierkv chunk in
 ``vllm`` format (``[layers, 2, tokens, heads, head_size]``): through :func:`tierkv.ops.paged_gather`
 / :func:`~tierkv.ops.paged_scatter` (one call for every layer; CUDA kernels on a GPU) when the
-views are plain ``[blocks, block_size, heads, head_size]`` tensors, else one *run* at a time:
+views are plain ``[blocks, block_size, heads, head_size]`` tensors; through
+:func:`tierkv.ops.paged_copy_strided` (one call, transposed K moved in cache-friendly tiles)
+for other views on CPU when tierkv's extension is built; else one *run* at a time:
 consecutive tokens whose slots are consecutive in one block are one strided copy per layer and
 K/V, so no temporary tensor is made. ``-1`` slots (tokens not to be touched) are skipped either way.
 """
@@ -196,6 +198,8 @@ class PagedLayerConnector(GPUConnector):
         target = blob if blob.device == self.device else torch.empty(blob.shape, dtype=blob.dtype, device=self.device)
         if self.uses_ops:
             ops.paged_gather(self.views, torch.as_tensor(slots, device=self.device), out=target)
+        elif self._strided_kernel(target):
+            ops.paged_copy_strided(self.views, torch.as_tensor(slots), target, gather=True)
         else:
             self._gather_runs(target, token_runs(slots, self.block_size))
         if target is not blob:
@@ -207,8 +211,15 @@ class PagedLayerConnector(GPUConnector):
         source = blob if blob.device == self.device else blob.to(self.device)
         if self.uses_ops:
             ops.paged_scatter(source, self.views, torch.as_tensor(slots, device=self.device))
+        elif self._strided_kernel(source):
+            ops.paged_copy_strided(self.views, torch.as_tensor(slots), source, gather=False)
         else:
             self._scatter_runs(source, token_runs(slots, self.block_size))
+
+    def _strided_kernel(self, chunk: torch.Tensor) -> bool:
+        """Other layouts (the CPU cache's transposed K): the extension's strided kernel moves a
+        chunk in one call when it is loaded, else the chunk goes run by run."""
+        return self.device.type == "cpu" and chunk.is_contiguous() and ops.paged_copy_strided_available(chunk)
 
     def _gather_runs(self, target: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> None:
         for first, last, block, offset in runs:

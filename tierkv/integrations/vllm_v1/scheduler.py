@@ -73,7 +73,8 @@ class _Match:
 
 @dataclass(frozen=True)
 class LookupResult:
-    """A lookup's answer: cached prompt tokens, and how many of them sit in memory tiers."""
+    """A lookup's answer: cached prompt tokens, and how many of them sit in memory tiers.
+    ``cached_tokens < 0``: tierkv is off for this vLLM (its layout check failed)."""
 
     cached_tokens: int
     in_memory_tokens: int
@@ -120,6 +121,9 @@ class SchedulerPlanner:
         if len(request.tokens) <= 1:
             return 0, False
         result = self._lookup(request.tokens)
+        if result.cached_tokens < 0:  # the workers turned tierkv off: behave as no connector from now on
+            self.load = self.save = False
+            return 0, False
         usable = min(result.cached_tokens, len(request.tokens) - 1)
         external = usable - num_computed_tokens
         if external <= 0:

