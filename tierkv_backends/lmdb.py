@@ -262,18 +262,21 @@ class LMDBBackend(StorageBackend):
             digests = concurrent.futures.Future()
             digests.set_result([serde.checksum(p) for p in payloads])
         written: list[tuple[bytes, int]] = []
-        with self._env.begin(write=True) as txn:
-            for victim in victims:
-                txn.delete(victim, db=self._meta)
-                txn.delete(victim, db=self._data)
-            for (kb, _, _), payload in zip(records, payloads):
-                txn.put(kb, payload, db=self._data)
-                copies.count(payload.nbytes)
-            for offset, ((kb, _, chunk), fmt, payload, digest) in enumerate(
-                    zip(records, formats, payloads, digests.result())):
-                header = serde.encode_header(chunk, fmt, payload, digest)
-                txn.put(kb, _SEQ.pack(first_seq + offset) + header, db=self._meta)
-                written.append((kb, len(header) + payload.nbytes))
+        try:
+            with self._env.begin(write=True) as txn:
+                for victim in victims:
+                    txn.delete(victim, db=self._meta)
+                    txn.delete(victim, db=self._data)
+                for (kb, _, _), payload in zip(records, payloads):
+                    txn.put(kb, payload, db=self._data)
+                    copies.count(payload.nbytes)
+                for offset, ((kb, _, chunk), fmt, payload, digest) in enumerate(
+                        zip(records, formats, payloads, digests.result())):
+                    header = serde.encode_header(chunk, fmt, payload, digest)
+                    txn.put(kb, _SEQ.pack(first_seq + offset) + header, db=self._meta)
+                    written.append((kb, len(header) + payload.nbytes))
+        finally:  # the checksum thread reads the caller's chunks: never leave it running
+            concurrent.futures.wait([digests])
         committed.append((victims, written))
 
     async def delete(self, key: CacheKey) -> bool:
