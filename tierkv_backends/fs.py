@@ -479,5 +479,13 @@ class FSBackend(BlobBackend):
     async def exists(self, key: str) -> bool:
         return bool(await aiofiles.os.path.exists(self._file(self._digest(key))))
 
+    async def close(self) -> None:
+        """Stop a rescan in flight (its thread finishes its walk; the index is not touched after)."""
+        rescan, self._rescan = self._rescan, None
+        await super().close()
+        if rescan is not None and not rescan.done() and rescan.get_loop() is asyncio.get_running_loop():
+            rescan.cancel()
+            await asyncio.gather(rescan, return_exceptions=True)
+
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "chunks": len(self._index), "path": str(self.root)}
