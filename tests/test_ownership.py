@@ -131,6 +131,38 @@ def test_cancelled_store_never_lends_its_slab_to_a_later_store(tmp_path: Path, k
     asyncio.run(main())
 
 
+# -- write-back: stores cancelled while they evict and demote give back what they reserved -----------------
+def test_stores_cancelled_while_demoting_leave_no_reserved_bytes(tmp_path: Path) -> None:
+    rng = random.Random(5)
+
+    async def main() -> None:
+        async with with_engine(config("cpu+lmdb", tmp_path, "write_back", capacity="4MiB")) as engine:
+            stored: list[torch.Tensor] = []
+            for round_ in range(40):
+                # stores at once, each must demote chunks to make room and the others take the room
+                # one made; partial last chunks of all sizes fragment the slabs: reserving a later
+                # chunk of a batch evicts (and demotes) too, and a cancellation lands there
+                batch = []
+                for seed in range(1000 + 4 * round_, 1004 + 4 * round_):
+                    length = rng.randrange(CHUNK, 6 * CHUNK)
+                    stored.append(prompt(seed, MAX_CHUNKS)[:length])
+                    batch.append(cancel_after(engine.store(stored[-1], kv_for(seed % 12, MAX_CHUNKS)[:, :, :length]),
+                                              rng.uniform(0, 0.01)))
+                await asyncio.gather(*batch)
+                await engine.flush()
+                assert_accounts_exactly(engine)
+            for tokens in stored:
+                await engine.batched_delete(engine.keys_for(tokens))
+            await engine.flush()
+            tier = memory_tier(engine)
+            assert tier.used_bytes == 0 and tier.stats()["chunks"] == 0, (
+                f"{tier.used_bytes} bytes for {tier.stats()['chunks']} chunks: reserved {tier._reserved}, "
+                f"indexed {len(tier._index)} ({tier._index.used_bytes} bytes)")
+            assert await engine.store(prompt(9, 4), kv_for(9, 4)) == 4
+            assert await retrieve_exact_or_miss(engine, 9, 4) == 4 * CHUNK
+    asyncio.run(main())
+
+
 # -- retrieve(out=...) cancelled mid-read: nothing lands in out after the call returned -------------------
 async def watch_unchanged(out: torch.Tensor, seconds: float = 0.05) -> bool:
     """Whether ``out`` keeps the bytes it had when the call returned, for ``seconds``."""
@@ -263,6 +295,67 @@ def test_cancellation_storm_keeps_every_promise(tmp_path: Path, kind: str, polic
             assert memory_tier(engine).used_bytes == 0 and memory_tier(engine).stats()["chunks"] == 0
             assert await engine.store(prompt(9, 4), kv_for(9, 4)) == 4  # and it keeps working
             assert await retrieve_exact_or_miss(engine, 9, 4) == 4 * CHUNK
+    asyncio.run(main())
+
+
+# -- connectors: a paged cache gathered into slabs, scattered out of them ---------------------------------
+BLOCK = 16
+
+
+def paged_cache(fill: float | None, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A [blocks, block_size, heads, head_size] K/V pair per layer, room for a whole prompt."""
+    shape = (MAX_CHUNKS * CHUNK // BLOCK, BLOCK, HEADS, HEAD)
+    if fill is not None:
+        return [(torch.full(shape, fill, dtype=torch.float16), torch.full(shape, fill, dtype=torch.float16))
+                for _ in range(LAYERS)]
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(shape, generator=generator).to(torch.float16) for _ in range(2))  # type: ignore[misc]
+            for _ in range(LAYERS)]
+
+
+def flat(cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).view(torch.uint8) for layer in cache for t in layer])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cpu+lmdb"])
+def test_cancelled_connector_store_and_retrieve_keep_the_paged_cache_and_the_slabs(tmp_path: Path, kind: str) -> None:
+    from tierkv.connectors import PagedConnector, retrieve_with_connector, store_with_connector
+
+    rng = random.Random(11)
+    connector = PagedConnector(LAYERS, HEADS, HEAD)
+    num_tokens = MAX_CHUNKS * CHUNK
+    slots = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(3))
+    target_slots = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(4))
+
+    async def main() -> None:
+        async with with_engine(config(kind, tmp_path)) as engine:
+            for trial in range(6):
+                tokens = prompt(300 + trial, MAX_CHUNKS)
+                source = paged_cache(None, seed=trial)
+                await cancel_after(store_with_connector(engine, connector, tokens, kvcaches=source,
+                                                        slot_mapping=slots), rng.uniform(0, 0.01))
+                await engine.flush()
+                assert_accounts_exactly(engine)
+                assert await store_with_connector(engine, connector, tokens, kvcaches=source,
+                                                  slot_mapping=slots) >= 0
+                if kind != "cpu" and trial % 2:
+                    await evict_from_memory(engine, [], trial)
+                target = paged_cache(-3.0)
+                await cancel_after(retrieve_with_connector(engine, connector, tokens, kvcaches=target,
+                                                           slot_mapping=target_slots), rng.uniform(0, 0.01))
+                before = flat(target).clone()
+                await asyncio.sleep(0.02)
+                assert torch.equal(flat(target), before), f"trial {trial}: the paged cache changed after return"
+                await engine.flush()
+                assert_accounts_exactly(engine)
+                target = paged_cache(-3.0)
+                mask = await retrieve_with_connector(engine, connector, tokens, kvcaches=target,
+                                                     slot_mapping=target_slots)
+                assert bool(mask.all())
+                for (k, v), (sk, sv) in zip(target, source):
+                    got = torch.stack([k.reshape(-1, HEADS, HEAD)[target_slots], v.reshape(-1, HEADS, HEAD)[target_slots]])
+                    want = torch.stack([sk.reshape(-1, HEADS, HEAD)[slots], sv.reshape(-1, HEADS, HEAD)[slots]])
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"trial {trial}: wrong KV"
     asyncio.run(main())
 
 

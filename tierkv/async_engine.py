@@ -36,18 +36,48 @@ logger = logging.getLogger("tierkv.engine")
 _RECENT_KEYS = 1 << 15
 
 
+KVShape = tuple[int, int, int, torch.dtype]
+"""``(num_layers, num_kv_heads, head_size, dtype)`` of the KV a worker caches."""
+
+
 @dataclass(frozen=True)
 class EngineMetadata:
-    """Who is caching: the parts of every key that keep models and shards apart."""
+    """Who is caching: the parts of every key that keep models and shards apart.
+
+    ``kv_shape`` (optional, not part of any key): ``(num_layers, num_kv_heads, head_size,
+    dtype)`` of this worker's KV. Given, a fresh process knows the size of a chunk before it
+    has seen one: the first lookup plans by cost and a deadline bounds the first retrieve.
+    Not given, it is learned from the first chunk stored, or read in the background from the
+    first chunk a lookup finds.
+    """
 
     model_name: str
     world_size: int = 1
     worker_id: int = 0
     fmt: str = "vllm"
+    kv_shape: KVShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_shape is None:
+            return
+        shape = self.kv_shape
+        dims_ok = (isinstance(shape, tuple) and len(shape) == 4
+                   and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape[:3]))
+        if not dims_ok or not isinstance(shape[3], torch.dtype):
+            raise ValueError("kv_shape: expected (num_layers, num_kv_heads, head_size, dtype) with three positive "
+                             f"ints and a torch.dtype, got {shape!r}")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineMetadata:
         return cls(config.model, config.world_size, config.worker_id, config.kv_format)
+
+    def blob_layout(self) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """(blob shape with 0 tokens, dtype) of this worker's chunks, from ``kv_shape``."""
+        if self.kv_shape is None:
+            return None
+        layers, heads, head_size, dtype = self.kv_shape
+        shape = (layers, 2, 0, heads, head_size) if self.fmt == "vllm" else (layers, 2, heads, 0, head_size)
+        return shape, dtype
 
 
 class AsyncEngine(TierRouter):
@@ -76,8 +106,14 @@ class AsyncEngine(TierRouter):
         self._recent_keys: dict[str, CacheKey] = {}
         super().__init__(self.config, probes)
         self._recompute = RecomputeModel(self.config.recompute.tokens_per_s, self.config.recompute.curve or None)
-        # (blob shape with 0 tokens, dtype) of the chunks seen last: sizes retrieve outputs, checks `out`
-        self._layout: tuple[tuple[int, ...], torch.dtype] | None = None
+        # (blob shape with 0 tokens, dtype) of the chunks seen last (or given as metadata.kv_shape):
+        # sizes retrieve outputs, checks `out`, prices reads in the plan
+        self._layout: tuple[tuple[int, ...], torch.dtype] | None = self.metadata.blob_layout()
+        self._learning_layout = False
+        try:  # the loop the engine runs on, for learning the layout from any thread
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._hit_tokens = 0
         self._miss_tokens = 0
         self._last_lookup: tuple[int, int, list[int | None], PrefixPlan] | None = None
@@ -285,7 +321,7 @@ class AsyncEngine(TierRouter):
             with copies.on_path(self._copies, "retrieve"):
                 preloaded = None
                 if sink is None:
-                    sink, preloaded = await self._fresh_sink(keys, ranges, skip)
+                    sink, preloaded = await self._fresh_sink(keys, ranges, skip, deadline)
                 if sink is not None:
                     hits = await self._read_chunks(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
         retrieved = min(ranges[hits - 1][1], num_tokens) - skip if hits else 0
@@ -305,7 +341,7 @@ class AsyncEngine(TierRouter):
         """
         self._ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(len(token_array), await self._locate_prefix(token_array)).planned_tokens
+        return self._record_lookup(token_array, await self._locate_prefix(token_array)).planned_tokens
 
     def lookup_nowait(self, tokens: TokenIds) -> int | None:
         """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
@@ -313,7 +349,7 @@ class AsyncEngine(TierRouter):
         self._ensure_open()
         token_array = as_token_array(tokens)
         levels = self._locate_prefix_nowait(token_array)
-        return None if levels is None else self._record_lookup(len(token_array), levels).planned_tokens
+        return None if levels is None else self._record_lookup(token_array, levels).planned_tokens
 
     async def locate_prefix(self, tokens: TokenIds) -> list[str]:
         """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
@@ -350,8 +386,11 @@ class AsyncEngine(TierRouter):
             levels = None if rest is None else levels + rest
         return levels
 
-    def _record_lookup(self, num_tokens: int, levels: list[int | None]) -> PrefixPlan:
+    def _record_lookup(self, token_array: np.ndarray, levels: list[int | None]) -> PrefixPlan:
         """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
+        num_tokens = len(token_array)
+        if self._layout is None and levels and levels[0] is not None and levels[0] >= 0:
+            self._learn_layout_soon(next(self._iter_keys(token_array)), levels[0])
         hit_chunks = policy.first_missing([level is not None for level in levels])
         cached = min(hit_chunks * self.chunk_size, num_tokens)
         prefix_plan = self._plan(levels[:hit_chunks], num_tokens)
@@ -391,7 +430,7 @@ class AsyncEngine(TierRouter):
         levels = self._locate_prefix_nowait(token_array)
         if levels is None:
             return None
-        return self._record_lookup(len(token_array), levels)
+        return self._record_lookup(token_array, levels)
 
     async def plan(self, tokens: TokenIds) -> PrefixPlan:
         """How much of the cached prefix of ``tokens`` is worth loading: for each prefix length,
@@ -400,7 +439,7 @@ class AsyncEngine(TierRouter):
         recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
         self._ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(len(token_array), await self._locate_prefix(token_array))
+        return self._record_lookup(token_array, await self._locate_prefix(token_array))
 
     def _plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
         """The plan for the cached chunks at ``levels``, which start at chunk ``first_chunk`` of
@@ -413,7 +452,13 @@ class AsyncEngine(TierRouter):
                                    "no recompute speed known (recompute: in the config, or measured prefills)", base)
         bytes_per_token = self._bytes_per_token()
         if bytes_per_token is None:
-            return load_everything(names, sizes, "chunk size in bytes not known yet (nothing stored or read)", base)
+            # the bytes are not known yet, but each read's fixed cost is: if even reads of a
+            # byte per token lose to recomputing, so do the real ones
+            floor = plan_prefix(names, sizes, 1.0, self._speeds, self._recompute, base)
+            if floor.planned_tokens == base:
+                return floor
+            return load_everything(names, sizes, "chunk size in bytes not known yet (nothing stored or read; "
+                                   "give EngineMetadata.kv_shape to plan from the start)", base)
         return plan_prefix(names, sizes, bytes_per_token, self._speeds, self._recompute, base)
 
     def _bytes_per_token(self) -> float | None:
@@ -467,21 +512,58 @@ class AsyncEngine(TierRouter):
             "tiers": self._tier_stats(),
         }
 
-    async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int
-                          ) -> tuple[transfer.BlobSink | None, torch.Tensor | None]:
+    async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int,
+                          deadline: float | None = None) -> tuple[transfer.BlobSink | None, torch.Tensor | None]:
         """The output of a retrieve without ``out``: allocated once, for the cached tokens.
 
-        Its layout is that of the chunks seen last; when none was seen yet (a fresh process
-        over a persistent tier) the first chunk is read on its own to learn it.
+        Its layout is that of the chunks seen last (or ``EngineMetadata.kv_shape``); when none
+        is known yet (a fresh process over a persistent tier) the first chunk is read on its
+        own to learn it, within ``deadline`` (past it, nothing is retrieved).
         """
         preloaded = None
-        if self._layout is None:
-            preloaded = (await self._get_tiered(keys[:1]))[0]
+        layout = self._layout
+        if layout is None:
+            first = self._get_tiered(keys[:1])
+            try:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # a fresh output of the tier's, not memory anyone lent it: safe to abandon
+                preloaded = (await (first if remaining is None else asyncio.wait_for(first, remaining)))[0]
+            except TimeoutError:
+                return None, None
             if preloaded is None:
                 return None, None
-            self._layout = (kvlayout.with_tokens(tuple(preloaded.shape), self.metadata.fmt, 0), preloaded.dtype)
-        shape = kvlayout.with_tokens(self._layout[0], self.metadata.fmt, ranges[-1][1] - skip)
-        return transfer.BlobSink(empty_host(shape, self._layout[1]), self.metadata.fmt, skip), preloaded
+            layout = self._set_layout(preloaded)
+        shape = kvlayout.with_tokens(layout[0], self.metadata.fmt, ranges[-1][1] - skip)
+        return transfer.BlobSink(empty_host(shape, layout[1]), self.metadata.fmt, skip), preloaded
+
+
+    def _set_layout(self, chunk: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        """Learn the layout from a chunk read; the layout."""
+        self._layout = (kvlayout.with_tokens(tuple(chunk.shape), self.metadata.fmt, 0), chunk.dtype)
+        return self._layout
+
+    def _learn_layout_soon(self, key: CacheKey, level: int) -> None:
+        """Read the chunk ``key`` of tier ``level`` in the background (once) to learn the layout;
+        callable from any thread, never waits for the read."""
+        try:
+            self._loop = asyncio.get_running_loop()  # called on the loop: that is the engine's
+        except RuntimeError:
+            pass
+        if self._learning_layout or self._loop is None or self._loop.is_closed():
+            return
+        self._learning_layout = True
+        try:
+            self._loop.call_soon_threadsafe(self._spawn, self._learn_layout(key, level))
+        except RuntimeError:  # the loop stopped meanwhile
+            self._learning_layout = False
+
+    async def _learn_layout(self, key: CacheKey, level: int) -> None:
+        try:
+            chunk = (await self._tier_get(level, [key]))[0]  # within the health timeout, if one is set
+            if chunk is not None and self._layout is None:
+                self._set_layout(chunk)
+        finally:
+            self._learning_layout = False
 
 
 def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tuple[int, int]]

@@ -307,6 +307,8 @@ class TierRouter:
             entry["health"] = self._health[tier.name].state()
             entry["promote"] = self._promote[level]
             entry["speed"] = self._speeds[tier.name].snapshot()
+            full = self._full.get(tier.name)
+            entry["full"] = None if full is None else {"for_s": round(time.monotonic() - full[0], 3), "error": full[1]}
             if tier.name in self._pressure:
                 entry["pressure"] = self._pressure[tier.name].describe()
             tiers[tier.name] = entry
@@ -376,7 +378,6 @@ class TierRouter:
         if full is not None:
             now = time.monotonic()
             if now < full[0] + self._full_retry_s:  # bounded: then one put is let through to see
-                self._metrics[name].add("skipped_full")
                 if skipped is not None:
                     skipped[name] = (f"full for {now - full[0]:.1f}s (asked again in "
                                      f"{full[0] + self._full_retry_s - now:.1f}s): {full[1]}")

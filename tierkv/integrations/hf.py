@@ -17,21 +17,47 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tierkv.async_engine import EngineMetadata, KVShape
 from tierkv.blend.executor import CacheBlendExecutor
 from tierkv.blend.retriever import SegmentBlendRetriever
 from tierkv.blend.segments import store_segments
+from tierkv.config import EngineConfig, load_config
 from tierkv.engine import Engine
 
 try:
     from transformers import DynamicCache
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("tierkv.integrations.hf needs transformers: pip install 'tierkv[hf]'") from exc
+
+
+# -- the engine's metadata for a model ----------------------------------------------------------
+def kv_shape_of(model: Any) -> KVShape:
+    """``(num_layers, num_kv_heads, head_size, dtype)`` of a transformers model's KV cache."""
+    config = getattr(model, "config", None)
+    text: Any = getattr(config, "get_text_config", lambda: config)()  # multimodal models keep it apart
+    try:
+        layers = int(text.num_hidden_layers)
+        attention_heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or attention_heads)
+        head_size = int(getattr(text, "head_dim", None) or text.hidden_size // attention_heads)
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(f"cannot read the KV shape of {type(model).__name__}: its config needs num_hidden_layers, "
+                         f"num_attention_heads and hidden_size or head_dim ({exc})") from exc
+    return layers, kv_heads, head_size, model.dtype
+
+
+def metadata_for(model: Any, config: EngineConfig | Any, model_name: str | None = None) -> EngineMetadata:
+    """The :class:`~tierkv.EngineMetadata` to build an :class:`~tierkv.Engine` for ``model`` with:
+    the config's keys (``model_name`` overrides its ``model``) and the model's ``kv_shape``, so
+    a fresh process sizes outputs and plans reads before it has seen a chunk."""
+    base = EngineMetadata.from_config(load_config(config))
+    return replace(base, model_name=model_name or base.model_name, kv_shape=kv_shape_of(model))
 
 
 # -- DynamicCache <-> engine layout ------------------------------------------------------------
