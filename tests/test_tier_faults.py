@@ -105,6 +105,11 @@ def test_transport_fault_is_a_miss_never_a_delete_and_the_tier_recovers(
             hits = [False, False]
         assert hits == [False, False]
         assert all(bool((out == SENTINEL).all()) for out in outs), "a damaged reply wrote into the destination"
+        try:  # and the fresh-tensor read: a miss too, never a delete
+            fresh = eng.run(backend.batched_get(keys))
+        except TierUnavailableError:
+            fresh = [None, None]
+        assert fresh == [None, None]
         assert time.monotonic() - started < 90, "damaged replies must end in a bounded time"
         assert proxy.injected[fault] > 0
 
