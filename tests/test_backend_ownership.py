@@ -33,36 +33,41 @@ def make(kind: str, path: Path) -> StorageBackend:
     return FSBackend("disk", 1 << 30, path=str(path)) if kind == "fs" else LMDBBackend("disk", 1 << 30, path=str(path))
 
 
+async def cancel_reads(backend: StorageBackend, rounds: int, seed: int, max_delay_s: float) -> None:
+    """Store CHUNKS chunks, then cancel ``rounds`` reads into sentinel-filled destinations at
+    seeded random points; after each cancellation the destinations must not change."""
+    rng = random.Random(seed)
+    keys = [make_key(i) for i in range(CHUNKS)]
+    await backend.batched_put(keys, [chunk(i) for i in range(CHUNKS)])
+    late_writes = cancelled = 0
+    for _ in range(rounds):
+        outs = [torch.full_like(chunk(0), SENTINEL) for _ in keys]
+        task = asyncio.ensure_future(backend.batched_get_into(keys, outs))
+        await asyncio.sleep(rng.uniform(0, max_delay_s))
+        task.cancel()
+        try:
+            hits = await task
+        except asyncio.CancelledError:
+            cancelled += 1
+            seen = [out.clone() for out in outs]
+            await asyncio.to_thread(lambda: None)  # let any straggling thread run
+            await asyncio.sleep(0.03)
+            late_writes += sum(not torch.equal(a, b) for a, b in zip(seen, outs))
+        else:
+            assert hits == [True] * CHUNKS
+            assert all(torch.equal(out, chunk(i)) for i, out in enumerate(outs))
+    assert cancelled > 0, "no read was cancelled mid-way: the test proves nothing"
+    assert late_writes == 0, f"{late_writes} destination(s) changed after the cancelled call returned"
+    outs = [torch.full_like(chunk(0), SENTINEL) for _ in keys]
+    assert await backend.batched_get_into(keys, outs) == [True] * CHUNKS, "the tier keeps working"
+
+
 @pytest.mark.parametrize("kind", ["fs", "lmdb"])
 def test_nothing_lands_in_the_destination_after_a_cancelled_read_returned(kind: str, tmp_path: Path) -> None:
-    rng = random.Random(21)
-    keys = [make_key(i) for i in range(CHUNKS)]
-
     async def body() -> None:
         backend = make(kind, tmp_path / kind)
         try:
-            await backend.batched_put(keys, [chunk(i) for i in range(CHUNKS)])
-            late_writes = cancelled = 0
-            for _ in range(25):
-                outs = [torch.full_like(chunk(0), SENTINEL) for _ in keys]
-                task = asyncio.ensure_future(backend.batched_get_into(keys, outs))
-                await asyncio.sleep(rng.uniform(0, 0.01))
-                task.cancel()
-                try:
-                    hits = await task
-                except asyncio.CancelledError:
-                    cancelled += 1
-                    seen = [out.clone() for out in outs]
-                    await asyncio.to_thread(lambda: None)  # let any straggling thread run
-                    await asyncio.sleep(0.03)
-                    late_writes += sum(not torch.equal(a, b) for a, b in zip(seen, outs))
-                else:
-                    assert hits == [True] * CHUNKS
-                    assert all(torch.equal(out, chunk(i)) for i, out in enumerate(outs))
-            assert cancelled > 0, "no read was cancelled mid-way: the test proves nothing"
-            assert late_writes == 0, f"{late_writes} destination(s) changed after the cancelled call returned"
-            outs = [torch.full_like(chunk(0), SENTINEL) for _ in keys]
-            assert await backend.batched_get_into(keys, outs) == [True] * CHUNKS, "the tier keeps working"
+            await cancel_reads(backend, rounds=25, seed=21, max_delay_s=0.01)
         finally:
             await backend.close()
     asyncio.run(body())
@@ -108,28 +113,11 @@ def test_redis_reads_abandoned_mid_flight_never_write_afterwards(tmp_path: Path)
 
     if server_binary() is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    rng = random.Random(3)
-    keys = [make_key(i) for i in range(CHUNKS)]
     with RedisServer() as server:
         async def body() -> None:
             backend = RedisBackend("cache", url=server.url)
             try:
-                await backend.batched_put(keys, [chunk(i) for i in range(CHUNKS)])
-                cancelled = late = 0
-                for _ in range(10):
-                    outs = [torch.full_like(chunk(0), SENTINEL) for _ in keys]
-                    task = asyncio.ensure_future(backend.batched_get_into(keys, outs))
-                    await asyncio.sleep(rng.uniform(0, 0.02))
-                    task.cancel()
-                    try:
-                        await task
-                    except asyncio.CancelledError:
-                        cancelled += 1
-                        seen = [out.clone() for out in outs]
-                        await asyncio.sleep(0.05)
-                        late += sum(not torch.equal(a, b) for a, b in zip(seen, outs))
-                assert cancelled > 0
-                assert late == 0
+                await cancel_reads(backend, rounds=10, seed=3, max_delay_s=0.02)
             finally:
                 await backend.close()
         asyncio.run(body())
