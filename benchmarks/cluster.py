@@ -82,6 +82,7 @@ def _retrieve_all(engine: Engine, prompts: list[tuple[torch.Tensor, torch.Tensor
 
 def _config(tier: dict[str, Any]) -> dict[str, Any]:
     return {"model": "bench-cluster", "chunk_size": CHUNK, "kv_format": "vllm", "write_policy": "write_through",
+            "cost_aware": False,
             "tiers": [{"name": "shared", **tier}]}
 
 
