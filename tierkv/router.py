@@ -654,7 +654,8 @@ class TierRouter:
             try:
                 keys = [k for job in jobs for k in job.keys]
                 chunks = [c for job in jobs for c in job.chunks]
-                await asyncio.gather(*(self._fill_level(level, keys, chunks) for level in jobs[0].levels))
+                # every level's put has stopped before the jobs' held slabs are released
+                await ownership.gather(*(self._fill_level(level, keys, chunks) for level in jobs[0].levels))
             except Exception:
                 logger.exception("background fill failed")
             finally:

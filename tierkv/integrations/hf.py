@@ -4,6 +4,8 @@ Needs the ``hf`` extra (``pip install 'tierkv[hf]'``). Works with the engine in 
 format; a model's ``past_key_values`` (a ``DynamicCache``, batch size 1) are converted to
 the engine's layout on the way in and back on the way out.
 
+- :func:`metadata_for`: the engine's metadata for a model, with its ``kv_shape`` (a fresh
+  process plans reads and sizes outputs before it has seen a chunk);
 - :func:`store_cache` / :func:`retrieve_cache`: a prompt's KV into the engine and back;
 - :func:`prefill_with_reuse`: retrieve the longest cached prefix, run the model only on the
   rest, store the prompt's KV; :func:`generate_with_reuse` does the same inside ``generate``;
