@@ -66,6 +66,7 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     fs = {"name": "files", "backend": "fs", "path": str(workdir / "fs")}
 
     first_tokens: dict[str, list[int]] = {}
+    load_ms: dict[str, list[int]] = {}  # per timed prompt: milliseconds tierkv spent in synchronous loads
 
     def timed(name: str, extra: dict[str, Any] | None, passes: int) -> list[list[float]]:
         """Per pass over the prompt sets, the median TTFT per length (and each prompt's first token)."""
@@ -75,6 +76,8 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
         results = run_vllm(spec, workdir / name, timeout=3600, kv_cache_gib=kv_gib, env=SAME_CORES)
         seconds = [r["seconds"] for r in results[len(warm):]]
         first_tokens[name] = [r["tokens"][0] if r["tokens"] else -1 for r in results[len(warm):]]
+        loads = [(r["stats"] or {}).get("sync_load_ms", 0) for r in results]
+        load_ms[name] = [after - before for before, after in zip(loads[len(warm) - 1:], loads[len(warm):])]
         per_pass = len(lengths) * SAMPLES
         medians = []
         for number in range(passes):
@@ -90,6 +93,12 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     for name, got in first_tokens.items():
         differ = sum(a != b for a, b in zip(got, reference * (len(got) // len(reference))))
         print(f"{name}: {differ} of {len(got)} first tokens differ from vLLM without tierkv", file=sys.stderr)
+    per_pass = len(lengths) * SAMPLES
+    hits = load_ms.get("cpu-lmdb-fs", [])[per_pass:]
+    for index, length in enumerate(lengths):
+        if hits:
+            print(f"cpu-tier hit at {length} tokens: tierkv's load {statistics.median(hits[index::len(lengths)]):.0f} ms "
+                  f"of TTFT {cpu_hit[index] * 1000:.0f} ms (median)", file=sys.stderr)
     rows = []
     for index, length in enumerate(lengths):
         base = baseline[index]

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierkv.testing.vllm_runner import run_vllm, save_random_llama
+from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -92,15 +92,6 @@ def cpu_run(model_dir: Path, disks: dict[str, dict[str, Any]], tmp_path_factory:
     host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
     return vllm(spec(model_dir, [PROMPTS[n] for n in NAMES * 2], extra(workdir, host, disks["lmdb"], disks["fs"])),
                     workdir)
-
-
-def loaded_per_prompt(results: list[dict[str, Any]]) -> list[int]:
-    before, counts = 0, []
-    for result in results:
-        now = (result["stats"] or {}).get("tokens_loaded", 0)
-        counts.append(now - before)
-        before = now
-    return counts
 
 
 def assert_exact(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:

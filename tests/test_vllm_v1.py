@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from test_registry import make_distribution
 
-from tierkv.testing.vllm_runner import run_vllm, save_random_llama
+from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -61,16 +61,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tierkv_extra(tmp_path: Path, tiers: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return {"config": {"chunk_size": CHUNK, "tiers": tiers}, "stats_file": str(tmp_path / f"{name}.json")}
-
-
-def loaded_per_prompt(results: list[dict[str, Any]]) -> list[int]:
-    """Tokens the connector loaded during each prompt (from its cumulative stats)."""
-    before, counts = 0, []
-    for result in results:
-        now = (result["stats"] or {}).get("tokens_loaded", 0)
-        counts.append(now - before)
-        before = now
-    return counts
 
 
 @pytest.fixture(scope="module")

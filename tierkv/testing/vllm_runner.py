@@ -36,26 +36,29 @@ def save_random_llama(path: str | os.PathLike[str], num_layers: int = 2, hidden_
 
     from tierkv.demo import build_demo_model
 
-    if initializer_range is None:
-        model = build_demo_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                                 num_kv_heads=num_kv_heads)
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from tierkv.demo import DEMO_VOCAB
-
-        config = LlamaConfig(vocab_size=DEMO_VOCAB, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
-                             num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                             num_key_value_heads=num_kv_heads, max_position_embeddings=32768,
-                             initializer_range=initializer_range)
+    model = build_demo_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads)
+    if initializer_range is not None:  # redraw every weight with the wider spread
+        model.config.initializer_range = initializer_range
         state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         try:
-            model = LlamaForCausalLM(config).eval()
+            with torch.no_grad():
+                model.apply(model._init_weights)
         finally:
             torch.random.set_rng_state(state)
     model.to(torch.bfloat16).save_pretrained(path)
     return Path(path)
+
+
+def loaded_per_prompt(results: list[dict[str, Any]]) -> list[int]:
+    """Tokens the connector loaded during each prompt of a :func:`run_vllm` (from its cumulative stats)."""
+    before, counts = 0, []
+    for result in results:
+        now = (result["stats"] or {}).get("tokens_loaded", 0)
+        counts.append(now - before)
+        before = now
+    return counts
 
 
 def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None, timeout: float = 600,

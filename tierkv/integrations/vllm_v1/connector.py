@@ -74,6 +74,19 @@ def _ranks() -> tuple[int, int]:
         return 0, 0
 
 
+def _kv_shape(vllm_config: VllmConfig) -> tuple[int, int, int, torch.dtype] | None:
+    """(layers, KV heads, head size, dtype) of this worker's chunks, known before any is read;
+    None where vLLM does not say (a quantized cache, a model it cannot count layers of)."""
+    try:
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        if vllm_config.cache_config.cache_dtype != "auto" or not isinstance(model.dtype, torch.dtype):
+            return None
+        return (int(model.get_num_layers(parallel)), int(model.get_num_kv_heads(parallel)), int(model.get_head_size()),
+                model.dtype)
+    except Exception:  # an exotic model config: learned from the first chunk instead
+        return None
+
+
 def _layer_index(name: str, position: int) -> int:
     try:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -114,7 +127,7 @@ class TierKVConnector(KVConnectorBase_V1):
             self._worker_id = worker_id
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             engine = EngineBuilder.get_or_create(self._instance, self._settings.config,
-                                                 self._settings.metadata(worker_id))
+                                                 self._settings.metadata(worker_id, _kv_shape(vllm_config)))
             cpus = keep_off_compute_cores(engine)
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             transfers = self._transfers
@@ -163,6 +176,11 @@ class TierKVConnector(KVConnectorBase_V1):
             if self._settings.layout != "auto":
                 layout = self._settings.layout
             worker.register(layers, layout, heads, head_size, kernel_block, self._block_size)
+            declared = getattr(worker.engine.metadata, "kv_shape", None)
+            found = (len(layers), heads, head_size, layers[0].dtype)
+            if declared is not None and tuple(declared) != found:
+                raise LayoutMismatchError(f"the KV caches vLLM registered are (layers, heads, head_size, dtype) "
+                                          f"{found}, the engine was told {tuple(declared)}")
             if self._settings.layout_check:
                 verify_layout(layers, worker._connector(), self._cache_writer(names, layers), model.dtype,
                               block_dim=1 if layout == "kv_first" else 0)

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -135,11 +136,15 @@ class WorkerTransfers:
 
     def load(self, spec: LoadSpec) -> bool:
         """Load now (before the forward pass that reads it); False when some blocks were not filled."""
+        started = time.perf_counter()
         try:
             future, sink = self._start_load(spec)
         except Exception as exc:
             return self._load_failed(spec, spec.start, exc)
-        return self._settle(spec, future, sink, self.load_timeout_s)
+        try:
+            return self._settle(spec, future, sink, self.load_timeout_s)
+        finally:
+            self.stats["sync_load_ms"] += round((time.perf_counter() - started) * 1000)
 
     def start_async_load(self, spec: LoadSpec) -> None:
         """Start a load that vLLM waits for between steps (reported by :meth:`finished`)."""
