@@ -62,9 +62,14 @@ def health(**extra: Any) -> dict[str, Any]:
     return {"failure_threshold": 100, "retry_after_s": 0.3, **extra}
 
 
-def test_fs_alone_on_a_full_disk_names_the_tier_and_why_then_admits_again(small_disk: Path) -> None:
+DISK_TIERS = {"fs": {"backend": "fs"}, "lmdb": {"backend": "lmdb", "capacity": "64MiB"}}
+
+
+@pytest.mark.parametrize("backend", list(DISK_TIERS))
+def test_a_disk_tier_alone_on_a_full_disk_names_itself_and_why_then_admits_again(small_disk: Path,
+                                                                                 backend: str) -> None:
     cfg = {"model": "admission", "chunk_size": CHUNK, "health": health(),
-           "tiers": [{"name": "files", "backend": "fs", "path": str(small_disk / "fs")}]}
+           "tiers": [{"name": "files", "path": str(small_disk / backend), **DISK_TIERS[backend]}]}
     with Engine(cfg) as eng:
         stored: list[torch.Tensor] = []
         error: TierUnavailableError | None = None
@@ -79,18 +84,19 @@ def test_fs_alone_on_a_full_disk_names_the_tier_and_why_then_admits_again(small_
         assert error is not None, "a 3 MiB disk took 40 MiB"
         assert stored, "nothing fit at all"
         message = str(error)
-        assert "'files'" in message and ("full" in message or "No space left" in message), message
-        cause = error.__cause__
-        if isinstance(cause, TierFullError):  # the tier says it is full: not asked again for a while
-            with pytest.raises(TierUnavailableError, match=r"'files': full for"):
-                eng.store(prompt(99), kv_of(prompt(99)))
+        assert isinstance(error.__cause__, TierFullError), repr(error.__cause__)  # the fs tier says it is full
+        assert "'files': full:" in message, message
+        with pytest.raises(TierUnavailableError, match=r"'files': full for"):  # so it is not asked for a while
+            eng.store(prompt(99), kv_of(prompt(99)))
+        assert eng.stats()["tiers"]["files"]["full"] is not None
         assert all(exact(eng, tokens) for tokens in stored), "chunks stored before the disk filled up changed"
         for tokens in stored[: len(stored) // 2 + 1]:  # space returns
             eng.batched_delete(eng.keys_for(tokens))
         time.sleep(0.4)  # past retry_after_s
         again = prompt(77, 2)
-        assert eng.store(again, kv_of(again)) == 2
+        assert eng.store(again, kv_of(again)) == 2  # admitted again: space returned
         assert exact(eng, again)
+        assert eng.stats()["tiers"]["files"]["full"] is None
 
 
 def test_cpu_over_a_full_fs_keeps_storing_and_counts_the_fills_it_dropped(small_disk: Path) -> None:
