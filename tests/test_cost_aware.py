@@ -106,6 +106,82 @@ def test_speed_estimate_leaves_its_seed_and_follows_a_tier_whose_speed_changes()
     assert estimate.fixed_s == pytest.approx(0.001, rel=0.3)
 
 
+class FakeClock:
+    """Seconds that pass only when the test says so (the planner's exploration waits on time)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slow_prefill_over_a_cache_teaches_the_model_what_context_costs() -> None:
+    # HF on the CPU: the second half after a loaded first half costs about the whole prompt
+    recompute = RecomputeModel(curve=[(1024, 1024 / 0.13), (4096, 4096 / 0.57), (16384, 16384 / 4.0)])
+    assert recompute.suffix_seconds(2048, 2048) == pytest.approx(recompute.seconds(4096) - recompute.seconds(2048))
+    tiers = ["host"] * 8 + ["slow"] * 8
+    fast, slow = TierSpeed(SpeedSeed(20e-6, 8e9)), TierSpeed(SpeedSeed(0.2, 20e6))
+    for _ in range(20):
+        slow.observe(4_000_000, 0.2 + 4e6 / 20e6)
+    before = plan_prefix(tiers, [256] * 16, 2048, {"host": fast, "slow": slow}, recompute)
+    assert before.planned_tokens == 2048  # the old belief: the second half costs T(4096) - T(2048)
+    recompute.observe(2048, 2048, 0.55)  # what it really cost
+    assert recompute.suffix_seconds(2048, 2048) > 0.4
+    after = plan_prefix(tiers, [256] * 16, 2048, {"host": fast, "slow": slow}, recompute)
+    assert after.planned_tokens == 4096 and after.chunks_per_tier == {"host": 8, "slow": 8}
+
+
+def test_the_rest_of_the_prompt_after_the_cached_prefix_is_costed_with_its_context() -> None:
+    recompute = RecomputeModel(curve=[(1024, 10_000), (16384, 2_000)])
+    recompute.observe(1024, 1024, 10.0)  # context is very expensive here
+    alone = plan_prefix(["cpu"] * 4, [256] * 4, 1000.0, speeds(cpu=(0.0, 1e12)), recompute)
+    longer = plan_prefix(["cpu"] * 4, [256] * 4, 1000.0, speeds(cpu=(0.0, 1e12)), recompute, prompt_tokens=4096)
+    assert alone.planned_tokens == 1024  # nothing is left to compute after it
+    # 3072 more tokens attending to a loaded 1024 cost more than the whole prompt from scratch
+    assert longer.planned_tokens == 0 and "recomputing" in longer.reason
+
+
+def test_a_skipped_tier_is_explored_rarely_cheaply_and_used_again_once_faster() -> None:
+    clock = FakeClock()
+    slow = TierSpeed(SpeedSeed(1e-3, 1e9), clock=clock, explore_every_plans=4, explore_every_s=10.0)
+    for i in range(40):
+        nbytes = 256_000 * (1 + i % 4)
+        slow.observe(nbytes, 1e-3 + nbytes / 0.9e6)  # a bit slower than recomputing: 0.285 s per chunk
+    recompute = RecomputeModel(tokens_per_s=1000.0)  # 0.256 s per chunk of 256 tokens
+    tiers, tokens = ["slow"] * 16, [256] * 16
+    plans = []
+    for _ in range(4):
+        plans.append(plan_prefix(tiers, tokens, 1000.0, {"slow": slow}, recompute))
+    assert [p.planned_tokens for p in plans] == [0, 0, 0, 0]  # enough plans, but not enough time
+    clock.now += 11.0
+    explored = plan_prefix(tiers, tokens, 1000.0, {"slow": slow}, recompute)
+    assert explored.planned_tokens == 256 and explored.chunks_per_tier == {"slow": 1}
+    assert "re-measures" in explored.reason and slow.explorations == 1
+    again = plan_prefix(tiers, tokens, 1000.0, {"slow": slow}, recompute)
+    assert again.planned_tokens == 0  # once per turn
+    slow.observe(256_000, 1e-3 + 256_000 / 100e6)  # the exploration read: the tier got 100x faster
+    assert plan_prefix(tiers, tokens, 1000.0, {"slow": slow}, recompute).planned_tokens == 16 * 256
+
+
+def test_exploration_never_adds_a_chunk_that_costs_much_of_the_request() -> None:
+    clock = FakeClock()
+    slow = TierSpeed(SpeedSeed(1e-3, 1e9), clock=clock, explore_every_plans=1, explore_every_s=0.0)
+    for i in range(40):
+        slow.observe(256_000 * (1 + i % 4), 0.2 + 256_000 * (1 + i % 4) / 20e6)  # 200 ms per request: far too dear to try
+    recompute = RecomputeModel(tokens_per_s=20_000.0)
+    for _ in range(5):
+        clock.now += 100.0
+        plan = plan_prefix(["slow"] * 16, [256] * 16, 1000.0, {"slow": slow}, recompute)
+        assert plan.planned_tokens == 0
+    assert slow.explorations == 0
+
+
+def test_exploration_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="explore_every_plans"):
+        TierSpeed(SpeedSeed(1e-3, 1e9), explore_every_plans=0)
+
+
 # -- the plan in the engine --------------------------------------------------------------------------
 def fs_engine(tmp_path: Path, **extra: Any) -> Engine:
     return Engine({"model": "cost", "chunk_size": CHUNK, "kv_format": "vllm", **extra,

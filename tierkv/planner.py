@@ -7,18 +7,28 @@ recompute). tierkv decides per request:
 - :class:`TierSpeed` keeps a running estimate of one tier's gets: a fixed cost per batch plus
   bytes over bandwidth, fitted to the gets the tier actually served (recent ones weigh more),
   pulled towards a per-backend seed while samples are few;
-- :class:`RecomputeModel` is the serving model's prefill time for ``L`` tokens from scratch,
-  ``T(L) = a*L + b*L^2`` (attention is quadratic), from the configured ``recompute:`` section
+- :class:`RecomputeModel` is the serving model's prefill time, ``S(new, context)`` for ``new``
+  tokens after ``context`` cached ones: ``a*new + b*new^2 + c*new*context`` (attention is
+  quadratic; ``c``, the price of cached context, is learned: on some stacks a prefill over a
+  cache takes a slower path than one from scratch), from the configured ``recompute:`` section
   and refined by measured prefills;
 - :func:`plan_prefix` picks the prefix length ``P`` (a whole number of chunks) that minimises
-  ``fetch(P) + T(N) - T(P)``: fetch the first ``P`` tokens from the tiers holding them (tiers
-  read in parallel: the slowest one counts), recompute the rest.
+  ``fetch(P) + S(N - P, P)``: fetch the first ``P`` tokens from the tiers holding them (tiers
+  read in parallel: the slowest one counts), compute the rest after them. A tier the plans
+  keep skipping is now and then given one chunk (bounded in cost) so its speed is re-measured.
+
+Why the second term is not ``T(N) - T(P)``: in the cost sweep (HF demo model on the CPU, 4,096
+tokens, half of them in a cpu tier, the rest behind +200 ms and 20 MB/s) the plan loaded the
+hot half and recomputed the second, expecting to save ``T(4096) - T(2048)``; but the second half
+over a 2,048-token cache cost about as much as the whole prompt from scratch, so the partial
+load lost to loading everything (1.35x). The fetch estimate was right.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -54,6 +64,13 @@ class _DecayedFit:
         self.xx = [[0.0] * terms for _ in range(terms)]
         self.xy = [0.0] * terms
         self.samples = 0
+
+    def forget(self, keep: float) -> None:
+        """Keep only ``keep`` of the weight of every sample so far (the thing measured changed)."""
+        for i in range(self.terms):
+            self.xy[i] *= keep
+            for j in range(self.terms):
+                self.xx[i][j] *= keep
 
     def add(self, x: Sequence[float], y: float) -> None:
         d = self.decay
@@ -106,30 +123,74 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
 
 
-class TierSpeed:
-    """Running estimate of one tier's get time: ``fixed_s + nbytes / bytes_per_s``."""
+EXPLORE_EVERY_PLANS = 16
+"""A tier the plans skip is explored (one chunk more) at most once per this many plans that skipped it ..."""
+EXPLORE_EVERY_S = 10.0
+"""... and at most once per this many seconds without a read from it."""
+EXPLORE_MAX_FRACTION = 0.02
+"""... and only when that chunk is expected to cost at most this share of the request's time."""
+_SURPRISE = 2.0  # a get this many times faster or slower than expected: the tier changed
+_SURPRISE_KEEP = 0.05  # the weight the samples before such a get keep
 
-    def __init__(self, seed: SpeedSeed, half_life: float = 32.0) -> None:
+
+class TierSpeed:
+    """Running estimate of one tier's get time: ``fixed_s + nbytes / bytes_per_s``.
+
+    A get that takes less than half or more than twice the expected time means the tier
+    changed (another tenant left, a link got congested): the samples before it then keep only
+    a twentieth of their weight, so one read re-measures the tier. The plan skips a slow tier
+    entirely, so without help it would never be read again: :meth:`due_for_exploration` says
+    when a plan may add one chunk from it (see :func:`plan_prefix`).
+    """
+
+    def __init__(self, seed: SpeedSeed, half_life: float = 32.0, clock: Callable[[], float] = time.monotonic,
+                 explore_every_plans: int = EXPLORE_EVERY_PLANS, explore_every_s: float = EXPLORE_EVERY_S) -> None:
         if seed.fixed_s < 0 or seed.bytes_per_s <= 0:
             raise ValueError(f"a speed seed needs fixed_s >= 0 and bytes_per_s > 0, got {seed}")
+        if explore_every_plans < 1 or explore_every_s < 0:
+            raise ValueError(f"exploration needs explore_every_plans >= 1 and explore_every_s >= 0, "
+                             f"got {explore_every_plans} and {explore_every_s}")
         self.seed = seed
         x = float(_REFERENCE_BYTES)
         # two prior points on the seed's line: it governs until real gets outweigh it
         self._fit = _DecayedFit(2, half_life, [((1.0, 0.0), seed.fixed_s), ((1.0, x), seed.fixed_s + x / seed.bytes_per_s)],
                                 weight=0.5, prior_decay=0.7)
         self._fixed_s, self._per_byte = seed.fixed_s, 1.0 / seed.bytes_per_s
+        self._clock = clock
+        self._explore_plans, self._explore_s = explore_every_plans, explore_every_s
+        self._skipped = 0  # plans that left this tier out since it was last read or explored
+        self._quiet_since = clock()  # the last read or exploration
+        self.explorations = 0
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A get batch of ``nbytes`` took ``seconds``."""
         if nbytes <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
+        if self._fit.samples:
+            expected = self.seconds(nbytes)
+            if expected > 0 and not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
+                self._fit.forget(_SURPRISE_KEEP)
         self._fit.add((1.0, float(nbytes)), seconds)
         fixed, per_byte = self._fit.solve()
         self._fixed_s, self._per_byte = fixed, max(per_byte, 1e-15)
+        self._skipped, self._quiet_since = 0, self._clock()
 
     def seconds(self, nbytes: int) -> float:
         """Expected time of a get batch of ``nbytes`` (0 bytes costs nothing: no request)."""
         return 0.0 if nbytes <= 0 else self._fixed_s + nbytes * self._per_byte
+
+    def skipped(self) -> None:
+        """A plan left this tier's chunks out."""
+        self._skipped += 1
+
+    def due_for_exploration(self) -> bool:
+        """Enough plans skipped this tier, for long enough, that its estimate may be stale."""
+        return self._skipped >= self._explore_plans and self._clock() - self._quiet_since >= self._explore_s
+
+    def explored(self) -> None:
+        """A plan added a chunk of this tier to re-measure it (the next one waits its turn again)."""
+        self._skipped, self._quiet_since = 0, self._clock()
+        self.explorations += 1
 
     @property
     def fixed_s(self) -> float:
@@ -145,15 +206,32 @@ class TierSpeed:
 
     def snapshot(self) -> dict[str, float]:
         return {"fixed_ms": self._fixed_s * 1e3, "bandwidth_MBps": self.bytes_per_s / 1e6,
-                "samples": self.samples, "seeded": self.samples == 0}
+                "samples": self.samples, "seeded": self.samples == 0, "explorations": self.explorations}
+
+
+_CONTEXT_PRIOR_WEIGHT = 0.01  # how firmly "context is as cheap as in a prefill from scratch" is held (relative error)
+_OVERHEAD_PRIOR_WEIGHT = 1.0  # how firmly "a prefill has no fixed cost" is held
+
+
+def _weighted(x: Sequence[float], y: float, weight: float) -> tuple[list[float], float]:
+    """A least-squares point scaled so that it weighs ``weight``."""
+    root = math.sqrt(weight)
+    return [v * root for v in x], y * root
 
 
 class RecomputeModel:
-    """Prefill time of ``L`` tokens from scratch, ``T(L) = a*L + b*L^2``.
+    """Prefill time: ``S(new, context)``, computing ``new`` tokens after ``context`` cached ones.
 
-    A measured prefill also pays a fixed per-call overhead (fitted apart, never counted as
-    saved: the model runs for the last token whatever is loaded), so tiny prefills do not
-    make every token look expensive.
+    ``S(new, context) = a*new + b*new^2 + c*new*context``, so a prefill from scratch costs
+    ``T(L) = S(L, 0) = a*L + b*L^2`` (attention is quadratic). ``c`` is the price of attending
+    to cached context. In one kernel it would be ``2b`` (then ``S(N - P, P) = T(N) - T(P)``),
+    but serving stacks often run prefills over a cache through a slower path than a prefill
+    from scratch (HF transformers on the CPU: an explicit mask instead of a causal kernel, so
+    the second half of a prompt after a loaded first half costs about as much as the whole
+    prompt). ``c`` starts at ``2b``, held loosely, and follows the prefills measured with a
+    context. A measured prefill also pays a fixed per-call overhead (fitted apart, never
+    counted as saved: the model runs for the last token whatever is loaded); it is pulled
+    towards zero so one slow prefill over a cache is not written off as overhead.
 
     ``tokens_per_s`` (one throughput) or ``curve`` (throughput at a few prompt lengths, as
     ``[(tokens, tokens_per_s), ...]``) set it; :meth:`observe` refines it from prefills that
@@ -168,15 +246,29 @@ class RecomputeModel:
             points.append((4096, float(tokens_per_s)))
         if any(tokens <= 0 or speed <= 0 for tokens, speed in points):
             raise ValueError(f"recompute: lengths and tokens_per_s must be positive, got {points}")
-        # terms: a per-call overhead (measured prefills only: it is paid whether or not a prefix
-        # is loaded, so it never counts as saved), a*L, b*L^2
-        if tokens_per_s is not None and not curve:
-            prior = [((0.0, tokens, 0.0), tokens / speed) for tokens, speed in points]  # linear: one throughput
-        else:
-            prior = [((0.0, tokens, float(tokens) * tokens), tokens / speed) for tokens, speed in points]
+        quadratic = bool(curve)
+        # terms: a per-call overhead, a*new, b*new^2, c*new*context
+        prior: list[tuple[Sequence[float], float]] = [
+            ((0.0, tokens, float(tokens) * tokens if quadratic else 0.0, 0.0), tokens / speed) for tokens, speed in points]
+        if quadratic:
+            # c = 2b, loosely: halves of each curve length cost T(L) - T(L/2) after the first half
+            scratch = _DecayedFit(4, half_life, prior, weight=1.0, drop_first=(0, 3, 2))
+            _, a, b, _ = scratch.solve()
+            for tokens, _speed in points:
+                half = tokens / 2
+                saved = a * half + b * (tokens * tokens - half * half)
+                if saved > 0:  # a relative error, so long curve points do not pin c down alone
+                    x = (0.0, half / saved, half * half / saved, half * half / saved)
+                    prior.append(_weighted(x, 1.0, _CONTEXT_PRIOR_WEIGHT))
+        prior.append(_weighted((1.0, 0.0, 0.0, 0.0), 0.0, _OVERHEAD_PRIOR_WEIGHT))
         self.configured = bool(points)
-        self._fit = _DecayedFit(3, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(0, 2))
-        _, self._a, self._b = self._fit.solve()  # the overhead is paid either way: never saved
+        self._fit = _DecayedFit(4, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(0, 3, 2))
+        self._solve()
+
+    def _solve(self) -> None:
+        _, self._a, self._b, self._c = self._fit.solve()  # the overhead is paid either way: never saved
+        if self._fit.xx[3][3] == 0:  # nothing says what context costs yet: as in a prefill from scratch
+            self._c = 2 * self._b
 
     @property
     def known(self) -> bool:
@@ -184,15 +276,22 @@ class RecomputeModel:
 
     def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """Computing ``new_tokens`` after ``context_tokens`` cached ones took ``seconds``."""
-        if new_tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
+        if new_tokens <= 0 or context_tokens < 0 or seconds <= 0 or not math.isfinite(seconds):
             return
-        end = context_tokens + new_tokens
-        self._fit.add((1.0, float(new_tokens), float(end * end - context_tokens * context_tokens)), seconds)
-        _, self._a, self._b = self._fit.solve()  # the overhead is paid either way: never saved
+        new, context = float(new_tokens), float(context_tokens)
+        self._fit.add((1.0, new, new * new, new * context), seconds)
+        self._solve()
 
     def seconds(self, num_tokens: int) -> float:
         """T(num_tokens): prefill from scratch."""
-        return self._a * num_tokens + self._b * num_tokens * num_tokens
+        return self.suffix_seconds(num_tokens, 0)
+
+    def suffix_seconds(self, new_tokens: int, context_tokens: int) -> float:
+        """S(new_tokens, context_tokens): computing ``new_tokens`` after ``context_tokens`` cached
+        ones (without the per-call overhead)."""
+        if new_tokens <= 0:
+            return 0.0
+        return self._a * new_tokens + self._b * new_tokens * new_tokens + self._c * new_tokens * context_tokens
 
     def tokens_per_s(self, num_tokens: int) -> float:
         spent = self.seconds(num_tokens)
@@ -200,7 +299,8 @@ class RecomputeModel:
 
     def snapshot(self) -> dict[str, float | bool]:
         return {"known": self.known, "measured_prefills": self._fit.samples,
-                "tokens_per_s_at_1k": self.tokens_per_s(1024), "tokens_per_s_at_16k": self.tokens_per_s(16384)}
+                "tokens_per_s_at_1k": self.tokens_per_s(1024), "tokens_per_s_at_16k": self.tokens_per_s(16384),
+                "context_cost_vs_scratch": self._c / (2 * self._b) if self._b > 0 else 1.0}
 
 
 @dataclass(frozen=True)
@@ -234,31 +334,60 @@ def load_everything(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], rea
 
 
 def plan_prefix(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], bytes_per_token: float,
-                speeds: Mapping[str, TierSpeed], recompute: RecomputeModel, base_tokens: int = 0) -> PrefixPlan:
+                speeds: Mapping[str, TierSpeed], recompute: RecomputeModel, base_tokens: int = 0,
+                prompt_tokens: int | None = None) -> PrefixPlan:
     """The number of leading chunks whose loading saves the most time (see the module docstring).
 
     ``chunk_tiers[i]`` holds chunk ``i`` of the cached prefix (``chunk_tokens[i]`` tokens); the
-    chunks follow ``base_tokens`` tokens the caller already has. Tiers are read in parallel, so
-    the fetch of a prefix costs its slowest tier. Ties go to the longer prefix (it also spares
-    the serving engine's compute). Token counts in the plan include ``base_tokens``.
+    chunks follow ``base_tokens`` tokens the caller already has; the prompt is ``prompt_tokens``
+    long (default: it ends with the cached prefix). Loading ``P`` tokens costs their fetch (tiers
+    are read in parallel, so the slowest tier counts) plus computing the rest of the prompt after
+    them, ``S(prompt - P, P)``. Ties go to the longer prefix (it also spares the serving
+    engine's compute). Token counts in the plan include ``base_tokens``.
+
+    Exploration: when the best plan leaves out every chunk of a tier that is due for it
+    (:meth:`TierSpeed.due_for_exploration`), and the next chunk is that tier's, the plan takes
+    that one chunk too, if it is expected to cost at most ``EXPLORE_MAX_FRACTION`` of the
+    request. Its normal read re-measures the tier, so a tier that got faster is used again.
     """
     if not chunk_tiers:
         return PrefixPlan(base_tokens, base_tokens, 0.0, 0.0, {}, {}, "nothing cached")
-    base_cost = recompute.seconds(base_tokens)
+    cached_end = base_tokens + sum(chunk_tokens)
+    total = max(cached_end, prompt_tokens if prompt_tokens is not None else cached_end)
+
+    def compute(loaded: int) -> float:  # computing the prompt after ``loaded`` tokens
+        return recompute.suffix_seconds(total - loaded, loaded)
+
+    nothing = compute(base_tokens)
     bytes_per_tier: dict[str, float] = {}
-    best_gain, best_k, best_fetch = 0.0, 0, 0.0
-    prefix = 0
+    costs = [nothing]  # expected time of the request with the first k chunks loaded
+    fetches = [0.0]
+    best_k = 0
+    prefix = base_tokens
     for k, (tier, tokens) in enumerate(zip(chunk_tiers, chunk_tokens), start=1):
         prefix += tokens
         bytes_per_tier[tier] = bytes_per_tier.get(tier, 0.0) + tokens * bytes_per_token
         fetch = max(speeds[name].seconds(int(nbytes)) for name, nbytes in bytes_per_tier.items())
-        gain = recompute.seconds(base_tokens + prefix) - base_cost - fetch
-        if gain >= best_gain - 1e-12:
-            best_gain, best_k, best_fetch = gain, k, fetch
-    planned = sum(chunk_tokens[:best_k])
+        fetches.append(fetch)
+        costs.append(fetch + compute(prefix))
+        if costs[k] <= costs[best_k] + 1e-12:
+            best_k = k
+    chosen = best_k
+    explored = ""
+    skipped = set(chunk_tiers[best_k:]) - set(chunk_tiers[:best_k])
+    for tier in skipped:
+        speeds[tier].skipped()
+    if best_k < len(chunk_tiers) and chunk_tiers[best_k] in skipped:
+        tier = chunk_tiers[best_k]
+        extra = costs[best_k + 1] - costs[best_k]
+        if speeds[tier].due_for_exploration() and extra <= EXPLORE_MAX_FRACTION * costs[best_k]:
+            chosen = best_k + 1
+            speeds[tier].explored()
+            explored = f"; one chunk more from {tier!r} re-measures it (expected +{max(extra, 0.0) * 1e3:.3g} ms)"
+    planned = sum(chunk_tokens[:chosen])
     counts: dict[str, int] = {}
     per_tier_bytes: dict[str, float] = {}
-    for tier, tokens in zip(chunk_tiers[:best_k], chunk_tokens[:best_k]):
+    for tier, tokens in zip(chunk_tiers[:chosen], chunk_tokens[:chosen]):
         counts[tier] = counts.get(tier, 0) + 1
         per_tier_bytes[tier] = per_tier_bytes.get(tier, 0.0) + tokens * bytes_per_token
     fetch_per_tier = {tier: speeds[tier].seconds(int(nbytes)) * 1e3 for tier, nbytes in per_tier_bytes.items()}
@@ -268,6 +397,6 @@ def plan_prefix(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], bytes_p
         reason = "recomputing is faster than fetching any of it"
     else:
         reason = "loading the first part and recomputing the rest is fastest"
-    saved = (recompute.seconds(base_tokens + planned) - base_cost) * 1e3
-    return PrefixPlan(base_tokens + sum(chunk_tokens), base_tokens + planned, best_fetch * 1e3, saved, counts,
-                      fetch_per_tier, reason)
+    saved = (nothing - compute(base_tokens + planned)) * 1e3
+    return PrefixPlan(cached_end, base_tokens + planned, fetches[chosen] * 1e3, saved, counts,
+                      fetch_per_tier, reason + explored)
