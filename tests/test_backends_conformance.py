@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tierkv.backend import StorageBackend
 from tierkv.keys import CacheKey
 from tierkv.testing import BackendTests
+from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 from tierkv_backends.cpu import CPUBackend
 from tierkv_backends.fs import FSBackend
 from tierkv_backends.lmdb import LMDBBackend, encode_key
@@ -46,6 +49,21 @@ class TestFSBackend(BackendTests):
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
+
+    def test_corrupt_value_is_a_miss_and_is_dropped(self, tmp_path: Path) -> None:
+        """fs verifies in the destination (one copy, no staging): a damaged chunk is a miss
+        whose slice may hold its bytes -- the mask is the contract, not the slice."""
+        async def body(backend: StorageBackend) -> None:
+            assert not type(backend).streams_into_destination  # the engine reads it straight into out
+            chunk = make_chunk(44)
+            await backend.batched_put([make_key(44), make_key(45)], [chunk, make_chunk(45)])
+            self.corrupt_stored(backend, make_key(44))
+            out, second = torch.full_like(chunk, 5.0), torch.empty_like(chunk)
+            assert await backend.batched_get_into([make_key(44), make_key(45)], [out, second]) == [False, True]
+            assert same_bytes(second, make_chunk(45))
+            assert await backend.get(make_key(44)) is None and not await backend.contains(make_key(44))
+            assert backend.stats()["corrupt_chunks"] >= 1
+        self.with_backend(tmp_path, body)
 
 
 class TestLMDBBackendWritemap(TestLMDBBackend):

@@ -8,8 +8,10 @@ restart) are deleted to make room.
 Bytes move once: a put ``writev``\ s the header and the chunk's contiguous pieces
 straight from the caller's tensor (a token slice of a KV blob is not gathered first);
 ``batched_get_into`` ``preadv``\ s straight into the destination's pieces and verifies the
-checksum after, so a damaged file can leave bytes in a destination it reports missing
-(``streams_into_destination``). Which chunks exist is answered from an in-memory index
+checksum there, in place: one copy per byte, also into memory the caller owns (the tier
+does not ask the engine to stage, ``streams_into_destination`` is False). A damaged file
+is a miss whose destination may hold some of its bytes: the hit mask is the contract,
+never the contents of a slice reported missing. Which chunks exist is answered from an in-memory index
 filled by a scan at start-up and by this process's writes (and, with
 ``rescan_interval_s``, refreshed from the directory for writers in other processes), so
 a lookup never touches the filesystem. Every read path -- lookups from any thread
@@ -49,7 +51,7 @@ from tierkv.memory import as_bytes, byte_runs, copy_into, direct_target, empty_h
 from tierkv.options import Option, format_size
 from tierkv.planner import SpeedSeed
 from tierkv.policy import LRUIndex
-from tierkv_backends.lmdb import ensure_writable_dir
+from tierkv_backends._paths import ensure_writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,9 @@ class FSBackend(BlobBackend):
     speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=300e-6, bytes_per_s=1.5e9)  # local SSD
     persistent: ClassVar[bool] = True
     bounded: ClassVar[bool] = True
-    streams_into_destination: ClassVar[bool] = True
+    # reads land in the destination before they are verified, but a failed chunk is reported
+    # missing and its slice is never used (the mask is the contract): no staging, one copy
+    streams_into_destination: ClassVar[bool] = False
     options: ClassVar[dict[str, Option]] = {
         "path": Option("path", required=True, doc="root directory of the chunk files"),
         "fsync": Option("bool", False, doc="fsync each file before renaming it into place"),

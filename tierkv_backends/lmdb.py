@@ -42,6 +42,7 @@ from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option, format_size
 from tierkv.planner import SpeedSeed
 from tierkv.policy import LRUIndex
+from tierkv_backends._paths import ensure_writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +75,6 @@ def encode_key(key: CacheKey) -> bytes:
     """LMDB key for a chunk: its string form, or a digest of it when too long for LMDB."""
     raw = key.to_bytes()
     return raw if len(raw) <= _MAX_KEY_BYTES else b"#" + hashlib.sha256(raw).digest()
-
-
-def ensure_writable_dir(path: str, where: str) -> None:
-    """Create ``path`` if needed and fail clearly if this process cannot write there."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot create directory {path!r}: {exc.strerror}") from exc
-    if not os.path.isdir(path):
-        raise ConfigError(f"{where}: {path!r} exists and is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where}: directory {path!r} is not writable by this process")
 
 
 class LMDBBackend(StorageBackend):
