@@ -13,6 +13,9 @@ cannot load or run; each stand-in below replaces exactly one of them, and nothin
   defined before it loads.
 * Pinned host memory: host pools call ``cudaHostRegister`` and allocate with
   ``pin_memory=True``; with no CUDA both are no-ops here (plain pageable CPU memory).
+* Host-memory headroom: SGLang refuses a host pool unless 10 GiB of RAM stay free beyond it
+  (sized for GPU servers); on the 24 GiB CI machine, shared with the tests' other processes,
+  that refuses even a tiny pool. The stand-in keeps 1 GiB free instead.
 * The ``direct`` host <-> device KV copies (``transfer_kv_direct``,
   ``transfer_kv_all_layer_direct_lf_pf``, ``transfer_kv_per_layer_direct_pf_lf``) are only
   defined for CUDA/HIP/XPU; pure-torch versions with the same semantics stand in.
@@ -134,8 +137,10 @@ _DIRECT_OPS = {
 
 
 def _patch_sglang_host_pools() -> None:
-    """After SGLang's host-pool modules load: no pinning, the direct copies in pure torch."""
-    from sglang.srt.mem_cache.pool_host import common, mha
+    """After SGLang's host-pool modules load: no pinning, 1 GiB host headroom, the direct copies in pure torch."""
+    from sglang.srt.mem_cache.pool_host import base, common, mha
+
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
     for name, fn in _DIRECT_OPS.items():
         setattr(mha, name, fn)
