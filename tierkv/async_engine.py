@@ -29,7 +29,7 @@ from tierkv.kvlayout import KVCache
 from tierkv.memory import empty_host
 from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
 from tierkv.pressure import MemoryProbe
-from tierkv.router import FILL_QUEUE, TierRouter, _in_place, _nbytes, _off_loop, _rejection
+from tierkv.router import FILL_QUEUE, TierRouter, _in_place, _nbytes, _off_loop, _rejection, _release_all
 
 logger = logging.getLogger("tierkv.engine")
 
@@ -225,15 +225,21 @@ class AsyncEngine(TierRouter):
         """Put the chunks into tier ``level`` (one copy, from ``source``) and queue their fill."""
         chunks: list[torch.Tensor] = []
         owned: list[bool] = []
-        if _in_place(self.tiers[level]):
-            stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges))
-        else:
-            views = [source.view(start, end) for start, end in ranges]
-            owned = [view is None for view in views]
-            chunks = [view if view is not None else await _gathered(source, shape, rng)
-                      for view, (shape, _), rng in zip(views, layouts, ranges)]
-            stored = await self._tier_put(level, keys, chunks)
-        await self._queue_fill(level, keys, chunks, owned)
+        holds: list[Any] = []  # a memory tier's chunks, held from their commit until the fill has them
+        try:
+            if _in_place(self.tiers[level]):
+                stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges),
+                                              fill_holds=holds)
+            else:
+                views = [source.view(start, end) for start, end in ranges]
+                owned = [view is None for view in views]
+                chunks = [view if view is not None else await _gathered(source, shape, rng)
+                          for view, (shape, _), rng in zip(views, layouts, ranges)]
+                stored = await self._tier_put(level, keys, chunks)
+            await self._queue_fill(level, keys, chunks, owned, holds if _in_place(self.tiers[level]) else None)
+        except BaseException:
+            _release_all(holds)
+            raise
         return stored
 
     async def retrieve(

@@ -235,8 +235,13 @@ class TierRouter:
         raise self._no_tier_took(len(keys), skipped) from (errors[0] if errors else None)
 
     async def _put_and_fill(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> int:
-        stored = await self._tier_put(level, keys, chunks)
-        await self._queue_fill(level, keys, chunks, [False] * len(chunks))
+        holds: list[Any] = []
+        try:
+            stored = await self._tier_put(level, keys, chunks, fill_holds=holds)
+            await self._queue_fill(level, keys, chunks, [False] * len(chunks), holds)
+        except BaseException:
+            _release_all(holds)
+            raise
         return stored
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
@@ -424,15 +429,27 @@ class TierRouter:
 
     async def _tier_put(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor] | None = None, *,
                         layouts: list[tuple[tuple[int, ...], torch.dtype]] | None = None,
-                        write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]] | None = None) -> int:
+                        write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]] | None = None,
+                        fill_holds: list[Any] | None = None) -> int:
         """Put ``chunks`` into tier ``level`` (or, for an in-place tier, let ``write`` fill
-        chunks of ``layouts`` in its memory), with timeout, metrics and health."""
+        chunks of ``layouts`` in its memory), with timeout, metrics and health.
+
+        ``fill_holds`` (write-through, an in-place tier): receives holds on the chunks taken
+        at the moment they are committed, so no other store evicts them before their fill
+        is queued (a chunk evicted then would be in no tier at all)."""
         tier = self.tiers[level]
         metrics = self._metrics[tier.name]
         started = time.perf_counter()
+        if _in_place(tier) and write is None and chunks is not None:  # the tier's own copy, in place
+            layouts, write = [(tuple(c.shape), c.dtype) for c in chunks], _copier(tier, keys, chunks)
+        extra: dict[str, Any] = {}
+        if fill_holds is not None and _in_place(tier) and self._fills_below(level):
+            def on_commit() -> None:
+                fill_holds.extend(tier.hold(keys, pin=False))  # type: ignore[attr-defined]
+            extra["on_commit"] = on_commit
         try:
             if write is not None and layouts is not None:
-                stored = await self._timed_owned(tier.put_with(keys, layouts, write))  # type: ignore[attr-defined]
+                stored = await self._timed_owned(tier.put_with(keys, layouts, write, **extra))  # type: ignore[attr-defined]
                 nbytes = sum(_nbytes(shape, dtype) for shape, dtype in layouts)
             else:
                 assert chunks is not None  # one of the two forms is always given
@@ -478,6 +495,9 @@ class TierRouter:
             remaining = max(0.0, deadline - time.monotonic())
             if timeout is None or remaining < timeout:
                 timeout, by_deadline = remaining, True
+        if by_deadline and timeout is not None and timeout <= 0:  # past the deadline already: nothing is asked
+            metrics.add("deadline_misses", len(keys))
+            return [False] * len(keys)
         started = time.perf_counter()
         try:
             request = tier.batched_get_into(keys, outs)
@@ -612,27 +632,33 @@ class TierRouter:
             return
         raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} demoted chunk(s)")
 
-    async def _queue_fill(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], owned: list[bool]) -> None:
+    def _fills_below(self, level: int) -> bool:
+        """Whether a put into tier ``level`` is copied to the tiers below it (write-through)."""
+        return self.write_policy == "write_through" and level + 1 < len(self.tiers)
+
+    async def _queue_fill(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], owned: list[bool],
+                          taken: list[Any] | None = None) -> None:
         """Write-through: queue copies of what tier ``level`` just took for the tiers below.
 
-        From a memory tier the fill reads the tier's own copy (held, so it stays valid even
-        if the tier evicts the chunk before the fill runs); otherwise chunks that are views
-        of the caller's memory are snapshotted first, since the caller may reuse it.
+        From a memory tier the fill reads the tier's own copy, held since the commit
+        (``taken``, from :meth:`_tier_put`'s ``fill_holds``), so it stays valid even if the
+        tier evicts the chunk before the fill runs; otherwise chunks that are views of the
+        caller's memory are snapshotted first, since the caller may reuse it.
         """
-        below = list(range(level + 1, len(self.tiers)))
-        if self.write_policy != "write_through" or not below:
+        if not self._fills_below(level):
             return
+        below = list(range(level + 1, len(self.tiers)))
         release = None
         if _in_place(self.tiers[level]):
-            held = [(key, h) for key, h in zip(keys, self.tiers[level].hold(keys, pin=False))  # type: ignore[attr-defined]
-                    if h is not None]  # a key can only be missing if the batch repeated it
+            if not taken:
+                taken = list(self.tiers[level].hold(keys, pin=False))  # type: ignore[attr-defined]
+            held = [(key, h) for key, h in zip(keys, taken) if h is not None]  # None only if the batch repeated it
             keys = [key for key, _ in held]
             holds = [h for _, h in held]
             chunks = [h.chunk for h in holds]
 
             def release() -> None:
-                for hold in holds:
-                    hold.release()
+                _release_all(holds)
         else:
             pairs = [(empty_host(tuple(c.shape), c.dtype), c) for c, mine in zip(chunks, owned) if not mine]
             await _copy_pairs_off_loop(pairs)
@@ -713,13 +739,7 @@ class TierRouter:
         staged: dict[int, torch.Tensor] = {}
         if preloaded is not None:
             staged[0], done[0] = preloaded, True
-        for index in range(len(keys)):
-            if levels[index] == -1 and not done[index]:  # acknowledged, not yet written below
-                chunk = self._fill.pending(keys[index])
-                start, end = ranges[index]
-                if chunk is not None and fits_destination(chunk, sink.chunk_shape(end - start), sink.dtype):
-                    sink.read_from(chunk, start, end)  # now: the fill may release those bytes at the next await
-                    done[index] = True
+        self._read_fill_queue([i for i in range(len(keys)) if levels[i] == -1], keys, ranges, sink, done)
         first_round: dict[int, list[int]] = {}
         for index in range(len(keys)):
             level = levels[index]
@@ -733,6 +753,8 @@ class TierRouter:
                   for level, asked in reads))):
             for index, hit in zip(asked, got):
                 done[index] = hit
+        # a chunk the top tier evicted after it was located may still wait in the fill queue
+        self._read_fill_queue([i for i in range(len(keys)) if not done[i]], keys, ranges, sink, done)
         pending = [i for i in range(len(keys)) if not done[i]]
         for level in range(len(self.tiers)):  # second round: what a tier did not have, from the tiers below
             if not pending or (deadline is not None and time.monotonic() >= deadline):
@@ -750,6 +772,19 @@ class TierRouter:
             await _off_loop(functools.partial(_read_all, sink, late),
                             sum(chunk.nbytes for chunk, _ in late))
         return delivered
+
+    def _read_fill_queue(self, indices: list[int], keys: list[CacheKey], ranges: list[tuple[int, int]],
+                         sink: transfer.ChunkSink, done: list[bool]) -> None:
+        """Copy the chunks ``indices`` that are acknowledged but not yet written below from the
+        fill queue's copy, now (the fill may release those bytes at the next await)."""
+        for index in indices:
+            if done[index]:
+                continue
+            chunk = self._fill.pending(keys[index])
+            start, end = ranges[index]
+            if chunk is not None and fits_destination(chunk, sink.chunk_shape(end - start), sink.dtype):
+                sink.read_from(chunk, start, end)
+                done[index] = True
 
     async def _read_level(self, level: int, asked: list[int], keys: list[CacheKey], ranges: list[tuple[int, int]],
                           sink: transfer.ChunkSink, caller_owned: bool, staged: dict[int, torch.Tensor],
@@ -798,6 +833,23 @@ def _place(found: list[int | None], missing: list[int], flags: Sequence[bool], l
         else:
             still.append(index)
     return still
+
+
+def _release_all(holds: Sequence[Any]) -> None:
+    for hold in holds:
+        if hold is not None:
+            hold.release()
+
+
+def _copier(tier: StorageBackend, keys: list[CacheKey], chunks: list[torch.Tensor]
+            ) -> Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]:
+    """The writer of an in-place tier's put of ``chunks``: the tier's own copy into its slabs
+    (later duplicates of a key win)."""
+    latest = dict(zip(keys, chunks))
+
+    async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+        await tier.copy_chunks([(view, latest[key].detach()) for key, view in views.items()])  # type: ignore[attr-defined]
+    return write
 
 
 def _rejection(exc: BaseException) -> str:

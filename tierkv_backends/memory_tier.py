@@ -258,9 +258,11 @@ class MemoryTier(StorageBackend):
                 return None
 
     async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[ChunkLayout],
-                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]) -> int:
+                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]],
+                       on_commit: Callable[[], None] | None = None) -> int:
         """Reserve slabs, let ``write`` fill them (key -> chunk view), then commit them; nothing
-        is committed if ``write`` fails.
+        is committed if ``write`` fails. ``on_commit`` runs right after the commit, before any
+        other task can evict the chunks (the engine holds them there for its background fill).
 
         ``write`` must not return (nor raise, cancelled or not) while a copy into the views
         still runs (:mod:`tierkv.ownership`): the slabs are given back as soon as it ended.
@@ -272,6 +274,8 @@ class MemoryTier(StorageBackend):
             self.abort(reservations)
             raise
         self.commit(reservations)
+        if on_commit is not None:
+            on_commit()
         return len(keys)
 
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
