@@ -9,7 +9,7 @@ writes in flight have landed, so the next request's prefix can only come from L3
 ``gen`` reports its output ids, cached tokens and wall time.
 
 It must run with the CPU stand-ins of ``tests/sglang_stubs.py`` loaded in every process
-(``TIERKV_SGLANG_STUBS=1`` and ``tests/hicache/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
+(``SGLANG_CPU_TEST_STUBS=1`` and ``tests/hicache/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run_spec(spec: dict[str, Any], workdir: Path, timeout_s: float = 600) -> lis
     spec_path, out_path = workdir / "spec.json", workdir / "out.json"
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
-    env = {**os.environ, "TIERKV_SGLANG_STUBS": "1", "SGLANG_USE_CPU_ENGINE": "1",
+    env = {**os.environ, "SGLANG_CPU_TEST_STUBS": "1", "SGLANG_USE_CPU_ENGINE": "1",
            "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     log = workdir / "sglang.log"
     with open(log, "w") as handle:

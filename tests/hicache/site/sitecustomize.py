@@ -1,11 +1,11 @@
 """Loaded at start-up by every Python process whose PYTHONPATH names this folder (the tox
 ``sglang`` env sets it, so SGLang's scheduler processes get it too): applies the CPU
-stand-ins of ``tests/sglang_stubs.py`` when ``TIERKV_SGLANG_STUBS=1``."""
+stand-ins of ``tests/sglang_stubs.py`` when ``SGLANG_CPU_TEST_STUBS=1``."""
 
 import os
 import sys
 
-if os.environ.get("TIERKV_SGLANG_STUBS") == "1":
+if os.environ.get("SGLANG_CPU_TEST_STUBS") == "1":
     _tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if _tests not in sys.path:
         sys.path.append(_tests)
