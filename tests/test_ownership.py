@@ -163,6 +163,32 @@ def test_stores_cancelled_while_demoting_leave_no_reserved_bytes(tmp_path: Path)
     asyncio.run(main())
 
 
+# -- write-through: concurrent stores into a small memory tier lose no acknowledged chunk -----------------
+def test_concurrent_write_through_stores_keep_every_acknowledged_chunk_somewhere(tmp_path: Path) -> None:
+    """Stores evict each other's chunks from a memory tier of four chunks while their fills
+    are still queued: every acknowledged chunk is in the fill queue or a tier, and reads back."""
+
+    async def main(run: int) -> None:
+        async with with_engine(config("cpu+lmdb", tmp_path / str(run), capacity="2MiB")) as engine:
+            seeds = list(range(400, 424))
+            kvs = {seed: kv_for(seed % 12, 2) for seed in seeds}
+
+            async def store_then_read(seed: int) -> None:
+                tokens = prompt(seed, 2)
+                assert await engine.store(tokens, kvs[seed]) == 2
+                kv, mask = await engine.retrieve(tokens, return_tuple=False)
+                assert bool(mask.all()), f"prompt {seed}: acknowledged, then missed ({engine.locate_prefix_nowait(tokens)})"
+                assert same(kv, kvs[seed])
+            await asyncio.gather(*(store_then_read(seed) for seed in seeds))
+            await engine.flush()
+            for seed in seeds:
+                tokens = prompt(seed, 2)
+                assert await engine.lookup(tokens) == len(tokens), f"prompt {seed} lost"
+            assert_accounts_exactly(engine)
+    for run in range(5):
+        asyncio.run(main(run))
+
+
 # -- retrieve(out=...) cancelled mid-read: nothing lands in out after the call returned -------------------
 async def watch_unchanged(out: torch.Tensor, seconds: float = 0.05) -> bool:
     """Whether ``out`` keeps the bytes it had when the call returned, for ``seconds``."""
