@@ -24,7 +24,14 @@ Baselines, interleaved with our passes so noise hits both:
   read back with ``preadv`` into touched memory after the page cache of the files is dropped
   (``fdatasync`` + ``POSIX_FADV_DONTNEED``, applied to tierkv's files alike: "cold");
 - ``raw lmdb``: py-lmdb puts of the same chunk bytes (one write transaction per prompt) and
-  ``txn.get`` + copy into touched memory;
+  ``txn.get`` + copy into touched memory; the lmdb tiers' store is also timed against raw puts
+  with and without ``writemap``, ``sync`` / ``metasync``, ``map_async``, a transaction per
+  chunk, and raw files (``RAW_LMDB_PUTS``). Its target is the configuration that keeps the
+  guarantees tierkv relies on (no writemap, no fsync per commit: a crashed process keeps every
+  committed batch, a full disk is an error); ``lmdb-trusted`` (writemap) is held to raw
+  writemap puts. Without writemap LMDB copies each value twice (into dirty pages it
+  allocates per transaction, then into the page cache at commit), so it cannot reach the fs
+  tier's one-copy ``writev``; the rows show by how much;
 - ``paged kernels``: the bare ``ops.paged_gather`` + ``ops.paged_scatter`` of the same tokens,
   the floor of the ``PagedConnector`` round trip (a CPU paged cache -> cpu tier -> another
   paged cache with a different slot mapping).
@@ -63,8 +70,8 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "cpu": [("store", "memcpy", 0.85), ("retrieve out=", "memcpy", 0.85), ("retrieve", "empty+copy", 0.85),
             ("connector round trip", "paged kernels", 0.7)],
     "fs": [("store", "raw files", 0.9), ("retrieve out= (cold)", "raw files (cold)", 0.9)],
-    "lmdb": [("retrieve out=", "raw lmdb", 0.9)],
-    "lmdb-trusted": [("retrieve out=", "raw lmdb", 0.9)],
+    "lmdb": [("store", "raw lmdb put", 0.9), ("retrieve out=", "raw lmdb", 0.9)],
+    "lmdb-trusted": [("store", "raw lmdb put (writemap)", 0.9), ("retrieve out=", "raw lmdb", 0.9)],
 }
 FS_FLOORS = {"store": 2.3, "retrieve out= (cold)": 2.0}  # GB/s on the reference workload
 LOOKUP_TARGET_US = 50.0
@@ -137,17 +144,39 @@ class RawFiles:
             path.unlink()
 
 
+RAW_LMDB_PUTS: dict[str, dict[str, Any]] = {
+    # name -> (py-lmdb open flags); "raw lmdb put" is the configuration that keeps LMDB's crash
+    # guarantees as tierkv uses them (a crashed process leaves the last committed batches
+    # intact; a full disk is an error): no writemap, no fsync per commit -- tierkv's default
+    "raw lmdb put": {"sync": False, "metasync": False, "writemap": False},
+    # + power loss loses at most the last commits, never the environment (ACI kept)
+    "raw lmdb put (sync, nometasync)": {"sync": True, "metasync": False, "writemap": False},
+    # + durable on power loss
+    "raw lmdb put (sync)": {"sync": True, "metasync": True, "writemap": False},
+    # values written straight into the shared map: one copy, but the map file is sparse (a
+    # full disk is a SIGBUS, not an error) and a stray write in the process reaches the data
+    "raw lmdb put (writemap)": {"sync": False, "metasync": False, "writemap": True},
+    "raw lmdb put (writemap, map_async)": {"sync": True, "metasync": True, "writemap": True, "map_async": True},
+}
+"""Raw py-lmdb put configurations timed next to the lmdb tiers' store (one transaction per prompt,
+i.e. per batch; ``raw lmdb put (txn per chunk)`` is the first one committing every chunk)."""
+RAW_LMDB_BASELINE = {"lmdb": "raw lmdb put", "lmdb-trusted": "raw lmdb put (writemap)"}
+
+
 class RawLMDB:
-    """The raw py-lmdb baseline: one write transaction per prompt; reads copy into ``out``."""
+    """The raw py-lmdb baseline: one write transaction per prompt (or per chunk); reads copy into ``out``."""
 
-    def __init__(self, root: Path, map_size: int) -> None:
-        self.env = lmdb.open(str(root), map_size=map_size, sync=False, metasync=False, writemap=False)
+    def __init__(self, root: Path, map_size: int, **flags: Any) -> None:
+        self.env = lmdb.open(str(root), map_size=map_size, **flags)
 
-    def store(self, prompt: int, kv: torch.Tensor) -> None:
-        with self.env.begin(write=True) as txn:
-            for index, start in enumerate(range(0, kv.shape[2], CHUNK)):
-                chunk = kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)).contiguous()
-                txn.put(f"{prompt}-{index}".encode(), chunk.view(torch.uint8).numpy().data)
+    def store(self, prompt: int, kv: torch.Tensor, txn_per_chunk: bool = False) -> None:
+        starts = list(range(0, kv.shape[2], CHUNK))
+        batches = [[s] for s in starts] if txn_per_chunk else [starts]
+        for batch in batches:
+            with self.env.begin(write=True) as txn:
+                for start in batch:
+                    chunk = kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)).contiguous()
+                    txn.put(f"{prompt}-{start // CHUNK}".encode(), chunk.view(torch.uint8).numpy().data)
 
     def read(self, prompt: int, out: torch.Tensor) -> None:
         with self.env.begin(buffers=True) as txn:
@@ -214,8 +243,14 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
                 passes: int, root: Path) -> list[dict[str, Any]]:
     pass_bytes = sum(kv.numel() * kv.element_size() for _, kv in prompts)
     memcpy_dst = outs  # the baseline copies into the same touched memory retrieve(out=) fills
-    raw_files = RawFiles(root / "raw-files") if tier == "fs" else None
-    raw_lmdb = RawLMDB(root / "raw-lmdb", 4 * pass_bytes) if tier.startswith("lmdb") else None
+    lmdb_tier = tier.startswith("lmdb")
+    raw_files = RawFiles(root / "raw-files") if tier == "fs" or lmdb_tier else None  # lmdb: how fast files are
+    raw_lmdbs: dict[str, RawLMDB] = {}
+    if lmdb_tier:
+        for number, (name, flags) in enumerate(RAW_LMDB_PUTS.items()):
+            (root / f"raw-lmdb-{number}").mkdir()
+            raw_lmdbs[name] = RawLMDB(root / f"raw-lmdb-{number}", 4 * pass_bytes, **flags)
+    raw_lmdb = raw_lmdbs.get(RAW_LMDB_BASELINE.get(tier, ""))
     if raw_files is not None:
         raw_files.root.mkdir()
     started = time.perf_counter()
@@ -249,14 +284,20 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
                    _timed(lambda: [torch.empty_like(kv).copy_(kv) for _, kv in prompts]))
             if raw_files is not None:
                 record("raw files", phase, _timed(lambda: [raw_files.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
-                _drop_page_cache(raw_files.root)
-                record("raw files (cold)", phase,
-                       _timed(lambda: [raw_files.read(i, o) for i, o in enumerate(outs)]))
+                if tier == "fs":
+                    _drop_page_cache(raw_files.root)
+                    record("raw files (cold)", phase,
+                           _timed(lambda: [raw_files.read(i, o) for i, o in enumerate(outs)]))
                 raw_files.clear()
-            if raw_lmdb is not None:
-                record("raw lmdb put", phase, _timed(lambda: [raw_lmdb.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
-                record("raw lmdb", phase, _timed(lambda: [raw_lmdb.read(i, o) for i, o in enumerate(outs)]))
-                raw_lmdb.clear()
+            for name, raw in raw_lmdbs.items():
+                record(name, phase, _timed(lambda raw=raw: [raw.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
+                if raw is raw_lmdb:
+                    record("raw lmdb", phase, _timed(lambda: [raw_lmdb.read(i, o) for i, o in enumerate(outs)]))
+                raw.clear()
+                if name == "raw lmdb put":
+                    record("raw lmdb put (txn per chunk)", phase,
+                           _timed(lambda raw=raw: [raw.store(i, kv, txn_per_chunk=True) for i, (_, kv) in enumerate(prompts)]))
+                    raw.clear()
             for tokens, _ in prompts:  # the next pass starts on an empty cache
                 engine.batched_delete(engine.keys_for(tokens))
         rows = _rows(tier, samples, per_byte, pass_bytes, startup_s)
@@ -266,8 +307,8 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             rows += _connector_rows(engine, prompts[0][0], passes)
     finally:
         engine.close()
-        if raw_lmdb is not None:
-            raw_lmdb.close()
+        for raw in raw_lmdbs.values():
+            raw.close()
     return rows
 
 
@@ -275,14 +316,16 @@ def _rows(tier: str, samples: dict[tuple[str, str], list[float]], per_byte: dict
           pass_bytes: int, startup_s: float) -> list[dict[str, Any]]:
     rows = []
     lmdb = tier.startswith("lmdb")
-    baseline_of = {"store": "raw files" if tier == "fs" else "raw lmdb put" if lmdb else "memcpy",
-                   "retrieve out=": "raw lmdb" if lmdb else "memcpy",
-                   "retrieve out= (cold)": "raw files (cold)", "retrieve": "empty+copy"}
+    baselines_of = {"store": ["raw files"] if tier == "fs" else
+                    [RAW_LMDB_BASELINE[tier], *RAW_LMDB_PUTS, "raw lmdb put (txn per chunk)", "raw files"] if lmdb
+                    else ["memcpy"],
+                    "retrieve out=": ["raw lmdb"] if lmdb else ["memcpy"],
+                    "retrieve out= (cold)": ["raw files (cold)"], "retrieve": ["empty+copy"]}
     targets = {(op, base): target for op, base, target in TARGETS.get(tier, [])}
     for (op, phase), times in samples.items():
-        if op not in baseline_of:
+        if op not in baselines_of:
             continue
-        for baseline in dict.fromkeys([baseline_of[op], "memcpy"]):
+        for baseline in dict.fromkeys([*baselines_of[op], "memcpy"]):
             ours = statistics.median(times)
             base = statistics.median(samples[(baseline, phase)])
             ratio = base / ours
@@ -416,7 +459,7 @@ def summarize_prompt(rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from run import print_table
+    from tables import print_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=4)

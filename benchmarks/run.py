@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import os
 import platform
 import sys
@@ -29,35 +27,12 @@ import torch  # noqa: E402
 from core import run_core  # noqa: E402
 from matrix import SETUPS, plan, plot, run_cell  # noqa: E402
 from policy import print_rows, run_policy  # noqa: E402
+from tables import print_table, write_results  # noqa: E402,F401  (vllm_ttft.py imports them from here)
 
 MATRIX_COLUMNS = ["tier", "op", "chunk_tokens", "batch", "concurrency", "ours_MBps", "baseline_MBps", "ratio",
                   "baseline", "target", "meets"]
 CORE_COLUMNS = ["tier", "op", "batch", "ours_ms", "baseline_ms", "ours_GBps", "baseline_GBps", "ratio", "target",
                 "meets", "baseline"]
-
-
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    shown = [c for c in columns if any(c in r for r in rows)]
-
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.3f}" if value < 100 else f"{value:.0f}"
-        return "" if value is None else str(value)
-
-    table = [[cell(r.get(c)) for c in shown] for r in rows]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(shown)]
-    print("  ".join(c.ljust(w) for c, w in zip(shown, widths)))
-    print("  ".join("-" * w for w in widths))
-    for t in table:
-        print("  ".join(v.ljust(w) for v, w in zip(t, widths)))
-
-
-def write_results(out: Path, name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    with open(out / f"{name}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted({k for r in rows for k in r}))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 @contextlib.contextmanager

@@ -208,6 +208,47 @@ def test_large_chunks_use_multipart_upload_and_ranged_gets(s3_server: S3Server, 
     asyncio.run(body())
 
 
+def test_a_small_batch_fetches_ranges_of_one_object_in_parallel(s3_server: S3Server, s3_bucket: str) -> None:
+    """Batch 1 with 16 request slots: the object is asked as ranges at once (sized from the
+    last object seen); objects smaller or larger than that guess still arrive exact."""
+    async def body() -> None:
+        backend = make_s3(s3_server, s3_bucket, "ranges", min_range="1MiB", max_concurrency=16)
+        try:
+            chunks = {1: make_chunk(1, shape=(4, 2, 256, 8, 128), dtype=torch.float16),  # 4 MiB
+                      2: make_chunk(2, shape=(4, 2, 64, 8, 128), dtype=torch.float16),  # 1 MiB: smaller than the guess
+                      3: make_chunk(3, shape=(4, 2, 512, 8, 128), dtype=torch.float16)}  # 8 MiB: larger
+            await backend.batched_put([make_key(i) for i in chunks], list(chunks.values()))
+            assert same_bytes(await backend.get(make_key(1)), chunks[1])  # one GET: nothing known yet
+            before = backend.stats()
+            out = torch.empty_like(chunks[1])
+            assert await backend.batched_get_into([make_key(1)], [out]) == [True] and same_bytes(out, chunks[1])
+            after = backend.stats()
+            assert after["ranged_gets"] == before["ranged_gets"] + 1
+            assert after["requests"] - before["requests"] == 5, "4 MiB + header as 1 MiB ranges, all at once"
+            for index in (2, 3, 1):
+                assert same_bytes(await backend.get(make_key(index)), chunks[index])
+            assert backend.stats()["corrupt_chunks"] == 0
+        finally:
+            await backend.close()
+    asyncio.run(body())
+
+
+def test_options_have_one_source_of_defaults(s3_server: S3Server, s3_bucket: str) -> None:
+    from tierkv_backends.s3_options import S3_OPTIONS
+
+    backend = S3Backend(name="defaults", bucket=s3_bucket, **s3_server.client_options())
+    try:
+        assert backend.timeout_s == S3_OPTIONS["timeout_s"].default
+        assert backend.max_concurrency == S3_OPTIONS["max_concurrency"].default
+        assert backend._objects.part_size == S3_OPTIONS["part_size"].default
+        with pytest.raises(ConfigError, match="max_concurency"):
+            S3Backend(name="typo", bucket=s3_bucket, max_concurency=4, check_on_start=False)
+        with pytest.raises(ConfigError, match="max_concurrency: must be >= 1"):
+            S3Backend(name="zero", bucket=s3_bucket, max_concurrency=0, check_on_start=False)
+    finally:
+        asyncio.run(backend.close())
+
+
 # -- a stalled endpoint: the deadline holds -----------------------------------------------------------
 def test_stalled_endpoint_gets_end_at_the_deadline_and_the_tier_trips(s3_server: S3Server, black_hole: str) -> None:
     async def body() -> None:

@@ -13,7 +13,12 @@ How it talks to the store:
 - Large chunks: a put of ``multipart_threshold`` bytes or more is a multipart upload of
   ``part_size`` parts sent in parallel; a get asks for the first ``part_size`` bytes and,
   when the object is larger, fetches the remaining ranges in parallel. Below those sizes
-  (the default covers a 32-layer, 256-token Llama-3-8B chunk) it is one request each way.
+  (the default covers a 32-layer, 256-token Llama-3-8B chunk) it is one request each way --
+  except for a batch of fewer objects than ``max_concurrency``: its idle request slots fetch
+  ranges (at least ``min_range``) of the same object in parallel (:mod:`tierkv_backends.s3_objects`).
+- Layout: options and their defaults (one source) in :mod:`tierkv_backends.s3_options`, the
+  blocking requests in :mod:`tierkv_backends.s3_objects`, what a reply means in
+  :mod:`tierkv_backends.s3_requests`; here: batches, deadlines, health, caller memory.
 - Retries: throttling (SlowDown, 429, 503) and transient faults (connection refused/reset,
   timeouts, 5xx, a body cut, short or reset mid-transfer) are retried ``retries`` times with
   capped, jittered exponential backoff, never past the operation's ``timeout_s`` deadline.
@@ -38,10 +43,9 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -52,34 +56,21 @@ from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.health import CircuitBreaker
 from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import copy_into, direct_target
-from tierkv.options import Option
+from tierkv.options import Option, parse_options
 from tierkv.ownership import WriteGrant
 from tierkv.planner import SpeedSeed
-from tierkv_backends.s3_requests import (
-    NO_BUCKET_CODES,
-    TRANSIENT_ERRORS,
-    IncompleteBodyError,
-    bucket_name,
-    checked_body,
-    error_code,
-    http_status,
-    is_missing,
-    is_transient,
-    key_prefix,
-)
+from tierkv_backends.s3_objects import S3Objects
+from tierkv_backends.s3_options import MIN_PART, S3_OPTIONS
+from tierkv_backends.s3_requests import bucket_name, is_missing, is_transient, key_prefix
 
 try:
     import boto3
-    import botocore.exceptions
     from botocore.config import Config as BotoConfig
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the s3 tier needs boto3: pip install 'tierkv[s3]'") from _exc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_MiB = 1 << 20
-_MIN_PART = 5 * _MiB  # S3's minimum multipart part size (all parts but the last)
 
 __all__ = ["S3Backend", "bucket_name", "is_missing", "is_transient", "key_prefix"]
 
@@ -90,117 +81,59 @@ class S3Backend(BlobBackend):
     speed_seed: ClassVar[SpeedSeed] = SpeedSeed(fixed_s=20e-3, bytes_per_s=150e6)  # a remote object store
     persistent: ClassVar[bool] = True
     bounded: ClassVar[bool] = False
-    options: ClassVar[dict[str, Option]] = {
-        "bucket": Option(bucket_name, required=True, doc="bucket holding the chunks"),
-        "prefix": Option(key_prefix, "tierkv", doc="object-name prefix inside the bucket"),
-        "endpoint_url": Option("str", None, doc="S3 endpoint, e.g. http://127.0.0.1:9000 (AWS when unset)"),
-        "region": Option("str", None, doc="region name (us-east-1 when unset)"),
-        "access_key_id": Option("str", None, secret=True, doc="access key (else the boto3 credential chain)"),
-        "secret_access_key": Option("str", None, secret=True, doc="secret key (with access_key_id)"),
-        "session_token": Option("str", None, secret=True, doc="session token for temporary credentials"),
-        "addressing_style": Option("str", "path", choices=("path", "virtual", "auto"),
-                                   doc="path for MinIO/SeaweedFS, virtual for AWS"),
-        "max_concurrency": Option("int", 16, minimum=1, doc="requests in flight at once"),
-        "connect_timeout_s": Option("float", 2.0, minimum=0.01),
-        "read_timeout_s": Option("float", 10.0, minimum=0.01),
-        "timeout_s": Option("float", 30.0, minimum=0.01, doc="deadline of one batched operation, retries included"),
-        "retries": Option("int", 3, minimum=0, doc="retries of a throttled or transient request"),
-        "backoff_base_s": Option("float", 0.05, minimum=0.0),
-        "backoff_max_s": Option("float", 1.0, minimum=0.0),
-        "multipart_threshold": Option("size", 64 * _MiB, doc="puts this large or larger use multipart upload"),
-        "part_size": Option("size", 64 * _MiB, minimum=_MIN_PART, doc="multipart part and ranged-GET size"),
-        "create_bucket": Option("bool", False, doc="create the bucket when it does not exist"),
-        "check_on_start": Option("bool", True, doc="check endpoint, credentials and bucket when the tier is built"),
-        "failure_threshold": Option("int", 3, minimum=1, doc="failed batches in a row that mark the tier unhealthy"),
-        "probe_interval_s": Option("float", 2.0, minimum=0.01, doc="how often an unhealthy tier is probed"),
-    }
+    options: ClassVar[dict[str, Option]] = S3_OPTIONS
 
-    def __init__(self, name: str, capacity: int | None = None, *, bucket: str, prefix: str = "tierkv",
-                 endpoint_url: str | None = None, region: str | None = None, access_key_id: str | None = None,
-                 secret_access_key: str | None = None, session_token: str | None = None,
-                 addressing_style: str = "path", max_concurrency: int = 16, connect_timeout_s: float = 2.0,
-                 read_timeout_s: float = 10.0, timeout_s: float = 30.0, retries: int = 3,
-                 backoff_base_s: float = 0.05, backoff_max_s: float = 1.0, multipart_threshold: int = 64 * _MiB,
-                 part_size: int = 64 * _MiB, create_bucket: bool = False, check_on_start: bool = True,
-                 failure_threshold: int = 3, probe_interval_s: float = 2.0) -> None:
+    def __init__(self, name: str, capacity: int | None = None, **options: Any) -> None:
+        """``options``: the keys of :data:`~tierkv_backends.s3_options.S3_OPTIONS` (``bucket``
+        required); what is not given takes its default from there, what is given is checked."""
         super().__init__(name, capacity)
+        settings = parse_options(S3_OPTIONS, options, f"tier {name!r}")
+        access_key_id, secret_access_key = settings["access_key_id"], settings["secret_access_key"]
+        session_token = settings["session_token"]
         if (access_key_id is None) != (secret_access_key is None):
             raise ConfigError(f"tier {name!r}: give both access_key_id and secret_access_key, or neither "
                               "(to use the boto3 credential chain)")
-        if part_size < _MIN_PART:
-            raise ConfigError(f"tier {name!r} part_size: S3 parts must be at least 5MiB, got {part_size}")
-        self.bucket = bucket_name(bucket)
-        self.prefix = key_prefix(prefix)
-        self.endpoint_url = endpoint_url
-        self.region = region or "us-east-1"
-        self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.multipart_threshold = max(multipart_threshold, _MIN_PART)
-        self.part_size = part_size
+        self.bucket = settings["bucket"]
+        self.prefix = settings["prefix"]
+        self.endpoint_url = settings["endpoint_url"]
+        self.region = settings["region"] or "us-east-1"
+        self.max_concurrency = settings["max_concurrency"]
+        self.timeout_s = settings["timeout_s"]
         self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
         session = boto3.session.Session(aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
                                         aws_session_token=session_token, region_name=self.region)
         config = BotoConfig(
-            connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+            connect_timeout=settings["connect_timeout_s"], read_timeout=settings["read_timeout_s"],
             retries={"total_max_attempts": 1},  # retried here, with our deadline and counters
-            max_pool_connections=2 * max_concurrency, tcp_keepalive=True,
-            s3={"addressing_style": addressing_style},
+            max_pool_connections=2 * self.max_concurrency, tcp_keepalive=True,
+            s3={"addressing_style": settings["addressing_style"]},
             # chunks carry an XXH3 checksum of their own; skip botocore's per-request CRC32
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
         )
-        self._client = session.client("s3", endpoint_url=endpoint_url, config=config)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"tierkv-s3-{name}")
-        self._part_pool = concurrent.futures.ThreadPoolExecutor(max_concurrency,
+        self._client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix=f"tierkv-s3-{name}")
+        self._part_pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
                                                                 thread_name_prefix=f"tierkv-s3-{name}-part")
         self._count_lock = threading.Lock()
         self.counters.update({"requests": 0, "retries": 0, "get_errors": 0, "put_errors": 0, "timeouts": 0,
                               "bytes_read": 0, "bytes_written": 0, "multipart_puts": 0, "ranged_gets": 0,
                               "incomplete_bodies": 0, "abandoned_copies": 0})
-        self.health = CircuitBreaker(name, self._probe, failure_threshold, probe_interval_s)
-        if check_on_start:
-            self._check_bucket(create_bucket)
+        self._objects = S3Objects(
+            name, self._client, self.bucket, self.prefix, self.endpoint_url, self.region,
+            part_size=settings["part_size"], multipart_threshold=max(settings["multipart_threshold"], MIN_PART),
+            min_range=settings["min_range"], retries=settings["retries"], backoff_base_s=settings["backoff_base_s"],
+            backoff_max_s=settings["backoff_max_s"], part_pool=self._part_pool, count=self._count,
+            redact=self._redact)
+        self.health = CircuitBreaker(name, self._probe, settings["failure_threshold"], settings["probe_interval_s"])
+        if settings["check_on_start"]:
+            self._objects.check_bucket(settings["create_bucket"])
 
-    # -- start-up checks ------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, name: str, capacity: int | None, options: Mapping[str, Any]) -> S3Backend:
+        return cls(name, capacity, **options)
+
     def _where(self) -> str:
-        return f"bucket {self.bucket!r} at {self.endpoint_url or 'AWS S3'}"
-
-    def _check_bucket(self, create: bool) -> None:
-        """Fail at start-up, clearly, on a wrong endpoint, wrong credentials or a missing bucket."""
-        try:
-            self._client.head_bucket(Bucket=self.bucket)
-            return
-        except botocore.exceptions.NoCredentialsError as exc:
-            raise ConfigError(f"tier {self.name!r}: no S3 credentials: set access_key_id and secret_access_key, "
-                              "or configure the boto3 credential chain (AWS_* env, profile, role)") from exc
-        except TRANSIENT_ERRORS as exc:
-            raise ConfigError(f"tier {self.name!r}: cannot reach the S3 endpoint {self.endpoint_url or '(AWS)'}: "
-                              f"{self._redact(exc)} (check endpoint_url; check_on_start: false starts anyway)"
-                              ) from exc
-        except botocore.exceptions.ClientError as exc:
-            status = http_status(exc)
-            if status in (401, 403) or error_code(exc) in {"InvalidAccessKeyId", "SignatureDoesNotMatch",
-                                                             "AccessDenied", "Forbidden"}:
-                raise ConfigError(f"tier {self.name!r}: access denied to {self._where()}: wrong access_key_id/"
-                                  f"secret_access_key, or no permission on the bucket (HTTP {status})") from exc
-            if not (status == 404 or error_code(exc) in NO_BUCKET_CODES):
-                raise ConfigError(f"tier {self.name!r}: checking {self._where()} failed: {self._redact(exc)}"
-                                  ) from exc
-        if not create:
-            raise ConfigError(f"tier {self.name!r}: {self._where()} does not exist; create it, "
-                              "or set create_bucket: true")
-        try:
-            if self.region == "us-east-1" or self.endpoint_url:
-                self._client.create_bucket(Bucket=self.bucket)
-            else:
-                self._client.create_bucket(Bucket=self.bucket,
-                                           CreateBucketConfiguration={"LocationConstraint": self.region})
-        except botocore.exceptions.ClientError as exc:
-            if error_code(exc) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
-                raise ConfigError(f"tier {self.name!r}: cannot create {self._where()}: {self._redact(exc)}") from exc
-        logger.info("tier %r: created %s", self.name, self._where())
+        return self._objects.where()
 
     def _redact(self, exc: BaseException | str) -> str:
         text = str(exc)
@@ -213,113 +146,24 @@ class S3Backend(BlobBackend):
         with self._count_lock:
             self.counters[name] += amount
 
-    def _request(self, call: Callable[[], T], deadline: float) -> T:
-        """Run one S3 request, retrying throttling and transient faults until ``deadline``."""
-        attempt = 0
-        while True:
-            self._count("requests")
-            try:
-                return call()
-            except Exception as exc:
-                if not is_transient(exc) or attempt >= self.retries:
-                    raise
-                delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** attempt)) * random.uniform(0.5, 1.0)
-                if time.monotonic() + delay >= deadline:
-                    raise
-                self._count("retries")
-                time.sleep(delay)
-                attempt += 1
-
     def _object_key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
+        return self._objects.object_key(name)
 
-    def _get_range(self, key: str, start: int, end: int, deadline: float) -> tuple[bytes, int]:
-        """Bytes [start, end] of an object and the object's total size.
+    def _fetch(self, name: str, deadline: float, ways: int = 1) -> bytes | bytearray | None:
+        return self._objects.fetch(name, deadline, ways)
 
-        A body that did not arrive whole (cut, short, reset mid-body) is a transient fault
-        (see :mod:`tierkv_backends.s3_requests`): retried here, never taken for corruption.
-        """
-        def call() -> tuple[bytes, int]:
-            response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}")
-            body = response["Body"].read()
-            try:
-                return body, checked_body(body, response, start)
-            except IncompleteBodyError:
-                self._count("incomplete_bodies")
-                raise
-        return self._request(call, deadline)
+    def _ways(self, batch: int) -> int:
+        """Ranges per object: the request slots a batch of ``batch`` objects leaves idle."""
+        return max(1, self.max_concurrency // max(1, batch))
 
-    def _fetch(self, name: str, deadline: float) -> bytes | bytearray | None:
-        """An object's bytes (None when absent): one ranged GET, then the rest in parallel ranges."""
-        key = self._object_key(name)
-        try:
-            first, total = self._get_range(key, 0, self.part_size - 1, deadline)
-        except botocore.exceptions.ClientError as exc:
-            if is_missing(exc):
-                return None
-            if error_code(exc) == "InvalidRange":  # a zero-byte object: garbage, not a chunk
-                return b""
-            raise
-        if total <= len(first):
-            self._count("bytes_read", len(first))
-            return first
-        self._count("ranged_gets")
-        data = bytearray(total)
-        data[: len(first)] = first
-        starts = range(len(first), total, self.part_size)
-        parts = [self._part_pool.submit(self._get_range, key, s, min(s + self.part_size, total) - 1, deadline)
-                 for s in starts]
-        try:
-            for start, part in zip(starts, parts):
-                body, _ = part.result()
-                data[start : start + len(body)] = body
-        finally:
-            for part in parts:
-                part.cancel()
-        self._count("bytes_read", total)
-        return data
-
-    def _load(self, name: str, deadline: float) -> torch.Tensor | None | ChunkFormatError:
-        data = self._fetch(name, deadline)
+    def _load(self, name: str, deadline: float, ways: int = 1) -> torch.Tensor | None | ChunkFormatError:
+        data = self._fetch(name, deadline, ways)
         if data is None:
             return None
         try:
             return serde.decode(data)
         except ChunkFormatError as exc:
             return exc
-
-    def _store(self, name: str, data: bytes | bytearray, deadline: float) -> None:
-        key = self._object_key(name)
-        if len(data) < self.multipart_threshold:
-            self._request(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=data), deadline)
-        else:
-            self._store_multipart(key, data, deadline)
-        self._count("bytes_written", len(data))
-
-    def _store_multipart(self, key: str, data: bytes | bytearray, deadline: float) -> None:
-        upload = self._request(lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=key), deadline)
-        upload_id = upload["UploadId"]
-        view = memoryview(data)
-
-        def send(number: int, start: int) -> dict[str, Any]:
-            body = bytes(view[start : start + self.part_size])
-            reply = self._request(lambda: self._client.upload_part(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body), deadline)
-            return {"PartNumber": number, "ETag": reply["ETag"]}
-
-        try:
-            futures = [self._part_pool.submit(send, i + 1, start)
-                       for i, start in enumerate(range(0, len(data), self.part_size))]
-            parts = [f.result() for f in futures]
-            self._request(lambda: self._client.complete_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}), deadline)
-        except BaseException:
-            try:
-                self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            except Exception:  # noqa: BLE001 - best effort; the store expires abandoned uploads
-                logger.debug("tier %r: could not abort multipart upload of %s", self.name, key)
-            raise
-        self._count("multipart_puts")
 
     def _encode_and_store(self, name: str, chunk: torch.Tensor, fmt: str, deadline: float, grant: WriteGrant
                           ) -> None:
@@ -333,9 +177,9 @@ class S3Backend(BlobBackend):
         if not grant.write(lambda: encoded.append(serde.encode(chunk, fmt if fmt in KV_FORMATS else None))):
             self._count("abandoned_copies")
             raise TimeoutError("put abandoned before its chunk was read")
-        self._store(name, encoded[0], deadline)
+        self._objects.store(name, encoded[0], deadline)
 
-    def _load_into(self, name: str, out: torch.Tensor, deadline: float, grant: WriteGrant
+    def _load_into(self, name: str, out: torch.Tensor, deadline: float, grant: WriteGrant, ways: int = 1
                    ) -> bool | ChunkFormatError:
         """Fetch an object, verify it in the response buffer, copy it once into ``out``.
 
@@ -345,7 +189,7 @@ class S3Backend(BlobBackend):
         """
         if grant.revoked:
             return False
-        data = self._fetch(name, deadline)
+        data = self._fetch(name, deadline, ways)
         if data is None:
             return False
         try:
@@ -368,22 +212,6 @@ class S3Backend(BlobBackend):
             self._count("abandoned_copies")
             return False
         return copied[0]
-
-    def _head(self, name: str, deadline: float) -> bool:
-        try:
-            self._request(lambda: self._client.head_object(Bucket=self.bucket, Key=self._object_key(name)), deadline)
-        except botocore.exceptions.ClientError as exc:
-            if is_missing(exc):
-                return False
-            raise
-        return True
-
-    def _remove(self, name: str, deadline: float) -> bool:
-        existed = self._head(name, deadline)
-        if existed:
-            self._request(lambda: self._client.delete_object(Bucket=self.bucket, Key=self._object_key(name)),
-                          deadline)
-        return existed
 
     # -- batching, deadline and health (event loop) ------------------------------------------------
     async def _batch(self, op: str, calls: Sequence[Callable[[float], Any]]) -> list[Any]:
@@ -445,7 +273,8 @@ class S3Backend(BlobBackend):
     # -- StorageBackend -----------------------------------------------------------------------------
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         names = [key.to_string() for key in keys]
-        results = await self._batch("get", [lambda d, n=n: self._load(n, d) for n in names])
+        ways = self._ways(len(names))
+        results = await self._batch("get", [lambda d, n=n: self._load(n, d, ways) for n in names])
         await self._drop_corrupt_objects([n for n, r in zip(names, results) if isinstance(r, ChunkFormatError)],
                                          [r for r in results if isinstance(r, ChunkFormatError)])
         return [r if isinstance(r, torch.Tensor) else None for r in results]
@@ -461,7 +290,8 @@ class S3Backend(BlobBackend):
         names = [key.to_string() for key in keys]
         grant = WriteGrant()
         try:
-            results = await self._batch("get", [lambda d, n=n, o=o: self._load_into(n, o, d, grant)
+            ways = self._ways(len(names))
+            results = await self._batch("get", [lambda d, n=n, o=o: self._load_into(n, o, d, grant, ways)
                                                 for n, o in zip(names, outs)])
         finally:
             grant.revoke()
@@ -477,7 +307,7 @@ class S3Backend(BlobBackend):
             logger.warning("tier %r: dropping corrupt object %s: %s", self.name, self._object_key(name), problem)
         self.counters["corrupt_chunks"] += len(names)
         try:
-            await self._batch("delete", [lambda d, n=n: self._remove(n, d) for n in names])
+            await self._batch("delete", [lambda d, n=n: self._objects.remove(n, d) for n in names])
         except TierUnavailableError as exc:  # the reads stand; the next reader deletes it
             logger.warning("tier %r: could not delete corrupt object(s): %s", self.name, exc)
 
@@ -507,7 +337,7 @@ class S3Backend(BlobBackend):
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         names = [key.to_string() for key in keys]
-        results = await self._batch("contains", [lambda d, n=n: self._head(n, d) for n in names])
+        results = await self._batch("contains", [lambda d, n=n: self._objects.head(n, d) for n in names])
         return [r is True for r in results]
 
     async def contains(self, key: CacheKey) -> bool:
@@ -528,13 +358,13 @@ class S3Backend(BlobBackend):
         return None if data is None else bytes(data)
 
     async def put_bytes(self, key: str, data: bytes | bytearray) -> None:
-        await self._one("put", lambda d: self._store(key, bytes(data), d))
+        await self._one("put", lambda d: self._objects.store(key, bytes(data), d))
 
     async def delete_bytes(self, key: str) -> bool:
-        return bool(await self._one("delete", lambda d: self._remove(key, d)))
+        return bool(await self._one("delete", lambda d: self._objects.remove(key, d)))
 
     async def exists(self, key: str) -> bool:
-        return bool(await self._one("contains", lambda d: self._head(key, d)))
+        return bool(await self._one("contains", lambda d: self._objects.head(key, d)))
 
     # -- lifecycle and reporting ------------------------------------------------------------------
     async def close(self) -> None:

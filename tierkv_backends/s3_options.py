@@ -1,0 +1,42 @@
+"""The ``s3`` tier's YAML options: the one place its settings and their defaults are written.
+
+:class:`~tierkv_backends.s3.S3Backend` takes exactly these keyword arguments and fills what
+is not given from here (and checks what is, as the YAML loader does), so a default cannot
+drift between the config documentation and the constructor.
+"""
+
+from __future__ import annotations
+
+from tierkv.options import Option
+from tierkv_backends.s3_requests import bucket_name, key_prefix
+
+MiB = 1 << 20
+MIN_PART = 5 * MiB  # S3's minimum multipart part size (all parts but the last)
+
+S3_OPTIONS: dict[str, Option] = {
+    "bucket": Option(bucket_name, required=True, doc="bucket holding the chunks"),
+    "prefix": Option(key_prefix, "tierkv", doc="object-name prefix inside the bucket"),
+    "endpoint_url": Option("str", None, doc="S3 endpoint, e.g. http://127.0.0.1:9000 (AWS when unset)"),
+    "region": Option("str", None, doc="region name (us-east-1 when unset)"),
+    "access_key_id": Option("str", None, secret=True, doc="access key (else the boto3 credential chain)"),
+    "secret_access_key": Option("str", None, secret=True, doc="secret key (with access_key_id)"),
+    "session_token": Option("str", None, secret=True, doc="session token for temporary credentials"),
+    "addressing_style": Option("str", "path", choices=("path", "virtual", "auto"),
+                               doc="path for MinIO/SeaweedFS, virtual for AWS"),
+    "max_concurrency": Option("int", 16, minimum=1, doc="requests in flight at once"),
+    "connect_timeout_s": Option("float", 2.0, minimum=0.01),
+    "read_timeout_s": Option("float", 10.0, minimum=0.01),
+    "timeout_s": Option("float", 30.0, minimum=0.01, doc="deadline of one batched operation, retries included"),
+    "retries": Option("int", 3, minimum=0, doc="retries of a throttled or transient request"),
+    "backoff_base_s": Option("float", 0.05, minimum=0.0),
+    "backoff_max_s": Option("float", 1.0, minimum=0.0),
+    "multipart_threshold": Option("size", 64 * MiB, doc="puts this large or larger use multipart upload"),
+    "part_size": Option("size", 64 * MiB, minimum=MIN_PART, doc="multipart part and ranged-GET size"),
+    "min_range": Option("size", 2 * MiB, minimum=64 << 10,
+                        doc="smallest ranged GET a batch smaller than max_concurrency splits an object into "
+                            "(idle request slots fetch ranges of the same object in parallel)"),
+    "create_bucket": Option("bool", False, doc="create the bucket when it does not exist"),
+    "check_on_start": Option("bool", True, doc="check endpoint, credentials and bucket when the tier is built"),
+    "failure_threshold": Option("int", 3, minimum=1, doc="failed batches in a row that mark the tier unhealthy"),
+    "probe_interval_s": Option("float", 2.0, minimum=0.01, doc="how often an unhealthy tier is probed"),
+}
