@@ -411,14 +411,19 @@ class TierRouter:
             return await awaitable
         return await asyncio.wait_for(awaitable, self._timeout)
 
-    async def _timed_owned(self, awaitable: Awaitable[T], timeout: float | None = None) -> T:
+    async def _timed_owned(self, awaitable: Awaitable[T], timeout: float | None = None, *,
+                           run_to_end: bool = False) -> T:
         """``awaitable``, which copies into or out of memory it was lent, with a timeout
-        (``timeout``, else the health timeout): on timeout or cancellation it is cancelled and
-        waited for (:func:`tierkv.ownership.finish`; ``asyncio.wait_for`` alone stops waiting
-        when it is cancelled again while it cancels)."""
+        (``timeout``, else the health timeout): a cancellation of the caller is delivered
+        only once it stopped (:func:`tierkv.ownership.finish`; ``asyncio.wait_for`` alone stops
+        waiting when it is cancelled again while it cancels). At the timeout it is cancelled
+        and waited for, or with ``run_to_end`` (a backend whose worker threads outlive its
+        cancelled coroutine) left to finish before the timeout is raised."""
         timeout = self._timeout if timeout is None else timeout
         if timeout is None:
             return await ownership.finish(awaitable)
+        if run_to_end:
+            awaitable = ownership.finish(awaitable)
         return await ownership.finish(asyncio.wait_for(awaitable, timeout))
 
     def _tier_failed(self, level: int, operation: str, exc: BaseException) -> None:
@@ -456,7 +461,7 @@ class TierRouter:
                 # the tier reads the chunks (a caller's tensor, held slabs) until the put stopped,
                 # and a backend's worker thread may go on after its coroutine was cancelled: a
                 # timeout or cancellation waits for the put's end before that memory goes back
-                stored = await self._timed_owned(ownership.finish(tier.batched_put(keys, chunks)))
+                stored = await self._timed_owned(tier.batched_put(keys, chunks), run_to_end=True)
                 nbytes = sum(c.nbytes for c in chunks)
         except TierFullError as exc:  # the tier's store is full: not admitting for a while, reads go on
             metrics.add("errors")
@@ -504,7 +509,7 @@ class TierRouter:
             if abandonable:
                 got = await (request if timeout is None else asyncio.wait_for(request, timeout))
             else:
-                got = await self._timed_owned(ownership.finish(request), timeout)
+                got = await self._timed_owned(request, timeout, run_to_end=True)
         except TimeoutError as exc:
             if by_deadline:
                 metrics.add("deadline_misses", len(keys))
