@@ -14,8 +14,8 @@ How it talks to the store:
   ``part_size`` parts sent in parallel; a get asks for the first ``part_size`` bytes and,
   when the object is larger, fetches the remaining ranges in parallel. Below those sizes
   (the default covers a 32-layer, 256-token Llama-3-8B chunk) it is one request each way --
-  except for a batch of fewer objects than ``max_concurrency``: its idle request slots fetch
-  ranges (at least ``min_range``) of the same object in parallel (:mod:`tierkv_backends.s3_objects`).
+  except, with ``min_range`` set, for a batch of fewer objects than ``max_concurrency``: its
+  idle request slots fetch ranges of the same object in parallel (:mod:`tierkv_backends.s3_objects`).
 - Layout: options and their defaults (one source) in :mod:`tierkv_backends.s3_options`, the
   blocking requests in :mod:`tierkv_backends.s3_objects`, what a reply means in
   :mod:`tierkv_backends.s3_requests`; here: batches, deadlines, health, caller memory.

@@ -5,10 +5,13 @@ transient faults under a deadline, whole or ranged GETs of one object (ranges in
 multipart puts, HEAD and DELETE, and the start-up check of the bucket. It knows nothing of
 batches, chunks in caller memory or health: :class:`~tierkv_backends.s3.S3Backend` does.
 
-Small batches: a batch of fewer objects than ``max_concurrency`` leaves request slots idle,
-so each object is fetched as ``ways`` ranges in parallel (no smaller than ``min_range``),
-sized from the last object seen (chunks of one model are all alike); the first range also
-tells the real size, and anything the guess missed is fetched after it.
+Small batches (with ``min_range`` set): a batch of fewer objects than ``max_concurrency``
+leaves request slots idle, so each object is fetched as ``ways`` ranges in parallel (no
+smaller than ``min_range``), sized from the last object seen (chunks of one model are all
+alike); the first range also tells the real size, and anything the guess missed is fetched
+after it. Off by default: on a loopback store on a busy 2-core machine one 8 MiB GET took
+28 ms and four 2 MiB ranges at once 54 ms (the requests share the CPU, not a link); it pays
+where one connection is slower than several (AWS S3 serves ~100 MB/s per connection).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class S3Objects:
     """The requests of one tier to one bucket; every method blocks (worker threads only)."""
 
     def __init__(self, tier: str, client: Any, bucket: str, prefix: str, endpoint_url: str | None, region: str, *,
-                 part_size: int, multipart_threshold: int, min_range: int, retries: int, backoff_base_s: float,
+                 part_size: int, multipart_threshold: int, min_range: int | None, retries: int, backoff_base_s: float,
                  backoff_max_s: float, part_pool: concurrent.futures.Executor, count: Callable[[str, int], None],
                  redact: Callable[[BaseException | str], str]) -> None:
         self.tier, self.client, self.bucket, self.prefix = tier, client, bucket, prefix
@@ -148,8 +151,9 @@ class S3Objects:
         key = self.object_key(name)
         span, guessed = self.part_size, []
         hint = self.size_hint
-        if ways > 1 and hint >= 2 * self.min_range:
-            span = min(self.part_size, max(self.min_range, -(-hint // ways)))
+        ways = min(ways, hint // self.min_range) if self.min_range else 1  # no range smaller than min_range
+        if ways > 1:
+            span = min(self.part_size, -(-hint // ways))
             guessed = [(s, min(s + span, hint) - 1) for s in range(span, hint, span)]
         futures = [self.part_pool.submit(self._speculative_range, key, s, e, deadline) for s, e in guessed]
         try:

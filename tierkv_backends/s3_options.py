@@ -32,9 +32,10 @@ S3_OPTIONS: dict[str, Option] = {
     "backoff_max_s": Option("float", 1.0, minimum=0.0),
     "multipart_threshold": Option("size", 64 * MiB, doc="puts this large or larger use multipart upload"),
     "part_size": Option("size", 64 * MiB, minimum=MIN_PART, doc="multipart part and ranged-GET size"),
-    "min_range": Option("size", 2 * MiB, minimum=64 << 10,
-                        doc="smallest ranged GET a batch smaller than max_concurrency splits an object into "
-                            "(idle request slots fetch ranges of the same object in parallel)"),
+    "min_range": Option("size", None, minimum=64 << 10,
+                        doc="split each object of a batch smaller than max_concurrency into ranges of at least "
+                            "this size, fetched at once (for stores whose one connection is slower than several, "
+                            "e.g. AWS S3: 8MiB); default: off (on loopback one GET is faster)"),
     "create_bucket": Option("bool", False, doc="create the bucket when it does not exist"),
     "check_on_start": Option("bool", True, doc="check endpoint, credentials and bucket when the tier is built"),
     "failure_threshold": Option("int", 3, minimum=1, doc="failed batches in a row that mark the tier unhealthy"),
