@@ -12,6 +12,7 @@ from tierkv.testing import BackendTests
 from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 from tierkv_backends.cpu import CPUBackend
 from tierkv_backends.fs import FSBackend
+from tierkv_backends.gpu import GPUBackend
 from tierkv_backends.lmdb import LMDBBackend, encode_key
 
 
@@ -25,6 +26,13 @@ class TestCPUBackendLazy(BackendTests):
 
     def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
         return CPUBackend(name="host", capacity=capacity or 64 << 20, preallocate=False)
+
+
+class TestGPUBackendOnCPU(BackendTests):
+    """The gpu tier's logic (device: cpu, as CI has no GPU): in place, pressure, demotion."""
+
+    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
+        return GPUBackend(name="gpu", capacity=capacity or 64 << 20, device="cpu")
 
 
 class TestLMDBBackend(BackendTests):

@@ -1,4 +1,4 @@
-"""The prompt API: tokens in, KV out, across the tiers of a :class:`~tierkv.router.TierRouter`.
+"""The prompt API: tokens in, KV out, across the tiers of the :class:`~tierkv.router.TierRouter` it holds.
 
 ``AsyncEngine`` cuts prompts into chunk keys (prefix-chained hashes), stores a prompt's KV
 (each byte copied once, into the first tier that admits it), retrieves the cached prefix of
@@ -14,74 +14,35 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tierkv import copies, kvlayout, ownership, policy, transfer
+from tierkv import copies, kvlayout, policy, transfer
+from tierkv.backend import StorageBackend
 from tierkv.config import EngineConfig, load_config
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
 from tierkv.memory import empty_host
+from tierkv.metadata import EngineMetadata, KVShape
 from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
 from tierkv.pressure import MemoryProbe
-from tierkv.router import FILL_QUEUE, TierRouter, _in_place, _nbytes, _off_loop, _rejection, _release_all
+from tierkv.router import TierRouter
+from tierkv.tier import nbytes_of
+
+__all__ = ["AsyncEngine", "EngineMetadata", "KVShape"]  # EngineMetadata lives in tierkv.metadata
 
 logger = logging.getLogger("tierkv.engine")
 
 _RECENT_KEYS = 1 << 15
 
 
-KVShape = tuple[int, int, int, torch.dtype]
-"""``(num_layers, num_kv_heads, head_size, dtype)`` of the KV a worker caches."""
-
-
-@dataclass(frozen=True)
-class EngineMetadata:
-    """Who is caching: the parts of every key that keep models and shards apart.
-
-    ``kv_shape`` (optional, not part of any key): ``(num_layers, num_kv_heads, head_size,
-    dtype)`` of this worker's KV. Given, a fresh process knows the size of a chunk before it
-    has seen one: the first lookup plans by cost and a deadline bounds the first retrieve.
-    Not given, it is learned from the first chunk stored, or read in the background from the
-    first chunk a lookup finds.
-    """
-
-    model_name: str
-    world_size: int = 1
-    worker_id: int = 0
-    fmt: str = "vllm"
-    kv_shape: KVShape | None = None
-
-    def __post_init__(self) -> None:
-        if self.kv_shape is None:
-            return
-        shape = self.kv_shape
-        dims_ok = (isinstance(shape, tuple) and len(shape) == 4
-                   and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape[:3]))
-        if not dims_ok or not isinstance(shape[3], torch.dtype):
-            raise ValueError("kv_shape: expected (num_layers, num_kv_heads, head_size, dtype) with three positive "
-                             f"ints and a torch.dtype, got {shape!r}")
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> EngineMetadata:
-        return cls(config.model, config.world_size, config.worker_id, config.kv_format)
-
-    def blob_layout(self) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """(blob shape with 0 tokens, dtype) of this worker's chunks, from ``kv_shape``."""
-        if self.kv_shape is None:
-            return None
-        layers, heads, head_size, dtype = self.kv_shape
-        shape = (layers, 2, 0, heads, head_size) if self.fmt == "vllm" else (layers, 2, heads, 0, head_size)
-        return shape, dtype
-
-
-class AsyncEngine(TierRouter):
-    """Stores and retrieves KV caches of token prefixes across a stack of tiers.
+class AsyncEngine:
+    """Stores and retrieves KV caches of token prefixes across a stack of tiers (held by
+    :attr:`router`, used through its public methods only).
 
     Tiers are tried top (fastest) first. ``write_through``: a put is acknowledged when the
     first tier that admits it holds it, and the tiers below are filled in the background
@@ -104,7 +65,7 @@ class AsyncEngine(TierRouter):
         self.chunk_size = self.config.chunk_size
         self._hasher = ChunkHasher(self.chunk_size)
         self._recent_keys: dict[str, CacheKey] = {}
-        super().__init__(self.config, probes)
+        self.router = TierRouter(self.config, probes)
         self._recompute = RecomputeModel(self.config.recompute.tokens_per_s, self.config.recompute.curve or None)
         # (blob shape with 0 tokens, dtype) of the chunks seen last (or given as metadata.kv_shape):
         # sizes retrieve outputs, checks `out`, prices reads in the plan
@@ -126,6 +87,72 @@ class AsyncEngine(TierRouter):
         meta = self.metadata
         return CacheKey(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, chunk_hash)
 
+    # -- the router's surface, for callers of the engine ---------------------------------------
+    @property
+    def tiers(self) -> list[StorageBackend]:
+        """The tiers' backends, top (fastest) first."""
+        return self.router.tiers
+
+    @property
+    def write_policy(self) -> str:
+        return self.router.write_policy
+
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        """Store chunks under their keys (see :meth:`TierRouter.batched_put`); chunks acknowledged."""
+        return await self.router.batched_put(keys, chunks)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """Chunks for ``keys`` in order, None for misses (see :meth:`TierRouter.batched_get`)."""
+        return await self.router.batched_get(keys)
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is held by any tier (or waits in the fill queue)."""
+        return await self.router.batched_contains(keys)
+
+    async def batched_delete(self, keys: Sequence[CacheKey]) -> int:
+        """Remove ``keys`` from every tier; how many (key, tier) copies were removed."""
+        return await self.router.batched_delete(keys)
+
+    async def locate_keys(self, keys: Sequence[CacheKey]) -> list[int | None]:
+        """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
+        return await self.router.locate(keys)
+
+    async def flush(self) -> None:
+        """Wait until every background operation (fills, prefetches, demotions) has landed."""
+        await self.router.flush()
+
+    async def close(self) -> None:
+        """Flush, then close every tier. Idempotent."""
+        await self.router.close()
+
+    # Names the SGLang page store (tierkv/integrations/sglang/pages.py) was written against
+    # while the engine was a router subclass; they delegate to the router's public methods.
+    def _ensure_open(self) -> None:
+        self.router.ensure_open()
+
+    async def _start(self) -> None:
+        await self.router.start()
+
+    async def _await_inflight(self, keys: Sequence[CacheKey], deadline: float | None = None) -> int:
+        return await self.router.wait_inflight(keys, deadline)
+
+    def _locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
+        return self.router.locate_nowait(keys)
+
+    def _locate_for_read(self, keys: Sequence[CacheKey]) -> list[int | None]:
+        return self.router.locate_for_read(keys)
+
+    @property
+    def _copies(self) -> copies.CopyCounter:
+        return self.router.copies
+
+    async def _read_chunks(self, keys: list[CacheKey], levels: Sequence[int | None], ranges: list[tuple[int, int]],
+                           sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None,
+                           deadline: float | None = None) -> int:
+        return await self.router.read_into(keys, levels, ranges, sink, caller_owned=caller_owned,
+                                           preloaded=preloaded, deadline=deadline)
+
+    # -- prompts ------------------------------------------------------------------------------
     def keys_for(self, tokens: TokenIds) -> list[CacheKey]:
         """The key of every chunk of ``tokens`` (the last one may cover a partial chunk)."""
         return list(self._iter_keys(as_token_array(tokens)))
@@ -160,7 +187,7 @@ class AsyncEngine(TierRouter):
         written again. Each byte is copied once, from ``kv`` into the first tier that
         takes it; lower tiers are filled from that copy.
         """
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
         skip = kvlayout.store_mask_skip(mask, num_tokens, self.chunk_size)
@@ -187,7 +214,7 @@ class AsyncEngine(TierRouter):
         keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
         ranges = transfer.chunk_ranges(skip, len(token_array), self.chunk_size)
         if skip_existing and keys:
-            first = policy.first_missing(await self.batched_contains(keys))
+            first = policy.first_missing(await self.router.batched_contains(keys))
             keys, ranges = keys[first:], ranges[first:]
         return keys, ranges
 
@@ -199,48 +226,11 @@ class AsyncEngine(TierRouter):
         source (a memory tier lets the source write into its slabs in place); the tiers
         below are filled from that copy. Connectors call this with a paged-cache source.
         """
-        self._ensure_open()
-        await self._start()
-        keys, ranges = list(keys), list(ranges)
-        layouts = [(source.chunk_shape(end - start), source.dtype) for start, end in ranges]
-        self._layout = (kvlayout.with_tokens(layouts[0][0], self.metadata.fmt, 0), source.dtype)
-        with copies.on_path(self._copies, "store"):
-            self._copies.add_delivered("store", sum(_nbytes(shape, dtype) for shape, dtype in layouts))
-            skipped: dict[str, str] = {}
-            errors: list[BaseException] = []
-            for level in range(len(self.tiers)):
-                if not self._admits(level, skipped):
-                    continue
-                try:
-                    # once a tier put has begun, a cancellation waits for it and for its fill to
-                    # be queued: a chunk in the tier is then also on its way below (write-through)
-                    return await ownership.finish(self._store_at(level, keys, source, ranges, layouts))
-                except Exception as exc:
-                    errors.append(exc)
-                    skipped[self.tiers[level].name] = _rejection(exc)
-        raise self._no_tier_took(len(keys), skipped) from (errors[0] if errors else None)
-
-    async def _store_at(self, level: int, keys: list[CacheKey], source: transfer.ChunkSource,
-                        ranges: list[tuple[int, int]], layouts: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-        """Put the chunks into tier ``level`` (one copy, from ``source``) and queue their fill."""
-        chunks: list[torch.Tensor] = []
-        owned: list[bool] = []
-        holds: list[Any] = []  # a memory tier's chunks, held from their commit until the fill has them
-        try:
-            if _in_place(self.tiers[level]):
-                stored = await self._tier_put(level, keys, layouts=layouts, write=_writer(source, keys, ranges),
-                                              fill_holds=holds)
-            else:
-                views = [source.view(start, end) for start, end in ranges]
-                owned = [view is None for view in views]
-                chunks = [view if view is not None else await _gathered(source, shape, rng)
-                          for view, (shape, _), rng in zip(views, layouts, ranges)]
-                stored = await self._tier_put(level, keys, chunks)
-            await self._queue_fill(level, keys, chunks, owned, holds if _in_place(self.tiers[level]) else None)
-        except BaseException:
-            _release_all(holds)
-            raise
-        return stored
+        self.router.ensure_open()
+        if ranges:
+            start, end = ranges[0]
+            self._layout = (kvlayout.with_tokens(source.chunk_shape(end - start), self.metadata.fmt, 0), source.dtype)
+        return await self.router.put(keys, source, ranges)
 
     async def retrieve(
         self,
@@ -267,7 +257,7 @@ class AsyncEngine(TierRouter):
         that many seconds are misses; the prefix that did arrive is returned (a stuck tier
         costs at most the deadline, and nothing read after it reaches ``out``).
         """
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
         skip = kvlayout.suffix_mask_skip(mask, num_tokens)
@@ -293,7 +283,7 @@ class AsyncEngine(TierRouter):
         returns the mask of the tokens written. Chunks held by a memory tier are copied
         straight out of its slabs into the sink. ``plan=False``: load all of the cached prefix
         (the caller, e.g. vLLM's scheduler, already decided how much pays)."""
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         skip = kvlayout.suffix_mask_skip(mask, len(token_array))
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
@@ -315,8 +305,8 @@ class AsyncEngine(TierRouter):
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         first_chunk = skip // self.chunk_size
         keys = list(self._iter_keys(token_array))[first_chunk:]
-        keys = keys[: await self._await_inflight(keys, deadline)]
-        levels = self._locate_for_read(keys)
+        keys = keys[: await self.router.wait_inflight(keys, deadline)]
+        levels = self.router.locate_for_read(keys)
         keys = keys[: policy.first_missing([level is not None for level in levels])]
         if plan and keys and self.cost_aware:
             prefix_plan = self._plan(levels[: len(keys)], num_tokens, first_chunk)
@@ -324,18 +314,19 @@ class AsyncEngine(TierRouter):
         ranges = transfer.chunk_ranges(skip - skip % self.chunk_size, num_tokens, self.chunk_size)[: len(keys)]
         hits = 0
         if keys:
-            with copies.on_path(self._copies, "retrieve"):
+            with copies.on_path(self.router.copies, "retrieve"):
                 preloaded = None
                 if sink is None:
                     sink, preloaded = await self._fresh_sink(keys, ranges, skip, deadline)
                 if sink is not None:
-                    hits = await self._read_chunks(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
+                    hits = await self.router.read_into(keys, levels, ranges, sink, caller_owned=caller_owned,
+                                                        preloaded=preloaded, deadline=deadline)
         retrieved = min(ranges[hits - 1][1], num_tokens) - skip if hits else 0
         self._miss_tokens += num_tokens - skip - retrieved
         if retrieved and sink is not None:
             ret_mask[skip : skip + retrieved] = True
             self._hit_tokens += retrieved
-            self._copies.add_delivered("retrieve", retrieved * _nbytes(sink.chunk_shape(1), sink.dtype))
+            self.router.copies.add_delivered("retrieve", retrieved * nbytes_of(sink.chunk_shape(1), sink.dtype))
         return sink, retrieved, ret_mask
 
     async def lookup(self, tokens: TokenIds) -> int:
@@ -345,14 +336,14 @@ class AsyncEngine(TierRouter):
         chunk is located on its own: when no tier holds it (a new prompt), the rest of the
         prompt is neither hashed nor asked for.
         """
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         return self._record_lookup(token_array, await self._locate_prefix(token_array)).planned_tokens
 
     def lookup_nowait(self, tokens: TokenIds) -> int | None:
         """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
         None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         levels = self._locate_prefix_nowait(token_array)
         return None if levels is None else self._record_lookup(token_array, levels).planned_tokens
@@ -360,12 +351,12 @@ class AsyncEngine(TierRouter):
     async def locate_prefix(self, tokens: TokenIds) -> list[str]:
         """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
         counts), highest first; ``"fill-queue"`` for a chunk only waiting to be written."""
-        self._ensure_open()
+        self.router.ensure_open()
         return self._tier_names(await self._locate_prefix(as_token_array(tokens)))
 
     def locate_prefix_nowait(self, tokens: TokenIds) -> list[str] | None:
         """:meth:`locate_prefix` from in-memory indexes, from any thread; None when that needs I/O."""
-        self._ensure_open()
+        self.router.ensure_open()
         levels = self._locate_prefix_nowait(as_token_array(tokens))
         return None if levels is None else self._tier_names(levels)
 
@@ -374,21 +365,20 @@ class AsyncEngine(TierRouter):
         return [self._level_name(level) for level in prefix if level is not None]
 
     def _level_name(self, level: int) -> str:
-        """The tier at ``level``, or ``"fill-queue"`` (-1) for a chunk only waiting to be written."""
-        return FILL_QUEUE if level < 0 else self.tiers[level].name
+        return self.router.level_name(level)
 
     async def _locate_prefix(self, token_array: np.ndarray) -> list[int | None]:
         keys = self._iter_keys(token_array)
-        levels = await self.locate_keys(list(itertools.islice(keys, 1)))
+        levels = await self.router.locate(list(itertools.islice(keys, 1)))
         if levels and levels[0] is not None:
-            levels += await self.locate_keys(list(keys))
+            levels += await self.router.locate(list(keys))
         return levels
 
     def _locate_prefix_nowait(self, token_array: np.ndarray) -> list[int | None] | None:
         keys = self._iter_keys(token_array)
-        levels = self._locate_nowait(list(itertools.islice(keys, 1)))
+        levels = self.router.locate_nowait(list(itertools.islice(keys, 1)))
         if levels and levels[0] is not None:
-            rest = self._locate_nowait(list(keys))
+            rest = self.router.locate_nowait(list(keys))
             levels = None if rest is None else levels + rest
         return levels
 
@@ -410,7 +400,7 @@ class AsyncEngine(TierRouter):
         per_tier = {tier.name: 0 for tier in self.tiers}
         for level in levels:
             if level is not None and level >= 0:
-                per_tier[self.tiers[level].name] += 1
+                per_tier[self.router.level_name(level)] += 1
         return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier,
                 "plan": prefix_plan.summary()}
 
@@ -431,7 +421,7 @@ class AsyncEngine(TierRouter):
     def plan_nowait(self, tokens: TokenIds) -> PrefixPlan | None:
         """How much of the cached prefix of ``tokens`` is worth loading, from in-memory indexes
         (any thread); None when a tier needs I/O to answer (then use :meth:`plan`)."""
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         levels = self._locate_prefix_nowait(token_array)
         if levels is None:
@@ -443,7 +433,7 @@ class AsyncEngine(TierRouter):
         the expected fetch time (the tiers holding its chunks, at their measured speeds, read in
         parallel) against the recompute time it saves; the best length wins. Without a known
         recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
-        self._ensure_open()
+        self.router.ensure_open()
         token_array = as_token_array(tokens)
         return self._record_lookup(token_array, await self._locate_prefix(token_array))
 
@@ -457,25 +447,26 @@ class AsyncEngine(TierRouter):
             return load_everything(names, sizes, "cost_aware is off" if self.config.cost_aware is False else
                                    "no recompute speed known (recompute: in the config, or measured prefills)", base)
         bytes_per_token = self._bytes_per_token()
+        speeds = self.router.speeds()
         if bytes_per_token is None:
             # the bytes are not known yet, but each read's fixed cost is: if even reads of a
             # byte per token lose to recomputing, so do the real ones
-            floor = plan_prefix(names, sizes, 1.0, self._speeds, self._recompute, base)
+            floor = plan_prefix(names, sizes, 1.0, speeds, self._recompute, base)
             if floor.planned_tokens == base:
                 return floor
             return load_everything(names, sizes, "chunk size in bytes not known yet (nothing stored or read; "
                                    "give EngineMetadata.kv_shape to plan from the start)", base)
-        return plan_prefix(names, sizes, bytes_per_token, self._speeds, self._recompute, base)
+        return plan_prefix(names, sizes, bytes_per_token, speeds, self._recompute, base)
 
     def _bytes_per_token(self) -> float | None:
         if self._layout is None:
             return None
         shape, dtype = self._layout
-        return float(_nbytes(kvlayout.with_tokens(shape, self.metadata.fmt, 1), dtype))
+        return float(nbytes_of(kvlayout.with_tokens(shape, self.metadata.fmt, 1), dtype))
 
     async def locate(self, tokens: TokenIds) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
-        levels = await self.locate_keys(self.keys_for(as_token_array(tokens)))
+        levels = await self.router.locate(self.keys_for(as_token_array(tokens)))
         return [None if level is None else self._level_name(level) for level in levels]
 
     async def prefetch(self, tokens: TokenIds) -> None:
@@ -483,22 +474,16 @@ class AsyncEngine(TierRouter):
 
         A later retrieve of the same tokens waits only for the chunks still in flight.
         """
-        self._ensure_open()
-        await self._start()
+        self.router.ensure_open()
         keys = self.keys_for(as_token_array(tokens))
-        levels = await self.locate_keys(keys)
-        prefix = keys[: policy.first_missing([level is not None for level in levels])]
-        moving = [key for key, level in zip(prefix, levels) if level and key not in self._inflight]
-        if not moving:
-            return
-        loop = asyncio.get_running_loop()
-        for key in moving:
-            self._inflight[key] = loop.create_future()
-        self._spawn(self._prefetch(moving))
+        levels = await self.router.locate(keys)
+        held = policy.first_missing([level is not None for level in levels])
+        await self.router.prefetch(keys[:held], levels[:held])
 
     def stats(self) -> dict[str, Any]:
         """Hit rate, the fill queue, memory pressure, and per-tier counters and occupancy."""
         total = self._hit_tokens + self._miss_tokens
+        router = self.router.stats()
         return {
             "model": self.metadata.model_name,
             "chunk_size": self.chunk_size,
@@ -506,16 +491,15 @@ class AsyncEngine(TierRouter):
             "hit_tokens": self._hit_tokens,
             "miss_tokens": self._miss_tokens,
             "hit_rate": self._hit_tokens / total if total else 0.0,
-            "fill_queue": self._fill.stats(),
-            "background_tasks": len(self._background),
-            "inflight_prefetch_chunks": len(self._inflight),
-            "pressure": {"nvml": self._nvml_state,
-                         **{name: p.describe() for name, p in self._pressure.items()}},
+            "fill_queue": router["fill_queue"],
+            "background_tasks": router["background_tasks"],
+            "inflight_prefetch_chunks": router["inflight_prefetch_chunks"],
+            "pressure": router["pressure"],
             "last_lookup": self._last_lookup_summary(),
             "cost_aware": self.cost_aware,
             "recompute": self._recompute.snapshot(),
-            "copies": self._copies.snapshot(),
-            "tiers": self._tier_stats(),
+            "copies": router["copies"],
+            "tiers": router["tiers"],
         }
 
     async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int,
@@ -529,7 +513,7 @@ class AsyncEngine(TierRouter):
         preloaded = None
         layout = self._layout
         if layout is None:
-            first = self._get_tiered(keys[:1])
+            first = self.router.get(keys[:1])
             try:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 # a fresh output of the tier's, not memory anyone lent it: safe to abandon
@@ -559,34 +543,14 @@ class AsyncEngine(TierRouter):
             return
         self._learning_layout = True
         try:
-            self._loop.call_soon_threadsafe(self._spawn, self._learn_layout(key, level))
+            self._loop.call_soon_threadsafe(self.router.spawn, self._learn_layout(key, level))
         except RuntimeError:  # the loop stopped meanwhile
             self._learning_layout = False
 
     async def _learn_layout(self, key: CacheKey, level: int) -> None:
         try:
-            chunk = (await self._tier_get(level, [key]))[0]  # within the health timeout, if one is set
+            chunk = (await self.router.get_from(level, [key]))[0]  # within the health timeout, if one is set
             if chunk is not None and self._layout is None:
                 self._set_layout(chunk)
         finally:
             self._learning_layout = False
-
-
-def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tuple[int, int]]
-            ) -> Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]:
-    """Fills a memory tier's reserved chunks from ``source`` (one copy each)."""
-    where = dict(zip(keys, ranges))
-
-    async def write(views: dict[CacheKey, torch.Tensor]) -> None:
-        def write_all() -> None:
-            for key, view in views.items():
-                source.write_into(view, *where[key])
-        await _off_loop(write_all, sum(view.nbytes for view in views.values()))
-    return write
-
-
-async def _gathered(source: transfer.ChunkSource, shape: tuple[int, ...], rng: tuple[int, int]) -> torch.Tensor:
-    """A pooled chunk buffer filled from ``source`` (for sources with no zero-copy view)."""
-    chunk = empty_host(shape, source.dtype)
-    await _off_loop(lambda: source.write_into(chunk, *rng), chunk.nbytes)
-    return chunk

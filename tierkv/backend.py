@@ -204,6 +204,38 @@ class InPlaceTier(Protocol):
         ...
 
 
+DemoteSink = Callable[[list[CacheKey], list[torch.Tensor]], Awaitable[None]]
+"""Where a tier hands the chunks it evicts (write-back): ``await sink(keys, chunks)``."""
+
+
+@runtime_checkable
+class SupportsPressure(Protocol):
+    """A tier whose capacity follows memory pressure (the memory tiers): the engine watches the
+    memory it lives in and lowers or restores its effective capacity.
+
+    ``device_memory``: the capacity is accelerator memory (watched through NVML on a CUDA
+    ``device``, with the gpu watermarks); otherwise host memory (the host watermarks).
+    """
+
+    device: torch.device
+    device_memory: bool
+
+    def set_capacity_limit(self, limit: int) -> None:
+        """Effective capacity in bytes, never above the configured one."""
+        ...
+
+    async def shrink_to_limit(self) -> int:
+        """Free (demote) chunks until usage fits the effective capacity; the bytes freed."""
+        ...
+
+
+@runtime_checkable
+class SupportsDemotion(Protocol):
+    """A tier that hands what it evicts to ``demote_sink`` when one is set (write-back)."""
+
+    demote_sink: DemoteSink | None
+
+
 #: write errors that mean "the disk takes no more": full, over quota, or failing
 FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 

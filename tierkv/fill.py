@@ -3,21 +3,32 @@
 A put is acknowledged once the first tier that admits it holds it; its copies to the
 lower tiers wait here, reading either that tier's own copy (held until the fill is done,
 so a memory tier may evict the chunk meanwhile) or a private snapshot, so the caller may
-reuse its buffers at once and the queue's memory is bounded. When the queue is full a put either waits for room (back-pressure)
-or its fill is dropped and counted, as configured. Chunks waiting here are still served
-by reads, so an acknowledged chunk never goes missing between tiers.
+reuse its buffers at once and the queue's memory is bounded. When the queue is full a put
+either waits for room (back-pressure) or its fill is dropped and counted, as configured.
+Chunks waiting here are still served by reads, so an acknowledged chunk never goes missing
+between tiers. :class:`FillWorker` queues the fills of a put and writes them below.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tierkv import copies, offload, ownership
 from tierkv.keys import CacheKey
+from tierkv.memory import empty_host
+from tierkv.tier import Tier, release_all
+
+logger = logging.getLogger("tierkv.engine")
+
+FILL_BATCH_BYTES = 256 << 20
+"""The worker writes up to this many bytes of queued jobs to the tiers below at once."""
 
 
 @dataclass
@@ -114,3 +125,84 @@ class FillQueue:
         return {"jobs": len(self._jobs), "bytes": self.queued_bytes, "max_bytes": self.max_bytes,
                 "when_full": self.when_full, "dropped_chunks": self.dropped_chunks,
                 "dropped_bytes": self.dropped_bytes, "completed_chunks": self.completed_chunks}
+
+
+class FillWorker:
+    """Write-through: queues the copies of what a tier took for the tiers below it, and
+    writes them there in the background (one task, started by the router)."""
+
+    def __init__(self, tiers: Sequence[Tier], queue: FillQueue, counter: copies.CopyCounter,
+                 write_through: bool) -> None:
+        self.tiers = tiers
+        self.queue = queue
+        self.counter = counter
+        self.write_through = write_through
+
+    def fills_below(self, level: int) -> bool:
+        """Whether a put into tier ``level`` is copied to the tiers below it."""
+        return self.write_through and level + 1 < len(self.tiers)
+
+    async def add(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], owned: list[bool],
+                  taken: list[Any] | None = None) -> None:
+        """Queue copies of what tier ``level`` just took for the tiers below.
+
+        From an in-place tier the fill reads the tier's own copy, held since the commit
+        (``taken``, from :meth:`Tier.put`'s ``fill_holds``), so it stays valid even if the
+        tier evicts the chunk before the fill runs; otherwise chunks that are views of the
+        caller's memory (``owned`` False) are snapshotted first, since the caller may reuse it.
+        """
+        if not self.fills_below(level):
+            return
+        below = list(range(level + 1, len(self.tiers)))
+        release = None
+        tier = self.tiers[level]
+        if tier.in_place:
+            if not taken:
+                taken = tier.hold(keys, pin=False)
+            held = [(key, h) for key, h in zip(keys, taken) if h is not None]  # None only if the batch repeated it
+            keys = [key for key, _ in held]
+            holds = [h for _, h in held]
+            chunks = [h.chunk for h in holds]
+
+            def release() -> None:
+                release_all(holds)
+        else:
+            pairs = [(empty_host(tuple(c.shape), c.dtype), c) for c, mine in zip(chunks, owned) if not mine]
+            await offload.copy_pairs(pairs)
+            fresh = iter(dst for dst, _ in pairs)
+            chunks = [c if mine else next(fresh) for c, mine in zip(chunks, owned)]
+        try:
+            queued = await self.queue.put(FillJob(keys, chunks, below, release))
+        except BaseException:  # cancelled while waiting for room: the job never got in
+            if release is not None:
+                release()
+            raise
+        if not queued:
+            for target in below:
+                self.tiers[target].metrics.add("dropped_fills", len(keys))
+
+    async def run(self) -> None:
+        """Take queued jobs and write them to their tiers, until cancelled."""
+        while True:
+            jobs = await self.queue.take(FILL_BATCH_BYTES)
+            try:
+                keys = [k for job in jobs for k in job.keys]
+                chunks = [c for job in jobs for c in job.chunks]
+                # every level's put has stopped before the jobs' held slabs are released
+                await ownership.gather(*(self._fill(self.tiers[level], keys, chunks) for level in jobs[0].levels))
+            except Exception:
+                logger.exception("background fill failed")
+            finally:
+                await self.queue.done(jobs)
+
+    async def _fill(self, tier: Tier, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+        if not tier.admits():
+            tier.metrics.add("dropped_fills", len(keys))
+            return
+        with copies.on_path(self.counter, "fill"):
+            try:
+                await tier.put(keys, chunks)
+            except Exception:
+                tier.metrics.add("dropped_fills", len(keys))
+                return
+            self.counter.add_delivered("fill", sum(c.nbytes for c in chunks))

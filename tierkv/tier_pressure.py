@@ -1,19 +1,23 @@
 """Memory-pressure reactions of the memory tiers: each reading of a tier's probe (NVML for a
-GPU tier, host memory for the cpu tier) becomes a decision (:func:`tierkv.policy.pressure_decision`)
-applied to the tier: stop admitting, shrink to a limit, grow back.
+tier of device memory, host memory for the others) becomes a decision
+(:func:`tierkv.policy.pressure_decision`) applied to the tier: stop admitting, shrink to a
+limit, grow back. It knows the tier (a :class:`~tierkv.backend.SupportsPressure`) and a
+function that runs its shrinks in the background, nothing of the router.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from tierkv import policy
-from tierkv.pressure import MemoryReading, PressureMonitor
+from tierkv.backend import StorageBackend, SupportsPressure
+from tierkv.config import PressureConfig
+from tierkv.pressure import HostMemoryProbe, MemoryProbe, MemoryReading, PressureMonitor, open_device_probe
 
-if TYPE_CHECKING:
-    from tierkv.router import TierRouter
+Spawn = Callable[[Coroutine[Any, Any, Any]], object]
+"""Runs a coroutine in the background (the router's task set, flushed and logged by it)."""
 
 logger = logging.getLogger("tierkv.engine")
 
@@ -21,9 +25,12 @@ logger = logging.getLogger("tierkv.engine")
 class TierPressure:
     """Pressure state of one memory tier: applies each reading's decision to the tier."""
 
-    def __init__(self, engine: TierRouter, level: int, high: float, low: float) -> None:
-        self.engine = engine
-        self.level = level
+    def __init__(self, tier: StorageBackend, spawn: Spawn, high: float, low: float) -> None:
+        if not isinstance(tier, SupportsPressure):
+            raise TypeError(f"tier {tier.name!r}: expected a tier supporting memory pressure "
+                            f"(set_capacity_limit, shrink_to_limit), got {type(tier).__name__}")
+        self.tier: Any = tier  # a StorageBackend that is SupportsPressure
+        self.spawn = spawn
         self.high = high
         self.low = low
         self.admitting = True
@@ -33,10 +40,10 @@ class TierPressure:
         self.shrinks = 0
         self.pressured_since: float | None = None
         self.last_relief_s: float | None = None  # time from crossing high to getting under low
-        self._shrinking: asyncio.Task[None] | None = None
+        self._shrinking = False  # a shrink is under way
 
     def on_reading(self, reading: MemoryReading) -> None:
-        tier = self.engine.tiers[self.level]
+        tier = self.tier
         configured = tier.capacity or 0
         decision = policy.pressure_decision(reading.used_fraction, reading.total, tier.used_bytes, configured,
                                             self.high, self.low, self.pressured)
@@ -49,23 +56,49 @@ class TierPressure:
             self.pressured_since = None
         self.pressured = decision.pressured
         self.admitting = decision.admitting
-        tier.set_capacity_limit(decision.capacity)  # type: ignore[attr-defined]
-        if tier.used_bytes > decision.capacity and (self._shrinking is None or self._shrinking.done()):
-            self._shrinking = asyncio.get_running_loop().create_task(self._shrink())
-            self.engine._background.add(self._shrinking)
-            self._shrinking.add_done_callback(self.engine._background_done)
+        tier.set_capacity_limit(decision.capacity)
+        if tier.used_bytes > decision.capacity and not self._shrinking:
+            self._shrinking = True
+            self.spawn(self._shrink())
 
     async def _shrink(self) -> None:
-        tier = self.engine.tiers[self.level]
-        freed = await tier.shrink_to_limit()  # type: ignore[attr-defined]
-        self.demoted_bytes += freed
-        self.shrinks += 1
+        try:
+            freed = await self.tier.shrink_to_limit()
+            self.demoted_bytes += freed
+            self.shrinks += 1
+        finally:
+            self._shrinking = False
 
     def describe(self) -> dict[str, Any]:
         return {**self.monitor.describe(), "pressured": self.pressured, "admitting": self.admitting,
                 "high_watermark": self.high, "low_watermark": self.low,
-                "effective_capacity_bytes": self.engine.tiers[self.level].capacity_bytes,
+                "effective_capacity_bytes": self.tier.capacity_bytes,
                 "freed_bytes": self.demoted_bytes, "shrinks": self.shrinks, "last_relief_s": self.last_relief_s}
+
+
+def watch(tier: StorageBackend, probe: MemoryProbe | None, config: PressureConfig, spawn: Spawn
+          ) -> TierPressure | None:
+    """Start watching the memory of ``tier`` (None: it does not follow pressure). Without a
+    given ``probe``, a tier of device memory gets NVML on its CUDA device (none on another
+    device: static capacity, and the stats say why), any other the host-memory probe."""
+    if not isinstance(tier, SupportsPressure):
+        return None
+    on_device = tier.device_memory
+    reason = ""
+    if probe is None:
+        if on_device:
+            probe, why = open_device_probe(str(tier.device))
+            reason = "" if probe else f"nvml unavailable: {why}; static capacity"
+        else:
+            probe = HostMemoryProbe()
+    high, low = ((config.gpu_high_watermark, config.gpu_low_watermark) if on_device
+                 else (config.host_high_watermark, config.host_low_watermark))
+    if reason:
+        logger.info("tier %r: %s", tier.name, reason)
+    state = TierPressure(tier, spawn, high, low)
+    state.monitor = PressureMonitor(probe, config.poll_interval_ms / 1000, state.on_reading, reason)
+    state.monitor.start()
+    return state
 
 
 def nvml_status() -> str:

@@ -50,6 +50,10 @@ async def wait_for_event(event: torch.cuda.Event) -> None:
 class GPUBackend(MemoryTier):
     """Device-memory tier; see the module docstring."""
 
+    #: SupportsPressure: its capacity is accelerator memory (NVML on a CUDA device; on a cpu
+    #: device no probe, static capacity, and the stats say why)
+    device_memory: ClassVar[bool] = True
+
     options: ClassVar[dict[str, Option]] = {
         "device": Option(parse_device, "cuda:0", doc="device of the pool: cuda:N, or cpu for tests"),
         "eviction": EVICTION_OPTION,

@@ -27,11 +27,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from tierkv import ownership
-from tierkv.backend import StorageBackend, check_batch, check_destinations, fits_destination
+from tierkv import offload
+from tierkv.backend import DemoteSink, StorageBackend, check_batch, check_destinations, fits_destination
 from tierkv.errors import CapacityError
 from tierkv.keys import CacheKey
-from tierkv.memory import can_pin_memory, copy_into, empty_host, size_class
+from tierkv.memory import can_pin_memory, empty_host, size_class
 from tierkv.options import Option, format_size
 from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.policy import EVICTION_POLICIES, make_index
@@ -39,13 +39,10 @@ from tierkv_backends.slabs import LazySlabs, SlabArena
 
 logger = logging.getLogger(__name__)
 
-# Batches that copy more than this run in a worker thread instead of on the event loop.
-THREAD_COPY_BYTES = 1 << 20
 _MAX_ROOM_ATTEMPTS = 8
 # A put waits at most this long for held slabs (of evicted chunks still being read) to come back.
 _HELD_WAIT_S = 10.0
 
-DemoteSink = Callable[[list[CacheKey], list[torch.Tensor]], Awaitable[None]]
 ChunkLayout = tuple[tuple[int, ...], torch.dtype]
 EVICTION_OPTION = Option("str", "lru", choices=EVICTION_POLICIES, doc="eviction policy")
 PREALLOCATE_OPTION = Option("bool", True, doc="allocate and touch the whole capacity at start-up "
@@ -108,6 +105,8 @@ class MemoryTier(StorageBackend):
 
     speed_seed: ClassVar[SpeedSeed] = HOST_MEMORY_SEED  # a memory copy
     requires_capacity: ClassVar[bool] = True
+    #: SupportsPressure: host memory (the gpu tier says True: accelerator memory, watched via NVML)
+    device_memory: ClassVar[bool] = False
 
     def __init__(self, name: str, capacity: int | None, device: torch.device, pinned: bool,
                  eviction: str = "lru", preallocate: bool = True) -> None:
@@ -166,17 +165,10 @@ class MemoryTier(StorageBackend):
 
     # -- copies (overridden by devices with their own streams) --------------------------
     async def copy_chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each (dst, src) pair, off the event loop when large."""
-        if sum(dst.numel() * dst.element_size() for dst, _ in pairs) > THREAD_COPY_BYTES:
-            # the destinations are slabs or a caller's memory: a cancellation waits for the copy
-            await ownership.in_thread(self._copy_pairs, pairs)
-        else:
-            self._copy_pairs(pairs)
-
-    @staticmethod
-    def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for dst, src in pairs:
-            copy_into(dst, src)
+        """Copy each (dst, src) pair, off the event loop when large (the engine's one threshold,
+        :mod:`tierkv.offload`); the destinations are slabs or a caller's memory, so a
+        cancellation waits for the copy."""
+        await offload.copy_pairs(pairs)
 
     def empty_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor a get hands to the caller (pooled host memory by default)."""

@@ -11,8 +11,8 @@ are also registered as virtual subclasses of vLLM's own base classes.
 
 Keys are deterministic (SHA-256 of the region-of-interest tokens, or of the string key),
 so a consumer in another process that shares a tier finds what a producer inserted.
-Dropping or putting ``None`` writes a tombstone (an empty tensor) because the engine has
-no delete; a tombstone reads as "absent".
+Dropping an entry or putting ``None`` deletes the keys from every tier
+(``Engine.batched_delete``); an entry inserted without ``hidden`` has no hidden part.
 """
 
 from __future__ import annotations
@@ -30,14 +30,6 @@ from tierkv.namespaces import named_key
 LOOKUP_NAMESPACE = "vllm-lookup"
 STORE_NAMESPACE = "vllm-store"
 _LOOKUP_PARTS = ("input_tokens", "roi", "key", "value", "hidden")
-
-
-def _tombstone() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)
-
-
-def _is_tombstone(tensor: torch.Tensor | None) -> bool:
-    return tensor is None or (tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.numel() == 0)
 
 
 class KVCacheBufferBase(ABC):
@@ -125,10 +117,15 @@ class TierKVLookupBuffer(KVLookupBufferBase):
         if hidden is not None and not isinstance(hidden, torch.Tensor):
             raise ValueError(f"hidden must be a tensor or None, got {type(hidden).__name__}")
         roi_mask = torch.ones(input_tokens.numel(), dtype=torch.bool) if roi is None else roi.detach().cpu().bool()
-        parts = [input_tokens.detach().cpu(), roi_mask, key, value, _tombstone() if hidden is None else hidden]
+        parts = [input_tokens.detach().cpu(), roi_mask, key, value]
         entry_id = self._entry_id(selected)
+        keys = self._keys(entry_id)
         with self._lock:
-            self._engine.batched_put(self._keys(entry_id), parts)
+            if hidden is None:
+                self._engine.batched_delete(keys[-1:])  # no hidden part: none from an earlier insert either
+            else:
+                parts.append(hidden)
+            self._engine.batched_put(keys[: len(parts)], parts)
             self._inserted[entry_id] = None
             self._inserted.move_to_end(entry_id)
 
@@ -146,10 +143,10 @@ class TierKVLookupBuffer(KVLookupBufferBase):
             keys = self._keys(entry_id)
             parts = self._engine.batched_get(keys)
             self._inserted.pop(entry_id, None)
-            if _is_tombstone(parts[2]) or _is_tombstone(parts[3]):
+            if parts[2] is None or parts[3] is None:
                 return [None] * len(_LOOKUP_PARTS)
-            self._engine.batched_put(keys, [_tombstone() for _ in keys])
-        return [None if _is_tombstone(part) else part for part in parts]
+            self._engine.batched_delete(keys)
+        return parts
 
     def close(self) -> None:
         """Forget the local entry list; closes the engine only when this buffer owns it."""
@@ -175,11 +172,14 @@ class TierKVStoreBuffer(KVStoreBufferBase):
     def put(self, key: str, value: torch.Tensor | None) -> None:
         if value is not None and not isinstance(value, torch.Tensor):
             raise ValueError(f"store buffer values must be tensors or None, got {type(value).__name__}")
-        self._engine.batched_put([self._key(key)], [_tombstone() if value is None else value])
+        if value is None:
+            self._engine.batched_delete([self._key(key)])
+        else:
+            self._engine.batched_put([self._key(key)], [value])
 
     def get(self, key: str) -> torch.Tensor | None:
         (value,) = self._engine.batched_get([self._key(key)])
-        return None if _is_tombstone(value) else value
+        return value
 
     def close(self) -> None:
         """Closes the engine only when this buffer owns it."""

@@ -8,7 +8,9 @@ Subclass :class:`BackendTests` in a pytest module and implement :meth:`make_back
 
 Every test builds its backend inside its own event loop, so backends may create asyncio
 primitives in ``__init__`` or lazily. Tests that need a property a backend does not
-have (persistence, a capacity bound) skip with the reason.
+have (persistence, a capacity bound) skip with the reason; tests of an optional capability
+skip unless the backend declares it by its Protocol (:class:`~tierkv.backend.InPlaceTier`,
+:class:`~tierkv.backend.SupportsPressure`, :class:`~tierkv.backend.SupportsDemotion`).
 
 Byte stores can also implement the bypass hook :meth:`BackendTests.corrupt_stored`
 (damage a stored value behind the backend's back), which enables the tests of corrupt
@@ -25,7 +27,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from tierkv.backend import StorageBackend
+from tierkv.backend import InPlaceTier, StorageBackend, SupportsDemotion, SupportsPressure
 from tierkv.errors import BackendClosedError, CapacityError
 from tierkv.keys import CacheKey
 from tierkv.serde import SUPPORTED_DTYPES
@@ -326,3 +328,73 @@ class BackendTests:
             assert stats["used_bytes"] >= 0
             assert "evictions" in stats
         self.with_backend(tmp_path, body)
+
+    # -- optional capabilities, by Protocol ----------------------------------------------------------
+    def test_in_place_put_with_and_hold(self, tmp_path: Path) -> None:
+        """InPlaceTier: ``put_with`` lets a writer fill the tier's memory, ``hold`` lends it back."""
+        async def body(backend: StorageBackend) -> None:
+            if not isinstance(backend, InPlaceTier):
+                pytest.skip(f"{type(backend).__name__} is not an InPlaceTier")
+            chunks = {make_key(60): make_chunk(60), make_key(61): make_chunk(61)}
+
+            async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+                for key, view in views.items():
+                    view.copy_(chunks[key].to(view.device))
+            layouts = [(tuple(c.shape), c.dtype) for c in chunks.values()]
+            assert await backend.put_with(list(chunks), layouts, write) == 2
+            holds = backend.hold([make_key(60), make_key(404), make_key(61)], pin=True)
+            try:
+                assert holds[1] is None, "a miss is held as None"
+                for hold, key in ((holds[0], make_key(60)), (holds[2], make_key(61))):
+                    assert hold is not None and same_bytes(hold.chunk.cpu(), chunks[key])
+            finally:
+                for hold in holds:
+                    if hold is not None:
+                        hold.release()
+            assert same_bytes(await backend.get(make_key(61)), chunks[make_key(61)])
+        self.with_backend(tmp_path, body)
+
+    def test_pressure_shrinks_to_the_limit_and_grows_back(self, tmp_path: Path) -> None:
+        """SupportsPressure: a lower capacity limit is honoured by ``shrink_to_limit``, and never
+        raises the capacity above the configured one."""
+        async def body(backend: StorageBackend) -> None:
+            if not isinstance(backend, SupportsPressure):
+                pytest.skip(f"{type(backend).__name__} does not support memory pressure")
+            configured = backend.capacity_bytes
+            assert configured is not None
+            for index in range(self.capacity_in_chunks):
+                await backend.put(make_key(index), make_chunk(index))
+            one = chunk_nbytes(make_chunk(0))
+            backend.set_capacity_limit(one)
+            assert backend.capacity_bytes == one
+            freed = await backend.shrink_to_limit()
+            assert freed >= (self.capacity_in_chunks - 1) * one
+            assert backend.used_bytes <= one
+            backend.set_capacity_limit(configured * 2)
+            assert backend.capacity_bytes == configured, "the limit never exceeds the configured capacity"
+            await backend.put(make_key(50), make_chunk(50))
+            assert same_bytes(await backend.get(make_key(50)), make_chunk(50))
+        self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
+
+    def test_demotion_hands_evicted_chunks_to_the_sink(self, tmp_path: Path) -> None:
+        """SupportsDemotion: every chunk evicted to make room reaches ``demote_sink``, exact."""
+        async def body(backend: StorageBackend) -> None:
+            if not isinstance(backend, SupportsDemotion):
+                pytest.skip(f"{type(backend).__name__} does not demote")
+            demoted: dict[CacheKey, torch.Tensor] = {}
+
+            async def sink(keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+                for key, chunk in zip(keys, chunks):
+                    demoted[key] = chunk.detach().cpu().clone()
+            backend.demote_sink = sink
+            total = self.capacity_in_chunks * 2
+            for index in range(total):
+                await backend.put(make_key(index), make_chunk(index))
+            assert demoted, "filling past capacity demoted nothing"
+            for key, chunk in demoted.items():
+                index = int(key.chunk_hash, 16)
+                assert same_bytes(chunk, make_chunk(index))
+                assert not await backend.contains(key), "a demoted chunk is gone from the tier"
+            still = sum(await backend.batched_contains([make_key(i) for i in range(total)]))
+            assert still + len(demoted) == total, "a chunk was evicted without being demoted"
+        self.with_backend(tmp_path, body, capacity=self.chunk_capacity())

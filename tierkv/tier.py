@@ -1,0 +1,316 @@
+"""One tier as the router sees it: a backend with its counters, health, speed estimate,
+promote flag, memory-pressure and full-disk state.
+
+A :class:`Tier` owns every call into its backend: a put (with timeout, counters, health and
+the full-disk pause), a read into given memory or a plain get (timeouts and deadlines,
+errors as misses, speed samples), and the answer to "may new chunks go here now?". The
+router decides *which* tier; the handle says how one tier is asked and what it cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from tierkv import ownership
+from tierkv.backend import ChunkHold, InPlaceTier, StorageBackend
+from tierkv.config import HealthConfig
+from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
+from tierkv.keys import CacheKey
+from tierkv.metrics import TierMetrics
+from tierkv.planner import TierSpeed
+from tierkv.policy import TierHealth
+from tierkv.tier_pressure import TierPressure
+
+logger = logging.getLogger("tierkv.engine")
+
+T = TypeVar("T")
+
+Writer = Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]
+"""Fills an in-place tier's reserved chunks (key -> view of its memory)."""
+Layouts = list[tuple[tuple[int, ...], torch.dtype]]
+
+_IN_PLACE: dict[type, bool] = {}  # isinstance of a runtime Protocol is slow: once per class
+
+
+class Tier:
+    """A backend at one level of the stack, with everything the router tracks about it."""
+
+    def __init__(self, backends: list[StorageBackend], level: int, promote: bool, health: HealthConfig) -> None:
+        self._backends = backends  # the router's list: a test may put a wrapper in its place
+        self.name = backends[level].name
+        self.level = level
+        self.promote = promote
+        self.metrics = TierMetrics()
+        self.speed = TierSpeed(type(backends[level]).speed_seed)
+        self.health = TierHealth(health.failure_threshold, health.retry_after_s)
+        self.timeout = health.timeout_s
+        self.full_retry_s = health.retry_after_s
+        self.full: tuple[float, str] | None = None  # (when it said full, what it said)
+        self.pressure: TierPressure | None = None
+
+    @property
+    def backend(self) -> StorageBackend:
+        return self._backends[self.level]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the backend keeps chunks in memory written and read in place (:class:`InPlaceTier`)."""
+        kind = type(self.backend)
+        known = _IN_PLACE.get(kind)
+        if known is None:
+            known = _IN_PLACE[kind] = isinstance(self.backend, InPlaceTier)
+        return known
+
+    # -- admission --------------------------------------------------------------------------
+    def available(self, now: float | None = None) -> bool:
+        """Whether the health breaker lets calls through (counted when it does not)."""
+        if self.health.available(time.monotonic() if now is None else now):
+            return True
+        self.metrics.add("skipped_unhealthy")
+        return False
+
+    def admits(self, skipped: dict[str, str] | None = None) -> bool:
+        """Whether new chunks may be written here now (healthy, not under pressure, not full);
+        when not, why goes into ``skipped`` (tier name -> reason)."""
+        if self.pressure is not None and not self.pressure.admitting:
+            self.metrics.add("skipped_pressure")
+            if skipped is not None:
+                skipped[self.name] = f"under memory pressure (capacity now {self.backend.capacity_bytes} bytes)"
+            return False
+        if self.full is not None:
+            now = time.monotonic()
+            since, error = self.full
+            if now < since + self.full_retry_s:  # bounded: then one put is let through to see
+                if skipped is not None:
+                    skipped[self.name] = (f"full for {now - since:.1f}s (asked again in "
+                                          f"{since + self.full_retry_s - now:.1f}s): {error}")
+                return False
+        if self.available():
+            return True
+        if skipped is not None:
+            skipped[self.name] = self.unhealthy_reason()
+        return False
+
+    def unhealthy_reason(self) -> str:
+        health = self.health
+        now = time.monotonic()
+        retry_at = health.retry_at if health.retry_at is not None else now
+        return (f"unhealthy for {max(0.0, now - (retry_at - health.cooldown_s)):.1f}s after "
+                f"{health.consecutive_failures} failures in a row (retried in {max(0.0, retry_at - now):.1f}s; "
+                f"last error: {health.last_error})")
+
+    def failed(self, operation: str, exc: BaseException) -> None:
+        """Count a failed call and feed the health breaker."""
+        self.metrics.add("errors")
+        self.health.record_failure(time.monotonic(), f"{operation}: {type(exc).__name__}: {exc}")
+        logger.warning("tier %r: %s failed: %s: %s", self.name, operation, type(exc).__name__, exc)
+
+    # -- timeouts ---------------------------------------------------------------------------
+    async def timed(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable`` within the health timeout (when one is set)."""
+        if self.timeout is None:
+            return await awaitable
+        return await asyncio.wait_for(awaitable, self.timeout)
+
+    async def timed_owned(self, awaitable: Awaitable[T], timeout: float | None = None, *,
+                          run_to_end: bool = False) -> T:
+        """``awaitable``, which copies into or out of memory it was lent, with a timeout
+        (``timeout``, else the health timeout): a cancellation of the caller is delivered
+        only once it stopped (:func:`tierkv.ownership.finish`; ``asyncio.wait_for`` alone stops
+        waiting when it is cancelled again while it cancels). At the timeout it is cancelled
+        and waited for, or with ``run_to_end`` (a backend whose worker threads outlive its
+        cancelled coroutine) left to finish before the timeout is raised."""
+        timeout = self.timeout if timeout is None else timeout
+        if timeout is None:
+            return await ownership.finish(awaitable)
+        if run_to_end:
+            awaitable = ownership.finish(awaitable)
+        return await ownership.finish(asyncio.wait_for(awaitable, timeout))
+
+    # -- writes -----------------------------------------------------------------------------
+    def hold(self, keys: Sequence[CacheKey], pin: bool) -> list[ChunkHold | None]:
+        """Holds on an in-place tier's chunks (see :class:`~tierkv.backend.InPlaceTier`)."""
+        return list(self.backend.hold(keys, pin=pin))  # type: ignore[attr-defined]
+
+    async def put(self, keys: list[CacheKey], chunks: list[torch.Tensor] | None = None, *,
+                  layouts: Layouts | None = None, write: Writer | None = None,
+                  fill_holds: list[Any] | None = None) -> int:
+        """Put ``chunks`` (or, in an in-place tier, let ``write`` fill chunks of ``layouts`` in
+        its memory), with timeout, metrics and health; chunks stored.
+
+        ``fill_holds`` (write-through, an in-place tier): receives holds on the chunks taken
+        at the moment they are committed, so no other store evicts them before their fill
+        is queued (a chunk evicted then would be in no tier at all)."""
+        tier = self.backend
+        started = time.perf_counter()
+        if self.in_place and write is None and chunks is not None:  # the tier's own copy, in place
+            layouts, write = [(tuple(c.shape), c.dtype) for c in chunks], _copier(tier, keys, chunks)
+        extra: dict[str, Any] = {}
+        if fill_holds is not None and self.in_place:
+            def on_commit() -> None:
+                fill_holds.extend(self.hold(keys, pin=False))
+            extra["on_commit"] = on_commit
+        try:
+            if write is not None and layouts is not None:
+                stored = await self.timed_owned(tier.put_with(keys, layouts, write, **extra))  # type: ignore[attr-defined]
+                nbytes = sum(nbytes_of(shape, dtype) for shape, dtype in layouts)
+            else:
+                if chunks is None:
+                    raise TypeError(f"tier {self.name!r}: a put needs chunks, or layouts and a writer")
+                # the tier reads the chunks (a caller's tensor, held slabs) until the put stopped,
+                # and a backend's worker thread may go on after its coroutine was cancelled: a
+                # timeout or cancellation waits for the put's end before that memory goes back
+                stored = await self.timed_owned(tier.batched_put(keys, chunks), run_to_end=True)
+                nbytes = sum(c.nbytes for c in chunks)
+        except TierFullError as exc:  # the tier's store is full: not admitting for a while, reads go on
+            self.metrics.add("errors")
+            if self.full is None:
+                logger.warning("tier %r: full, not admitting for %.1fs: %s", self.name, self.full_retry_s, exc)
+            self.full = (time.monotonic(), str(exc))
+            raise
+        except CapacityError as exc:  # the tier is fine, the chunk just does not fit
+            self.metrics.add("errors")
+            logger.info("tier %r: %s", self.name, exc)
+            raise
+        except Exception as exc:
+            self.failed("put", exc)
+            raise
+        self.metrics.put_latency.observe(time.perf_counter() - started)
+        self.health.record_success()
+        if self.full is not None:
+            self.full = None
+            logger.info("tier %r: admitting again (a put succeeded)", self.name)
+        self.metrics.add("puts", stored)
+        self.metrics.add("bytes_in", nbytes)
+        return stored
+
+    # -- reads ------------------------------------------------------------------------------
+    async def get_into(self, keys: list[CacheKey], outs: list[torch.Tensor], deadline: float | None = None,
+                       abandonable: bool = False) -> list[bool]:
+        """``batched_get_into`` with timeout, metrics and health; errors are misses. At
+        ``deadline`` the chunks not in yet are misses (counted apart: a slow tier is not a
+        failing one).
+
+        ``abandonable``: ``outs`` are staging buffers nobody else uses (kept alive by the
+        tier's worker while it writes), so a timeout or cancellation may leave the read
+        behind. Otherwise (a caller's memory, slabs) the read is waited for to its end."""
+        timeout, by_deadline = self.timeout, False
+        if deadline is not None:
+            remaining = max(0.0, deadline - time.monotonic())
+            if timeout is None or remaining < timeout:
+                timeout, by_deadline = remaining, True
+        if by_deadline and timeout is not None and timeout <= 0:  # past the deadline already: nothing is asked
+            self.metrics.add("deadline_misses", len(keys))
+            return [False] * len(keys)
+        started = time.perf_counter()
+        try:
+            request = self.backend.batched_get_into(keys, outs)
+            if abandonable:
+                got = await (request if timeout is None else asyncio.wait_for(request, timeout))
+            else:
+                got = await self.timed_owned(request, timeout, run_to_end=True)
+        except TimeoutError as exc:
+            if by_deadline:
+                self.metrics.add("deadline_misses", len(keys))
+            else:
+                self.failed("get", exc)
+            return [False] * len(keys)
+        except Exception as exc:
+            self.failed("get", exc)
+            return [False] * len(keys)
+        self.metrics.get_latency.observe(time.perf_counter() - started)
+        self.health.record_success()
+        self.count_read(len(got), [out for out, hit in zip(outs, got) if hit], started)
+        return list(got)
+
+    async def get(self, keys: list[CacheKey]) -> list[torch.Tensor | None]:
+        """``batched_get`` within the health timeout; errors are misses, an undecodable chunk
+        is dropped (see :meth:`_get_one_checked`)."""
+        started = time.perf_counter()
+        try:
+            got = await self.timed(self.backend.batched_get(keys))
+        except ChunkFormatError:
+            got = [await self._get_one_checked(key) for key in keys]
+        except Exception as exc:
+            self.failed("get", exc)
+            return [None] * len(keys)
+        self.metrics.get_latency.observe(time.perf_counter() - started)
+        self.health.record_success()
+        self.count_read(len(got), [c for c in got if c is not None], started)
+        return got
+
+    def count_read(self, asked: int, hits: Sequence[torch.Tensor], started: float) -> None:
+        """Hits, misses and bytes of one read that began at ``started`` (perf_counter), and a
+        sample of the tier's speed for the cost model."""
+        nbytes = sum(chunk.nbytes for chunk in hits)
+        self.metrics.add("hits", len(hits))
+        self.metrics.add("misses", asked - len(hits))
+        self.metrics.add("bytes_out", nbytes)
+        if nbytes:
+            self.speed.observe(nbytes, time.perf_counter() - started)
+
+    async def _get_one_checked(self, key: CacheKey) -> torch.Tensor | None:
+        """A get that turns an undecodable value into a miss, a delete and a count (the one
+        place the router drops a corrupt chunk; byte stores drop theirs in
+        :meth:`~tierkv.backend.BlobBackend.get`)."""
+        try:
+            return await self.backend.get(key)
+        except ChunkFormatError as exc:
+            self.metrics.add("corrupt_chunks")
+            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, key, exc)
+            await self.backend.delete(key)
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        """The backend's own stats, the router's counters, health, speed, full and pressure state."""
+        entry = {**self.backend.stats(), **self.metrics.snapshot()}
+        entry["corrupt_chunks"] = self.backend.counters.get("corrupt_chunks", 0) + self.metrics.counters[
+            "corrupt_chunks"]
+        entry["health"] = self.health.state()
+        entry["promote"] = self.promote
+        entry["speed"] = self.speed.snapshot()
+        full = self.full
+        entry["full"] = None if full is None else {"for_s": round(time.monotonic() - full[0], 3), "error": full[1]}
+        if self.pressure is not None:
+            entry["pressure"] = self.pressure.describe()
+        return entry
+
+
+def _copier(tier: StorageBackend, keys: list[CacheKey], chunks: list[torch.Tensor]) -> Writer:
+    """The writer of an in-place tier's put of ``chunks``: the tier's own copy into its slabs
+    (later duplicates of a key win)."""
+    latest = dict(zip(keys, chunks))
+
+    async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+        await tier.copy_chunks([(view, latest[key].detach()) for key, view in views.items()])  # type: ignore[attr-defined]
+    return write
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def release_all(holds: Sequence[Any]) -> None:
+    """Release every hold (None entries are skipped)."""
+    for hold in holds:
+        if hold is not None:
+            hold.release()
+
+
+def rejection(exc: BaseException) -> str:
+    """Why a tier did not take a put, for :class:`~tierkv.errors.TierUnavailableError`."""
+    if isinstance(exc, TierFullError):
+        return f"full: {exc}"
+    if isinstance(exc, CapacityError):
+        return f"rejected the size: {exc}"
+    return f"failed: {type(exc).__name__}: {exc}"
