@@ -87,7 +87,7 @@ def main(spec_path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     extra = spec.get("tierkv")
     stats_file = (extra or {}).get("stats_file")
     if extra is not None:
@@ -104,7 +104,8 @@ def main(spec_path: str) -> int:
     results = []
     for prompt in spec["prompts"]:
         started = time.perf_counter()
-        output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        request: Any = {"prompt_token_ids": prompt}
+        output = llm.generate([request], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - started
         stats = None
         if stats_file and os.path.exists(stats_file):

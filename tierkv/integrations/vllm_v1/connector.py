@@ -182,7 +182,8 @@ class TierKVConnector(KVConnectorBase_V1):
                 raise LayoutMismatchError(f"the KV caches vLLM registered are (layers, heads, head_size, dtype) "
                                           f"{found}, the engine was told {tuple(declared)}")
             if self._settings.layout_check:
-                verify_layout(layers, worker._connector(), self._cache_writer(names, layers), model.dtype,
+                verify_layout(layers, worker._connector(), self._cache_writer(names, layers),
+                              model.dtype if isinstance(model.dtype, torch.dtype) else layers[0].dtype,
                               block_dim=1 if layout == "kv_first" else 0)
         except (LayoutMismatchError, ValueError, RuntimeError, NotImplementedError) as exc:
             isa = getattr(self._attention_layer(names[0]), "isa", None)
