@@ -271,12 +271,16 @@ def plot_points(rows: list[dict[str, Any]], tier: str, op: str, baseline: str) -
     return points
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Throughput per tier and chunk size, ours (solid) vs each same-run baseline (dashed)."""
-    import matplotlib
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Throughput per tier and chunk size, ours (solid) vs each same-run baseline (dashed);
+    False (no picture) without matplotlib, which the tables do not need."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, op in zip(axes, ("batched_put", "batched_get")):
@@ -301,3 +305,4 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

@@ -157,12 +157,12 @@ def main() -> int:
     print_table(rows, MATRIX_COLUMNS)
     summarize(rows)
     write_results(out, "matrix", rows, meta)
-    plot(rows, out / "matrix.png")
+    plotted = plot(rows, out / "matrix.png")
     written = (["core.json", "core.csv"] if args.core else []) + (["policy.json", "policy.csv"] if args.policy else [])
     written += ["prompt.json", "prompt.csv"] if args.prompt else []
     written += ["kernels.json", "kernels.csv"] if args.kernels else []
     written += ["cost.json", "cost.csv", "cost.png"] if args.cost else []
-    written += ["matrix.json", "matrix.csv", "matrix.png"]
+    written += ["matrix.json", "matrix.csv"] + (["matrix.png"] if plotted else [])
     print(f"\nresults in {out}/: {', '.join(written)}")
     return 0
 
