@@ -197,7 +197,7 @@ def test_connector_round_trip_copies_each_byte_once(tmp_path: Path, lower: bool)
         engine.flush()
         if lower:
             for key in engine.keys_for(tokens):
-                asyncio.run_coroutine_threadsafe(engine.tiers[0].delete(key), engine._loop).result()
+                engine.run(engine.tiers[0].delete(key))
         assert bool(retrieve_paged(engine, connector, tokens, kvcaches=target, slot_mapping=target_slots).all())
         copies = engine.stats()["copies"]
     assert same_bytes(ops.paged_gather_reference(target, target_slots), ops.paged_gather_reference(source, source_slots))

@@ -294,7 +294,7 @@ def test_lower_tier_hit_counts_promotion_apart(tmp_path: Path) -> None:
         eng.store(tokens, kv)
         eng.flush()
         for key in eng.keys_for(tokens):
-            asyncio.run_coroutine_threadsafe(eng.tiers[0].delete(key), eng._loop).result()
+            eng.run(eng.tiers[0].delete(key))
         _, mask = eng.retrieve(tokens, out=torch.empty_like(kv))
         assert bool(mask.all())
         copies = eng.stats()["copies"]
@@ -311,8 +311,8 @@ def test_lookup_answers_from_indexes_without_the_loop(tmp_path: Path, kind: str)
     tokens = torch.arange(5 * CHUNK)
     with Engine(config([tier_entry(kind, tmp_path)])) as eng:
         eng.store(tokens[: 3 * CHUNK], make_kv(3 * CHUNK))
-        assert eng._core.lookup_nowait(tokens) == 3 * CHUNK
-        assert eng._core.lookup_nowait(tokens + 100_000) == 0
+        assert eng.core.lookup_nowait(tokens) == 3 * CHUNK
+        assert eng.core.lookup_nowait(tokens + 100_000) == 0
         assert eng.lookup(tokens) == 3 * CHUNK
         assert eng.stats()["last_lookup"]["chunks_per_tier"][eng.tiers[0].name] == 3
 

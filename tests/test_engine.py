@@ -160,10 +160,8 @@ def test_lower_tier_hit_is_promoted_and_survives_eviction(tmp_path: Path) -> Non
 
 
 def asyncio_contains(eng: Engine, tier_name: str, tokens: torch.Tensor) -> bool:
-    import asyncio
-
     tier = next(t for t in eng.tiers if t.name == tier_name)
-    return asyncio.run_coroutine_threadsafe(tier.contains(eng.keys_for(tokens)[0]), eng._loop).result()
+    return eng.run(tier.contains(eng.keys_for(tokens)[0]))
 
 
 def test_corrupt_value_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
@@ -237,3 +235,22 @@ def test_concurrent_store_and_retrieve_from_many_threads(tmp_path: Path) -> None
             out, mask = eng.retrieve(tokens, return_tuple=False)
             assert mask.all() and torch.equal(out, blob)
         assert eng.stats()["tiers"]["host"]["used_bytes"] <= 64 * 1024
+
+
+def test_log_level_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from tierkv.errors import ConfigError
+
+    loggers = [logging.getLogger("tierkv"), logging.getLogger("tierkv_backends")]
+    before = [logger.level for logger in loggers]
+    try:
+        monkeypatch.setenv("TIERKV_LOG_LEVEL", "debug")
+        with Engine(config(tmp_path)):
+            assert [logger.level for logger in loggers] == [logging.DEBUG, logging.DEBUG]
+        monkeypatch.setenv("TIERKV_LOG_LEVEL", "chatty")
+        with pytest.raises(ConfigError, match="TIERKV_LOG_LEVEL: expected one of DEBUG.*'chatty'"):
+            Engine(config(tmp_path))
+    finally:
+        for logger, level in zip(loggers, before):
+            logger.setLevel(level)

@@ -59,10 +59,10 @@ def test_lookup_stops_at_the_first_chunk_no_tier_holds(tmp_path: Path) -> None:
 def test_lookup_of_new_prompts_hashes_only_the_first_chunk(tmp_path: Path) -> None:
     """A miss must not cost the whole prompt: only one key is made (keys are reused per hash)."""
     with Engine(two_tiers(tmp_path)) as engine:
-        core = engine._core
-        before = len(core._recent_keys)
+        core = engine.core
+        before = len(core.key_maker.recent)
         assert engine.lookup(torch.arange(64 * CHUNK) + 7) == 0
-        assert len(core._recent_keys) == before + 1
+        assert len(core.key_maker.recent) == before + 1
 
 
 def test_batched_delete_removes_from_every_tier_and_counts(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def wait_until(condition: Callable[[], bool], what: str, deadline_s: float = 20.
 
 
 def on_loop(eng: Engine, coro: Any) -> Any:
-    return asyncio.run_coroutine_threadsafe(coro, eng._loop).result()
+    return eng.run(coro)
 
 
 def tier(eng: Engine, name: str) -> Any:

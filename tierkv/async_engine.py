@@ -5,12 +5,19 @@
 a prompt (into memory the caller owns, a fresh output, or a connector's paged cache), answers
 lookups from in-memory indexes, and asks the cost model how much of a cached prefix is worth
 loading. ``Engine`` (:mod:`tierkv.engine`) is its blocking facade.
+
+What it builds on, each in its own module: keys (:class:`~tierkv.keys.KeyMaker`), the chunk
+layout (:mod:`tierkv.chunk_layout`), the plan (:mod:`tierkv.prefix_plans`), and the router
+(:mod:`tierkv.router`), used through its public methods only.
+
+Over 400 lines (about 440) by choice: it is the whole public prompt API, every method with
+its contract in its docstring, plus the router's surface re-exposed for callers of the engine
+(``batched_*``, ``flush``, ``close``, ``tiers``) and the delegates the SGLang page store still
+calls (to go when it uses :attr:`AsyncEngine.router`); the logic behind them lives elsewhere.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import os
 import time
@@ -22,13 +29,14 @@ import torch
 
 from tierkv import copies, kvlayout, policy, transfer
 from tierkv.backend import StorageBackend
+from tierkv.chunk_layout import ChunkLayout
 from tierkv.config import EngineConfig, load_config
 from tierkv.errors import ConfigError
-from tierkv.keys import KV_FORMATS, CacheKey, ChunkHasher, TokenIds, as_token_array
+from tierkv.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
-from tierkv.memory import empty_host
 from tierkv.metadata import EngineMetadata, KVShape
-from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
+from tierkv.planner import PrefixPlan
+from tierkv.prefix_plans import PrefixPlans
 from tierkv.pressure import MemoryProbe
 from tierkv.router import TierRouter
 from tierkv.tier import nbytes_of
@@ -37,7 +45,17 @@ __all__ = ["AsyncEngine", "EngineMetadata", "KVShape"]  # EngineMetadata lives i
 
 logger = logging.getLogger("tierkv.engine")
 
-_RECENT_KEYS = 1 << 15
+def apply_log_level() -> None:
+    """``TIERKV_LOG_LEVEL`` (DEBUG, INFO, WARNING, ERROR, CRITICAL), when set: the level of
+    tierkv's loggers (``tierkv.*`` and the built-in backends' ``tierkv_backends.*``)."""
+    value = os.environ.get("TIERKV_LOG_LEVEL", "").strip()
+    if not value:
+        return
+    level = logging.getLevelName(value.upper())
+    if not isinstance(level, int):
+        raise ConfigError(f"TIERKV_LOG_LEVEL: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {value!r}")
+    for name in ("tierkv", "tierkv_backends"):
+        logging.getLogger(name).setLevel(level)
 
 
 class AsyncEngine:
@@ -59,33 +77,23 @@ class AsyncEngine:
         probes: Mapping[str, MemoryProbe] | None = None,
     ) -> None:
         self.config = load_config(config)
+        apply_log_level()
         self.metadata = metadata or EngineMetadata.from_config(self.config)
         if self.metadata.fmt not in KV_FORMATS:
             raise ConfigError(f"kv_format: expected one of {list(KV_FORMATS)}, got {self.metadata.fmt!r}")
         self.chunk_size = self.config.chunk_size
-        self._hasher = ChunkHasher(self.chunk_size)
-        self._recent_keys: dict[str, CacheKey] = {}
+        meta = self.metadata
+        self.key_maker = KeyMaker(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, self.chunk_size)
         self.router = TierRouter(self.config, probes)
-        self._recompute = RecomputeModel(self.config.recompute.tokens_per_s, self.config.recompute.curve or None)
-        # (blob shape with 0 tokens, dtype) of the chunks seen last (or given as metadata.kv_shape):
-        # sizes retrieve outputs, checks `out`, prices reads in the plan
-        self._layout: tuple[tuple[int, ...], torch.dtype] | None = self.metadata.blob_layout()
-        self._learning_layout = False
-        try:  # the loop the engine runs on, for learning the layout from any thread
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None
+        # the chunks' (blob shape with 0 tokens, dtype): sizes outputs, checks `out`, prices reads
+        self.layout = ChunkLayout(self.router, self.metadata.fmt, self.metadata.blob_layout())
+        self.plans = PrefixPlans(self.router, self.layout, self.config)
         self._hit_tokens = 0
         self._miss_tokens = 0
-        self._last_lookup: tuple[int, int, list[int | None], PrefixPlan] | None = None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> AsyncEngine:
         return cls(load_config(path), metadata)
-
-    def _make_key(self, chunk_hash: str) -> CacheKey:
-        meta = self.metadata
-        return CacheKey(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, chunk_hash)
 
     # -- the router's surface, for callers of the engine ---------------------------------------
     @property
@@ -142,6 +150,9 @@ class AsyncEngine:
     def _locate_for_read(self, keys: Sequence[CacheKey]) -> list[int | None]:
         return self.router.locate_for_read(keys)
 
+    def _plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
+        return self.plans.plan(levels, num_tokens, first_chunk)
+
     @property
     def _copies(self) -> copies.CopyCounter:
         return self.router.copies
@@ -158,19 +169,7 @@ class AsyncEngine:
         return list(self._iter_keys(as_token_array(tokens)))
 
     def _iter_keys(self, token_array: np.ndarray) -> Iterator[CacheKey]:
-        """Keys of a validated token array, made as they are needed.
-
-        Keys of recently seen chunks are reused: a scheduler looks a prompt up, then
-        retrieves it, and each tier asks a key for its string form.
-        """
-        recent = self._recent_keys
-        for chunk_hash in self._hasher.iter_prefix_hashes(token_array):
-            key = recent.get(chunk_hash)
-            if key is None:
-                if len(recent) >= _RECENT_KEYS:
-                    recent.clear()
-                key = recent[chunk_hash] = self._make_key(chunk_hash)
-            yield key
+        return self.key_maker.iter_keys(token_array)
 
     async def store(
         self,
@@ -229,7 +228,7 @@ class AsyncEngine:
         self.router.ensure_open()
         if ranges:
             start, end = ranges[0]
-            self._layout = (kvlayout.with_tokens(source.chunk_shape(end - start), self.metadata.fmt, 0), source.dtype)
+            self.layout.from_chunk(source.chunk_shape(end - start), source.dtype)
         return await self.router.put(keys, source, ranges)
 
     async def retrieve(
@@ -243,7 +242,7 @@ class AsyncEngine:
         """The cached KV of the longest cached prefix of ``tokens`` and a mask of the tokens it covers.
 
         With a suffix ``mask``, only the masked tokens are returned. When nothing is
-        cached the KV is an empty tuple (as in the seed engine, whatever ``return_tuple``).
+        cached the KV is an empty tuple (whatever ``return_tuple``: what callers of the first version expect).
 
         ``out`` (a blob in the engine's ``kv_format`` holding the masked tokens, or per-layer
         (K, V) pairs) receives the KV straight from the tiers, and the KV returned is a view
@@ -264,7 +263,7 @@ class AsyncEngine:
         fmt = self.metadata.fmt
         sink = None
         if out is not None:
-            sink = transfer.sink_for(out, fmt, skip, num_tokens - skip, self._layout, self.config.dtype)
+            sink = transfer.sink_for(out, fmt, skip, num_tokens - skip, self.layout.value, self.config.dtype)
             if not return_tuple and isinstance(sink, transfer.TupleSink):
                 raise ValueError("out is per-layer tensors that do not form one blob: pass return_tuple=True")
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
@@ -309,7 +308,7 @@ class AsyncEngine:
         levels = self.router.locate_for_read(keys)
         keys = keys[: policy.first_missing([level is not None for level in levels])]
         if plan and keys and self.cost_aware:
-            prefix_plan = self._plan(levels[: len(keys)], num_tokens, first_chunk)
+            prefix_plan = self.plans.plan(levels[: len(keys)], num_tokens, first_chunk)
             keys = keys[: max(0, -(-prefix_plan.planned_tokens // self.chunk_size) - first_chunk)]
         ranges = transfer.chunk_ranges(skip - skip % self.chunk_size, num_tokens, self.chunk_size)[: len(keys)]
         hits = 0
@@ -317,7 +316,7 @@ class AsyncEngine:
             with copies.on_path(self.router.copies, "retrieve"):
                 preloaded = None
                 if sink is None:
-                    sink, preloaded = await self._fresh_sink(keys, ranges, skip, deadline)
+                    sink, preloaded = await self.layout.fresh_sink(keys, ranges, skip, deadline)
                 if sink is not None:
                     hits = await self.router.read_into(keys, levels, ranges, sink, caller_owned=caller_owned,
                                                         preloaded=preloaded, deadline=deadline)
@@ -368,55 +367,26 @@ class AsyncEngine:
         return self.router.level_name(level)
 
     async def _locate_prefix(self, token_array: np.ndarray) -> list[int | None]:
-        keys = self._iter_keys(token_array)
-        levels = await self.router.locate(list(itertools.islice(keys, 1)))
-        if levels and levels[0] is not None:
-            levels += await self.router.locate(list(keys))
-        return levels
+        return await self.plans.locate(self._iter_keys(token_array))
 
     def _locate_prefix_nowait(self, token_array: np.ndarray) -> list[int | None] | None:
-        keys = self._iter_keys(token_array)
-        levels = self.router.locate_nowait(list(itertools.islice(keys, 1)))
-        if levels and levels[0] is not None:
-            rest = self.router.locate_nowait(list(keys))
-            levels = None if rest is None else levels + rest
-        return levels
+        return self.plans.locate_nowait(self._iter_keys(token_array))
 
     def _record_lookup(self, token_array: np.ndarray, levels: list[int | None]) -> PrefixPlan:
         """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
-        num_tokens = len(token_array)
-        if self._layout is None and levels and levels[0] is not None and levels[0] >= 0:
-            self._learn_layout_soon(next(self._iter_keys(token_array)), levels[0])
-        hit_chunks = policy.first_missing([level is not None for level in levels])
-        cached = min(hit_chunks * self.chunk_size, num_tokens)
-        prefix_plan = self._plan(levels[:hit_chunks], num_tokens)
-        self._last_lookup = (num_tokens, cached, levels[:hit_chunks], prefix_plan)
-        return prefix_plan
-
-    def _last_lookup_summary(self) -> dict[str, Any] | None:
-        if self._last_lookup is None:
-            return None
-        num_tokens, cached, levels, prefix_plan = self._last_lookup
-        per_tier = {tier.name: 0 for tier in self.tiers}
-        for level in levels:
-            if level is not None and level >= 0:
-                per_tier[self.router.level_name(level)] += 1
-        return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier,
-                "plan": prefix_plan.summary()}
+        return self.plans.record(len(token_array), levels, lambda: next(self._iter_keys(token_array)))
 
     @property
     def cost_aware(self) -> bool:
         """Whether a cached prefix is loaded only as far as that beats recomputing it
         (``cost_aware`` in the config; by default, once a recompute speed is known)."""
-        if self.config.cost_aware is not None:
-            return self.config.cost_aware
-        return self._recompute.known
+        return self.plans.cost_aware
 
     def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """The serving model computed ``new_tokens`` after ``context_tokens`` cached ones in
         ``seconds``: refines the recompute speed the cost model uses (integrations call this
         around every prefill they run)."""
-        self._recompute.observe(new_tokens, context_tokens, seconds)
+        self.plans.recompute.observe(new_tokens, context_tokens, seconds)
 
     def plan_nowait(self, tokens: TokenIds) -> PrefixPlan | None:
         """How much of the cached prefix of ``tokens`` is worth loading, from in-memory indexes
@@ -436,33 +406,6 @@ class AsyncEngine:
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         return self._record_lookup(token_array, await self._locate_prefix(token_array))
-
-    def _plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
-        """The plan for the cached chunks at ``levels``, which start at chunk ``first_chunk`` of
-        the prompt (the chunks before it are the caller's already: not loaded, not counted)."""
-        base = min(first_chunk * self.chunk_size, num_tokens)
-        names = [self._level_name(level) for level in levels if level is not None]
-        sizes = [min(self.chunk_size, num_tokens - (first_chunk + i) * self.chunk_size) for i in range(len(names))]
-        if not self.cost_aware:
-            return load_everything(names, sizes, "cost_aware is off" if self.config.cost_aware is False else
-                                   "no recompute speed known (recompute: in the config, or measured prefills)", base)
-        bytes_per_token = self._bytes_per_token()
-        speeds = self.router.speeds()
-        if bytes_per_token is None:
-            # the bytes are not known yet, but each read's fixed cost is: if even reads of a
-            # byte per token lose to recomputing, so do the real ones
-            floor = plan_prefix(names, sizes, 1.0, speeds, self._recompute, base)
-            if floor.planned_tokens == base:
-                return floor
-            return load_everything(names, sizes, "chunk size in bytes not known yet (nothing stored or read; "
-                                   "give EngineMetadata.kv_shape to plan from the start)", base)
-        return plan_prefix(names, sizes, bytes_per_token, speeds, self._recompute, base)
-
-    def _bytes_per_token(self) -> float | None:
-        if self._layout is None:
-            return None
-        shape, dtype = self._layout
-        return float(nbytes_of(kvlayout.with_tokens(shape, self.metadata.fmt, 1), dtype))
 
     async def locate(self, tokens: TokenIds) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
@@ -495,62 +438,9 @@ class AsyncEngine:
             "background_tasks": router["background_tasks"],
             "inflight_prefetch_chunks": router["inflight_prefetch_chunks"],
             "pressure": router["pressure"],
-            "last_lookup": self._last_lookup_summary(),
+            "last_lookup": self.plans.last_lookup(),
             "cost_aware": self.cost_aware,
-            "recompute": self._recompute.snapshot(),
+            "recompute": self.plans.recompute.snapshot(),
             "copies": router["copies"],
             "tiers": router["tiers"],
         }
-
-    async def _fresh_sink(self, keys: list[CacheKey], ranges: list[tuple[int, int]], skip: int,
-                          deadline: float | None = None) -> tuple[transfer.BlobSink | None, torch.Tensor | None]:
-        """The output of a retrieve without ``out``: allocated once, for the cached tokens.
-
-        Its layout is that of the chunks seen last (or ``EngineMetadata.kv_shape``); when none
-        is known yet (a fresh process over a persistent tier) the first chunk is read on its
-        own to learn it, within ``deadline`` (past it, nothing is retrieved).
-        """
-        preloaded = None
-        layout = self._layout
-        if layout is None:
-            first = self.router.get(keys[:1])
-            try:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                # a fresh output of the tier's, not memory anyone lent it: safe to abandon
-                preloaded = (await (first if remaining is None else asyncio.wait_for(first, remaining)))[0]
-            except TimeoutError:
-                return None, None
-            if preloaded is None:
-                return None, None
-            layout = self._set_layout(preloaded)
-        shape = kvlayout.with_tokens(layout[0], self.metadata.fmt, ranges[-1][1] - skip)
-        return transfer.BlobSink(empty_host(shape, layout[1]), self.metadata.fmt, skip), preloaded
-
-
-    def _set_layout(self, chunk: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-        """Learn the layout from a chunk read; the layout."""
-        self._layout = (kvlayout.with_tokens(tuple(chunk.shape), self.metadata.fmt, 0), chunk.dtype)
-        return self._layout
-
-    def _learn_layout_soon(self, key: CacheKey, level: int) -> None:
-        """Read the chunk ``key`` of tier ``level`` in the background (once) to learn the layout;
-        callable from any thread, never waits for the read."""
-        try:
-            self._loop = asyncio.get_running_loop()  # called on the loop: that is the engine's
-        except RuntimeError:
-            pass
-        if self._learning_layout or self._loop is None or self._loop.is_closed():
-            return
-        self._learning_layout = True
-        try:
-            self._loop.call_soon_threadsafe(self.router.spawn, self._learn_layout(key, level))
-        except RuntimeError:  # the loop stopped meanwhile
-            self._learning_layout = False
-
-    async def _learn_layout(self, key: CacheKey, level: int) -> None:
-        try:
-            chunk = (await self.router.get_from(level, [key]))[0]  # within the health timeout, if one is set
-            if chunk is not None and self._layout is None:
-                self._set_layout(chunk)
-        finally:
-            self._learning_layout = False

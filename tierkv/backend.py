@@ -1,4 +1,4 @@
-"""The storage backend contract every tier implements (the seed backend interface, async).
+"""The storage backend contract every tier implements (async).
 
 Backends are small async stores of whole chunks under :class:`~tierkv.keys.CacheKey`.
 The batched methods have defaults built on the single-key ones; a backend overrides

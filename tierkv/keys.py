@@ -170,3 +170,31 @@ class ChunkHasher:
             digest.update(data[start : start + step])
             previous = digest.digest()
             yield previous[:_HASH_BYTES].hex()
+
+
+class KeyMaker:
+    """The keys of one worker's prompts: ``fmt``, model, world size and worker id in every key,
+    chunk hashes from a :class:`ChunkHasher`.
+
+    Keys of recently seen chunks are reused (up to ``recent_max``, then the memory starts
+    afresh): a scheduler looks a prompt up, then retrieves it, and each tier asks a key for
+    its string form.
+    """
+
+    def __init__(self, fmt: str, model_name: str, world_size: int, worker_id: int, chunk_size: int,
+                 recent_max: int = 1 << 15) -> None:
+        self._fields = (fmt, model_name, world_size, worker_id)
+        self._hasher = ChunkHasher(chunk_size)
+        self.recent: dict[str, CacheKey] = {}
+        self.recent_max = recent_max
+
+    def iter_keys(self, token_array: np.ndarray) -> Iterator[CacheKey]:
+        """Keys of a validated token array (:func:`as_token_array`), made as they are needed."""
+        recent = self.recent
+        for chunk_hash in self._hasher.iter_prefix_hashes(token_array):
+            key = recent.get(chunk_hash)
+            if key is None:
+                if len(recent) >= self.recent_max:
+                    recent.clear()
+                key = recent[chunk_hash] = CacheKey(*self._fields, chunk_hash)
+            yield key

@@ -9,13 +9,14 @@ cancellation is delivered only once it stopped (:func:`tierkv.ownership.in_threa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
 
-from tierkv import ownership
-from tierkv.memory import copy_into
+from tierkv import ownership, transfer
+from tierkv.keys import CacheKey
+from tierkv.memory import copy_into, empty_host
 
 OFFLOAD_COPY_BYTES = 4 << 20
 """Copies above this many bytes run on a worker thread."""
@@ -38,3 +39,24 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 async def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``(dst, src)`` pair, off the loop when they are large together."""
     await off_loop(lambda: copy_all(pairs), sum(dst.numel() * dst.element_size() for dst, _ in pairs))
+
+
+def source_writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tuple[int, int]]
+                  ) -> Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]:
+    """The writer of an in-place tier's put from ``source``: fills each reserved chunk (key ->
+    view of the tier's memory) with its token range, one copy, off the loop when large."""
+    where = dict(zip(keys, ranges))
+
+    async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+        def write_all() -> None:
+            for key, view in views.items():
+                source.write_into(view, *where[key])
+        await off_loop(write_all, sum(view.nbytes for view in views.values()))
+    return write
+
+
+async def gathered(source: transfer.ChunkSource, shape: tuple[int, ...], rng: tuple[int, int]) -> torch.Tensor:
+    """A pooled chunk buffer filled from ``source`` (for sources with no zero-copy view)."""
+    chunk = empty_host(shape, source.dtype)
+    await off_loop(lambda: source.write_into(chunk, *rng), chunk.nbytes)
+    return chunk

@@ -265,9 +265,6 @@ def pressure_decision(
     return PressureDecision(True, min(configured, tier_used + headroom), False)
 
 
-def put_targets(num_tiers: int) -> list[int]:
-    """Tiers a new chunk is written to: all of them, top first (write-all for now)."""
-    return list(range(num_tiers))
 def promotion_targets(hit_tier: int) -> list[int]:
     """Tiers a hit in ``hit_tier`` is copied up to: every tier above it."""
     return list(range(hit_tier))

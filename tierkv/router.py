@@ -28,8 +28,7 @@ from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
 from tierkv.keys import CacheKey
-from tierkv.memory import empty_host
-from tierkv.offload import off_loop
+from tierkv.offload import gathered, source_writer
 from tierkv.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.pressure import MemoryProbe
 from tierkv.reads import Reader
@@ -231,9 +230,9 @@ class TierRouter:
                           layouts: Layouts, tier: Tier) -> int:
         """Put the chunks into ``tier`` (one copy, from ``source``) and queue their fill."""
         if tier.in_place:
-            return await self._put_and_fill(tier, keys, layouts=layouts, write=_writer(source, keys, ranges))
+            return await self._put_and_fill(tier, keys, layouts=layouts, write=source_writer(source, keys, ranges))
         views = [source.view(start, end) for start, end in ranges]
-        chunks = [view if view is not None else await _gathered(source, shape, rng)
+        chunks = [view if view is not None else await gathered(source, shape, rng)
                   for view, (shape, _), rng in zip(views, layouts, ranges)]
         return await self._put_and_fill(tier, keys, chunks, owned=[view is None for view in views])
 
@@ -387,21 +386,3 @@ class TierRouter:
             "tiers": {tier.name: tier.stats() for tier in self._tiers},
         }
 
-
-def _writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: list[tuple[int, int]]) -> Writer:
-    """Fills an in-place tier's reserved chunks from ``source`` (one copy each)."""
-    where = dict(zip(keys, ranges))
-
-    async def write(views: dict[CacheKey, torch.Tensor]) -> None:
-        def write_all() -> None:
-            for key, view in views.items():
-                source.write_into(view, *where[key])
-        await off_loop(write_all, sum(view.nbytes for view in views.values()))
-    return write
-
-
-async def _gathered(source: transfer.ChunkSource, shape: tuple[int, ...], rng: tuple[int, int]) -> torch.Tensor:
-    """A pooled chunk buffer filled from ``source`` (for sources with no zero-copy view)."""
-    chunk = empty_host(shape, source.dtype)
-    await off_loop(lambda: source.write_into(chunk, *rng), chunk.nbytes)
-    return chunk

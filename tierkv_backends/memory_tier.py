@@ -15,6 +15,12 @@ When a tier must make room it hands its victims to ``demote_sink`` (set by the e
 in write-back mode, or under memory pressure) before freeing them, so a chunk leaves a
 memory tier only after the tier below holds it. Victims are held while they are being
 demoted, and a chunk being read is never chosen.
+
+Over 400 lines (about 435) by choice: reservations, commits, holds, eviction and demotion
+are one state machine over one index and one slab pool (a cancelled reserve gives back what
+eviction already freed; a hold outlives eviction), and splitting it would share that state
+across modules. The slab allocators are apart (:mod:`tierkv_backends.slabs`), and so are the
+copies (:mod:`tierkv.offload`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ retrieve). See :mod:`tierkv.connectors` for the layouts each class handles.
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -89,9 +90,10 @@ class GPUConnector(abc.ABC):
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
             raise ValueError(f"need 0 <= start <= end, got start={start!r} end={end!r}")
         tensor = _tensor_of(memory_obj)
-        if tensor.shape != self.get_shape(end - start):
+        shape = self.get_shape(end - start)
+        if tensor.shape != shape:
             raise ValueError(
-                f"memory_obj tensor must be {self.fmt} {tuple(self.get_shape(end - start))} for tokens "
+                f"memory_obj tensor must be {self.fmt} {tuple(shape)} for tokens "
                 f"[{start}, {end}), got {tuple(tensor.shape)}"
             )
         return tensor
@@ -229,18 +231,7 @@ class PagedConnector(GPUConnector):
         return _finish(event, kwargs.get("sync", True))
 
     def _lock_staging(self) -> Any:
-        return _NO_LOCK
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
+        return contextlib.nullcontext()
 
 
 class PagedConnectorV2(PagedConnector):

@@ -1,0 +1,101 @@
+"""How much of a located cached prefix to load: the engine's side of the cost model.
+
+Turns the levels :mod:`tierkv.locate` found for a prompt's chunks into a
+:class:`~tierkv.planner.PrefixPlan` (tier names, chunk sizes, the router's measured tier
+speeds, the chunk layout's bytes per token, the recompute model), remembers the last lookup
+for ``stats()``, and refines the recompute speed from measured prefills.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from tierkv import policy
+from tierkv.chunk_layout import ChunkLayout
+from tierkv.config import EngineConfig
+from tierkv.keys import CacheKey
+from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
+from tierkv.router import TierRouter
+
+
+class PrefixPlans:
+    """Plans for located prefixes (see the module docstring)."""
+
+    def __init__(self, router: TierRouter, layout: ChunkLayout, config: EngineConfig) -> None:
+        self.router = router
+        self.layout = layout
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.recompute = RecomputeModel(config.recompute.tokens_per_s, config.recompute.curve or None)
+        self._last: tuple[int, int, list[int | None], PrefixPlan] | None = None
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether a cached prefix is loaded only as far as that beats recomputing it
+        (``cost_aware`` in the config; by default, once a recompute speed is known)."""
+        if self.config.cost_aware is not None:
+            return self.config.cost_aware
+        return self.recompute.known
+
+    async def locate(self, keys: Iterator[CacheKey]) -> list[int | None]:
+        """Levels of a prompt's chunks (``keys`` made as needed): the first chunk is located on
+        its own, and when no tier holds it (a new prompt) the rest is neither hashed nor asked."""
+        levels = await self.router.locate(list(itertools.islice(keys, 1)))
+        if levels and levels[0] is not None:
+            levels += await self.router.locate(list(keys))
+        return levels
+
+    def locate_nowait(self, keys: Iterator[CacheKey]) -> list[int | None] | None:
+        """:meth:`locate` from in-memory indexes only; None when a tier needs I/O."""
+        levels = self.router.locate_nowait(list(itertools.islice(keys, 1)))
+        if levels and levels[0] is not None:
+            rest = self.router.locate_nowait(list(keys))
+            levels = None if rest is None else levels + rest
+        return levels
+
+    def record(self, num_tokens: int, levels: list[int | None], first_key: Callable[[], CacheKey]) -> PrefixPlan:
+        """The plan of a lookup of ``num_tokens`` tokens whose chunks are at ``levels``: the
+        length a scheduler should count as cached; kept for ``stats()``. A lookup that finds
+        a chunk before the layout is known starts learning it from that chunk (``first_key``)."""
+        if self.layout.value is None and levels and levels[0] is not None and levels[0] >= 0:
+            self.layout.learn_soon(first_key(), levels[0])
+        hit_chunks = policy.first_missing([level is not None for level in levels])
+        cached = min(hit_chunks * self.chunk_size, num_tokens)
+        prefix_plan = self.plan(levels[:hit_chunks], num_tokens)
+        self._last = (num_tokens, cached, levels[:hit_chunks], prefix_plan)
+        return prefix_plan
+
+    def plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
+        """The plan for the cached chunks at ``levels``, which start at chunk ``first_chunk`` of
+        the prompt (the chunks before it are the caller's already: not loaded, not counted)."""
+        base = min(first_chunk * self.chunk_size, num_tokens)
+        names = [self.router.level_name(level) for level in levels if level is not None]
+        sizes = [min(self.chunk_size, num_tokens - (first_chunk + i) * self.chunk_size) for i in range(len(names))]
+        if not self.cost_aware:
+            return load_everything(names, sizes, "cost_aware is off" if self.config.cost_aware is False else
+                                   "no recompute speed known (recompute: in the config, or measured prefills)", base)
+        bytes_per_token = self.layout.bytes_per_token()
+        speeds = self.router.speeds()
+        if bytes_per_token is None:
+            # the bytes are not known yet, but each read's fixed cost is: if even reads of a
+            # byte per token lose to recomputing, so do the real ones
+            floor = plan_prefix(names, sizes, 1.0, speeds, self.recompute, base)
+            if floor.planned_tokens == base:
+                return floor
+            return load_everything(names, sizes, "chunk size in bytes not known yet (nothing stored or read; "
+                                   "give EngineMetadata.kv_shape to plan from the start)", base)
+        return plan_prefix(names, sizes, bytes_per_token, speeds, self.recompute, base)
+
+    def last_lookup(self) -> dict[str, Any] | None:
+        """The last recorded lookup: tokens, cached tokens, chunks per tier, the plan."""
+        if self._last is None:
+            return None
+        num_tokens, cached, levels, prefix_plan = self._last
+        per_tier = {tier.name: 0 for tier in self.router.tiers}
+        for level in levels:
+            if level is not None and level >= 0:
+                per_tier[self.router.level_name(level)] += 1
+        return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier,
+                "plan": prefix_plan.summary()}
