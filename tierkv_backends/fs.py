@@ -59,10 +59,19 @@ _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
 _IOV_MAX = 1024
 _DIGEST_CACHE = 1 << 16
-def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[bytes | bytearray, list[memoryview]]:
-    """Header bytes and zero-copy views of the payload's pieces, written with one writev."""
+Header = bytes | bytearray | Callable[[], bytes]
+"""A file's header, or how to make it (the checksum pass over the chunk, run in the writer thread)."""
+
+
+def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[Header, list[memoryview], int]:
+    """How to make the header, zero-copy views of the payload's pieces (written with one
+    writev) and the header's length. Checked here (a bad dtype fails before anything is
+    written); the checksum is left to the writer thread, so the checksum of one file overlaps
+    the writes of the others instead of running on the event loop before any of them."""
+    fmt = key.fmt if key.fmt in KV_FORMATS else None
     runs = serde.payload_runs(chunk)
-    return serde.encode_header(chunk, key.fmt if key.fmt in KV_FORMATS else None, runs), runs
+    length = len(serde.encode_header(chunk, fmt, runs, digest=0))  # the digest has a fixed size
+    return lambda: serde.encode_header(chunk, fmt, runs), runs, length
 
 
 def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
@@ -247,8 +256,9 @@ class FSBackend(BlobBackend):
         self._note_loop()
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
-        encoded = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
-        sizes = {digest: len(header) + sum(run.nbytes for run in runs) for digest, (header, runs) in encoded.items()}
+        parts = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
+        sizes = {digest: length + sum(run.nbytes for run in runs) for digest, (_, runs, length) in parts.items()}
+        encoded = {digest: (header, runs) for digest, (header, runs, _) in parts.items()}
         for size in sizes.values():
             self._check_fits(size)
         async with self._write_lock():
@@ -256,7 +266,7 @@ class FSBackend(BlobBackend):
             await self._write_indexed(list(encoded.items()), sizes)
         return len(keys)
 
-    async def _write_indexed(self, items: list[tuple[str, tuple[bytes | bytearray, list[memoryview]]]],
+    async def _write_indexed(self, items: list[tuple[str, tuple[Header, list[memoryview]]]],
                              sizes: dict[str, int]) -> None:
         """Write files in worker threads; index every file renamed into place, even when
         another failed or the call was cancelled (the threads are waited for either way)."""
@@ -332,19 +342,20 @@ class FSBackend(BlobBackend):
             results.extend(outcome)
         return results
 
-    def _write_files(self, items: list[tuple[str, tuple[bytes | bytearray, list[memoryview]]]],
+    def _write_files(self, items: list[tuple[str, tuple[Header, list[memoryview]]]],
                      written: list[str] | None = None) -> list[None]:
         """Write each file under a temporary name and rename it into place; ``written`` gets
         each digest renamed into place. A full disk is a TierFullError; the temporary file of
         a failed write is removed, so no partial file is ever visible."""
         for digest, (header, runs) in items:
+            head = header() if callable(header) else header
             final = self._file(digest)
             temporary = final.parent / f".{digest}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    _write_all(fd, [memoryview(header), *runs])
+                    _write_all(fd, [memoryview(head), *runs])
                     copies.count(sum(run.nbytes for run in runs))
                     if self.fsync:
                         os.fsync(fd)
