@@ -118,11 +118,12 @@ class TierRouter:
         if self._closed:
             raise BackendClosedError("engine is closed")
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background: :meth:`flush` waits for it, a failure is logged."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)

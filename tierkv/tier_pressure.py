@@ -7,6 +7,7 @@ function that runs its shrinks in the background, nothing of the router.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -16,7 +17,7 @@ from tierkv.backend import StorageBackend, SupportsPressure
 from tierkv.config import PressureConfig
 from tierkv.pressure import HostMemoryProbe, MemoryProbe, MemoryReading, PressureMonitor, open_device_probe
 
-Spawn = Callable[[Coroutine[Any, Any, Any]], object]
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 """Runs a coroutine in the background (the router's task set, flushed and logged by it)."""
 
 logger = logging.getLogger("tierkv.engine")
@@ -40,7 +41,7 @@ class TierPressure:
         self.shrinks = 0
         self.pressured_since: float | None = None
         self.last_relief_s: float | None = None  # time from crossing high to getting under low
-        self._shrinking = False  # a shrink is under way
+        self._shrinking: asyncio.Task[Any] | None = None
 
     def on_reading(self, reading: MemoryReading) -> None:
         tier = self.tier
@@ -57,17 +58,13 @@ class TierPressure:
         self.pressured = decision.pressured
         self.admitting = decision.admitting
         tier.set_capacity_limit(decision.capacity)
-        if tier.used_bytes > decision.capacity and not self._shrinking:
-            self._shrinking = True
-            self.spawn(self._shrink())
+        if tier.used_bytes > decision.capacity and (self._shrinking is None or self._shrinking.done()):
+            self._shrinking = self.spawn(self._shrink())
 
     async def _shrink(self) -> None:
-        try:
-            freed = await self.tier.shrink_to_limit()
-            self.demoted_bytes += freed
-            self.shrinks += 1
-        finally:
-            self._shrinking = False
+        freed = await self.tier.shrink_to_limit()
+        self.demoted_bytes += freed
+        self.shrinks += 1
 
     def describe(self) -> dict[str, Any]:
         return {**self.monitor.describe(), "pressured": self.pressured, "admitting": self.admitting,

@@ -1,0 +1,121 @@
+"""The shape of the code the engine restructure promised (issue 23), kept from drifting:
+no import cycle among tierkv, tierkv_backends and benchmarks (type-only imports included),
+the prompt API holds its router instead of being one and uses no private member of it, and
+tier capabilities are declared Protocols, not guessed from attributes or class names."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import tierkv
+from tierkv.async_engine import AsyncEngine
+from tierkv.backend import InPlaceTier, SupportsDemotion, SupportsPressure
+from tierkv.router import TierRouter
+from tierkv_backends.cpu import CPUBackend
+from tierkv_backends.gpu import GPUBackend
+from tierkv_backends.lmdb import LMDBBackend
+
+ROOT = Path(tierkv.__file__).resolve().parent.parent
+PACKAGES = ("tierkv", "tierkv_backends", "benchmarks")
+ENGINE_MODULES = ("router.py", "tier.py", "reads.py", "locate.py", "fill.py", "offload.py", "tier_pressure.py",
+                  "async_engine.py", "engine.py", "chunk_layout.py", "prefix_plans.py")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    def resolve(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    deps: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            deps.update(filter(None, (resolve(alias.name) for alias in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                deps.add(full if full in modules else resolve(base) or "")
+    deps.discard("")
+    deps.discard(name)
+    return {dep for dep in deps if not name.startswith(dep + ".")}  # a package's own __init__ is no cycle
+
+
+def test_no_import_cycle() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in graph.get(node, ()):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert len(graph) > 50, "the module scan found too little to mean anything"
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def test_prompt_api_holds_a_router_and_uses_its_public_surface() -> None:
+    assert not issubclass(AsyncEngine, TierRouter)
+    private_use = re.compile(r"\brouter\._[a-z]")
+    offenders = [f"{path.relative_to(ROOT)}:{number}" for path in (ROOT / "tierkv").rglob("*.py")
+                 if path.name != "router.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if private_use.search(line)]
+    assert offenders == [], f"private router members used outside the router: {offenders}"
+
+
+def test_capabilities_are_declared_not_guessed() -> None:
+    guess = re.compile(r"hasattr\(|__name__ ==")
+    for module in ENGINE_MODULES:
+        text = (ROOT / "tierkv" / module).read_text()
+        assert not guess.search(text), f"tierkv/{module} guesses a capability"
+    memory_tiers = (CPUBackend("c", 1 << 20, preallocate=False), GPUBackend("g", 1 << 20, device="cpu",
+                                                                            preallocate=False))
+    for tier in memory_tiers:
+        assert isinstance(tier, InPlaceTier) and isinstance(tier, SupportsPressure)
+        assert isinstance(tier, SupportsDemotion)
+    assert [tier.device_memory for tier in memory_tiers] == [False, True]  # which memory pressure watches
+
+
+def test_a_disk_tier_declares_no_memory_capability(tmp_path: Path) -> None:
+    disk = LMDBBackend("d", 1 << 20, path=str(tmp_path / "lmdb"))
+    try:
+        assert not isinstance(disk, (InPlaceTier, SupportsPressure, SupportsDemotion))
+    finally:
+        import asyncio
+
+        asyncio.run(disk.close())
