@@ -131,3 +131,23 @@ def test_store_buffer_is_shared_through_a_disk_tier(tmp_path: Path) -> None:
     cfg["tiers"] = cfg["tiers"][1:]
     with Engine(cfg) as second:
         assert torch.equal(TierKVStoreBuffer(second).get("shared"), tensor)
+
+
+def test_dropped_entries_and_deleted_keys_leave_nothing_in_any_tier(engine: Engine) -> None:
+    """Dropping and putting None delete (no tombstone stays behind in a tier)."""
+    lookup, store = TierKVLookupBuffer(engine), TierKVStoreBuffer(engine)
+    tokens = torch.arange(8)
+    key, value, hidden = _kv(8, 7)
+    lookup.insert(tokens, torch.ones(8, dtype=torch.bool), key, value, hidden)
+    store.put("req-2/k", key)
+    engine.flush()
+    assert all(tier["chunks"] > 0 for tier in engine.stats()["tiers"].values() if "chunks" in tier)
+    assert lookup.drop_select(tokens, None)[3] is not None
+    store.put("req-2/k", None)
+    engine.flush()
+    for name, tier in engine.stats()["tiers"].items():
+        assert tier.get("chunks", tier.get("used_bytes")) == 0, f"tier {name} still holds something: {tier}"
+    # an entry inserted without hidden after one with it has no hidden part
+    lookup.insert(tokens, None, key, value, hidden)
+    lookup.insert(tokens, None, key, value, None)
+    assert lookup.drop_select(tokens, None)[4] is None
