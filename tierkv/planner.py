@@ -22,6 +22,9 @@ tokens, half of them in a cpu tier, the rest behind +200 ms and 20 MB/s) the pla
 hot half and recomputed the second, expecting to save ``T(4096) - T(2048)``; but the second half
 over a 2,048-token cache cost about as much as the whole prompt from scratch, so the partial
 load lost to loading everything (1.35x). The fetch estimate was right.
+
+Just over 400 lines: three small pure models and the plan over them, kept together so the
+whole cost model reads in one place.
 """
 
 from __future__ import annotations
