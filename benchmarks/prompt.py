@@ -5,6 +5,9 @@ Workload: the Llama-3-8B KV shape (32 layers x 8 KV heads x 128, bfloat16, 128 K
 on an empty cache. The reference workload is 16 prompts (8.6 GB); the default here is 4 (2.1 GB)
 so that source KV, outputs, baselines and the tier fit 24 GiB next to other work.
 
+Over 400 lines (about 500) by choice: each row's baseline (memcpy, raw files, every raw
+py-lmdb configuration) is timed beside it in this one file, so what is compared is visible together.
+
 Per tier (cpu; lmdb as configured by default; ``lmdb-trusted``: lmdb with ``writemap: true`` and
 ``verify: false``, for a trusted local disk; fs), for the first pass after start-up and for the median of the passes
 after it (steady state):
