@@ -304,3 +304,23 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     return config_from_mapping(document or {}, source=str(path))
+
+
+def config_for_integration(source: Any, model_name: str, where: str) -> EngineConfig:
+    """The tierkv config a serving-engine integration was given: a YAML path or a mapping, whose
+    ``model`` defaults to the serving engine's model name. Errors name ``where`` (the
+    integration's own config key), since the user wrote the value there, not in a tierkv file."""
+    if isinstance(source, Mapping):
+        return load_config({"model": model_name, **source})
+    if not isinstance(source, str | os.PathLike):
+        raise ConfigError(f"{where}: expected a YAML path or a mapping of tierkv settings, got {type(source).__name__}")
+    path = Path(source)
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {str(path)!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of tierkv settings, got {type(document).__name__}")
+    return config_from_mapping({"model": model_name, **document}, source=str(path))

@@ -21,12 +21,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tierkv.config import EngineConfig, config_from_mapping, load_config
+from tierkv.config import EngineConfig, config_for_integration
 from tierkv.errors import ConfigError
 
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
@@ -59,21 +56,7 @@ def _deadline(value: Any) -> float | None:
 
 def engine_config(source: Any, model_name: str) -> EngineConfig:
     """The tierkv config named by ``source`` (a YAML path or a mapping); ``model`` defaults to SGLang's."""
-    if isinstance(source, Mapping):
-        return load_config({"model": model_name or "sglang", **source})
-    if not isinstance(source, str | os.PathLike):
-        raise ConfigError(f"{_WHERE}.config: expected a YAML path or a mapping of tierkv settings, "
-                          f"got {type(source).__name__}")
-    path = Path(source)
-    try:
-        document = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"{_WHERE}.config: cannot read {str(path)!r}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of tierkv settings, got {type(document).__name__}")
-    return config_from_mapping({"model": model_name or "sglang", **document}, source=str(path))
+    return config_for_integration(source, model_name or "sglang", f"{_WHERE}.config")
 
 
 def settings_from(extra: Mapping[str, Any] | None, model_name: str) -> BackendSettings:
