@@ -10,10 +10,9 @@ What it builds on, each in its own module: keys (:class:`~tierkv.keys.KeyMaker`)
 layout (:mod:`tierkv.chunk_layout`), the plan (:mod:`tierkv.prefix_plans`), and the router
 (:mod:`tierkv.router`), used through its public methods only.
 
-Over 400 lines (about 440) by choice: it is the whole public prompt API, every method with
+Over 400 lines (about 415) by choice: it is the whole public prompt API, every method with
 its contract in its docstring, plus the router's surface re-exposed for callers of the engine
-(``batched_*``, ``flush``, ``close``, ``tiers``) and the delegates the SGLang page store still
-calls (to go when it uses :attr:`AsyncEngine.router`); the logic behind them lives elsewhere.
+(``batched_*``, ``flush``, ``close``, ``tiers``); the logic behind them lives elsewhere.
 """
 
 from __future__ import annotations
@@ -132,36 +131,6 @@ class AsyncEngine:
     async def close(self) -> None:
         """Flush, then close every tier. Idempotent."""
         await self.router.close()
-
-    # Names the SGLang page store (tierkv/integrations/sglang/pages.py) was written against
-    # while the engine was a router subclass; they delegate to the router's public methods.
-    def _ensure_open(self) -> None:
-        self.router.ensure_open()
-
-    async def _start(self) -> None:
-        await self.router.start()
-
-    async def _await_inflight(self, keys: Sequence[CacheKey], deadline: float | None = None) -> int:
-        return await self.router.wait_inflight(keys, deadline)
-
-    def _locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
-        return self.router.locate_nowait(keys)
-
-    def _locate_for_read(self, keys: Sequence[CacheKey]) -> list[int | None]:
-        return self.router.locate_for_read(keys)
-
-    def _plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
-        return self.plans.plan(levels, num_tokens, first_chunk)
-
-    @property
-    def _copies(self) -> copies.CopyCounter:
-        return self.router.copies
-
-    async def _read_chunks(self, keys: list[CacheKey], levels: Sequence[int | None], ranges: list[tuple[int, int]],
-                           sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None,
-                           deadline: float | None = None) -> int:
-        return await self.router.read_into(keys, levels, ranges, sink, caller_owned=caller_owned,
-                                           preloaded=preloaded, deadline=deadline)
 
     # -- prompts ------------------------------------------------------------------------------
     def keys_for(self, tokens: TokenIds) -> list[CacheKey]:

@@ -93,7 +93,7 @@ class PageIO:
         is asked on the engine's loop."""
         if not keys:
             return []
-        levels = self.core._locate_nowait(keys)
+        levels = self.core.router.locate_nowait(keys)
         if levels is None:
             levels = self.engine.run(self.core.locate_keys(keys))
         return levels
@@ -108,7 +108,7 @@ class PageIO:
         if not levels or not self.engine.cost_aware:
             return len(levels)
         num_tokens = (first_page + len(levels)) * self.page_size
-        plan = self.core._plan(list(levels), num_tokens, first_page)
+        plan = self.core.plans.plan(list(levels), num_tokens, first_page)
         return max(0, min(len(levels), -(-plan.planned_tokens // self.page_size) - first_page))
 
     # -- moving pages ------------------------------------------------------------------------------
@@ -123,20 +123,20 @@ class PageIO:
         return self.engine.run(self._read(list(keys), sink, deadline))
 
     async def _read(self, keys: list[CacheKey], sink: ViewSink, deadline: float | None) -> int:
-        core = self.core
-        core._ensure_open()
-        await core._start()
-        keys = keys[: await core._await_inflight(keys, deadline)]
-        levels = core._locate_for_read(keys)
+        router = self.core.router
+        router.ensure_open()
+        await router.start()
+        keys = keys[: await router.wait_inflight(keys, deadline)]
+        levels = router.locate_for_read(keys)
         held = self.held_prefix(levels)
         if not held:
             return 0
-        with copies.on_path(core._copies, "retrieve"):
+        with copies.on_path(router.copies, "retrieve"):
             # caller_owned=False: a tier that verifies after streaming may write straight into a page
             # whose check then fails; that page is reported missing and SGLang never reads it
-            delivered = await core._read_chunks(keys[:held], levels[:held], self.ranges(held), sink, False, None,
-                                                deadline)
+            delivered = await router.read_into(keys[:held], levels[:held], self.ranges(held), sink,
+                                               caller_owned=False, deadline=deadline)
             if delivered:
                 page_bytes = sink.views[0].nbytes
-                core._copies.add_delivered("retrieve", delivered * page_bytes)
+                router.copies.add_delivered("retrieve", delivered * page_bytes)
         return delivered
