@@ -30,12 +30,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tierkv.config import EngineConfig, config_from_mapping, load_config
+from tierkv.config import EngineConfig, config_for_integration
 from tierkv.engine import EngineMetadata
 from tierkv.errors import ConfigError
 
@@ -86,22 +83,6 @@ def _timeout(value: Any) -> float | None:
     return float(value)
 
 
-def _engine_config(source: Any, model_name: str) -> EngineConfig:
-    """The tierkv config; its ``model`` defaults to vLLM's (keys use vLLM's name regardless)."""
-    if isinstance(source, Mapping):
-        return load_config({"model": model_name, **source})
-    path = Path(source)
-    try:
-        document = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"kv_connector_extra_config.config: cannot read {str(path)!r}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of tierkv settings, got {type(document).__name__}")
-    return config_from_mapping({"model": model_name, **document}, source=str(path))
-
-
 def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_name: str,
                   world_size: int) -> ConnectorSettings:
     """Validate the extra config (errors name the key and what was expected)."""
@@ -119,7 +100,8 @@ def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_na
             "TIERKV_CONFIG), e.g. {\"config\": {\"chunk_size\": 256, \"tiers\": [{\"name\": \"host\", "
             "\"backend\": \"cpu\", \"capacity\": \"8GiB\"}]}}"
         )
-    config = _engine_config(source, model_name)
+    # its ``model`` defaults to vLLM's (keys use vLLM's name regardless)
+    config = config_for_integration(source, model_name, "kv_connector_extra_config.config")
     if config.kv_format != "vllm":
         raise ConfigError(f"kv_format: the vLLM connector stores the vllm layout, got {config.kv_format!r}")
     policy = extra.get("load_failure_policy", "recompute")
