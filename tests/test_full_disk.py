@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from tierkv import Engine
 from tierkv.errors import TierFullError, TierKVError
@@ -65,12 +65,6 @@ def chain_text(exc: BaseException) -> str:
     return " <- ".join(parts)
 
 
-def wait_until(condition: Any, what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def leftovers(root: Path) -> list[str]:

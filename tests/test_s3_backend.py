@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from s3_fixtures import s3_tier_options
+from waiting import wait_until
 
 from tierkv import CacheKey, Engine, load_config
 from tierkv.backend import StorageBackend
@@ -277,12 +277,6 @@ def kv_of(tokens: torch.Tensor) -> torch.Tensor:
     return (t + torch.arange(2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 1, 8) / 16).contiguous()
 
 
-def wait_until(condition: Any, what: str, deadline_s: float = 20.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_engine_keeps_serving_while_s3_is_killed_and_s3_comes_back(tmp_path: Path) -> None:

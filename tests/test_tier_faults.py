@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from s3_fixtures import s3_tier_options
+from waiting import wait_until
 
 from tierkv import Engine
 from tierkv.errors import TierUnavailableError
@@ -60,12 +61,6 @@ def stored_objects(server: S3Server, bucket: str, prefix: str) -> dict[str, int]
     return {item["Key"]: item["Size"] for item in listing.get("Contents", [])}
 
 
-def wait_until(condition: Any, what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def assert_exact_or_miss(kv: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor) -> int:

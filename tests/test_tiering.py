@@ -8,12 +8,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from tierkv import Engine
 from tierkv.engine import AsyncEngine
@@ -49,13 +49,6 @@ def disk_only(tmp_path: Path) -> dict[str, Any]:
             "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "1GiB"}]}
 
 
-def wait_until(condition: Callable[[], bool], what: str, deadline_s: float = 20.0) -> None:
-    """Poll ``condition`` (background work is asynchronous); fail with ``what`` if it never holds."""
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def on_loop(eng: Engine, coro: Any) -> Any:

@@ -99,10 +99,11 @@ class WriteGrant:
     After ``revoke`` returns, no write is in progress and none will start.
     """
 
-    __slots__ = ("_lock", "_revoked")
+    __slots__ = ("_active", "_changed", "_revoked")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._active = 0  # writes in progress (pieces of one call copy in parallel)
         self._revoked = False
 
     @property
@@ -110,14 +111,24 @@ class WriteGrant:
         return self._revoked
 
     def write(self, copy: Callable[[], Any]) -> bool:
-        """Run ``copy`` unless the grant was revoked; whether it ran."""
-        with self._lock:
+        """Run ``copy`` unless the grant was revoked; whether it ran. Writers of one grant copy
+        in parallel (each into its own part of the memory)."""
+        with self._changed:
             if self._revoked:
                 return False
+            self._active += 1
+        try:
             copy()
-            return True
+        finally:
+            with self._changed:
+                self._active -= 1
+                if not self._active:
+                    self._changed.notify_all()
+        return True
 
     def revoke(self) -> None:
-        """Stop all further writes; wait for one in progress to end (one copy: bounded)."""
-        with self._lock:
+        """Stop all further writes; wait for those in progress to end (copies: bounded)."""
+        with self._changed:
             self._revoked = True
+            while self._active:
+                self._changed.wait()

@@ -297,7 +297,7 @@ def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     count = 1
     for dim in shape:
         count *= int(dim)
-    return count * torch.empty((), dtype=dtype).element_size()
+    return count * dtype.itemsize
 
 
 def release_all(holds: Sequence[Any]) -> None:

@@ -59,7 +59,7 @@ def layout_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     count = 1
     for dim in shape:
         count *= int(dim)
-    return count * torch.empty((), dtype=dtype).element_size()
+    return count * dtype.itemsize
 
 
 @dataclass

@@ -358,7 +358,8 @@ class S3Backend(BlobBackend):
         return None if data is None else bytes(data)
 
     async def put_bytes(self, key: str, data: bytes | bytearray) -> None:
-        await self._one("put", lambda d: self._objects.store(key, bytes(data), d))
+        payload = bytes(data)  # on the caller's side: a request still running at a timeout never reads their buffer
+        await self._one("put", lambda d: self._objects.store(key, payload, d))
 
     async def delete_bytes(self, key: str) -> bool:
         return bool(await self._one("delete", lambda d: self._objects.remove(key, d)))

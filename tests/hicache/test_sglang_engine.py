@@ -82,6 +82,7 @@ def test_outputs_identical_pages_from_tierkv_across_processes_and_damage(models:
                                [{"gen": 0}, {"gen": 1}, {"flush": True}, {"gen": 0}, {"gen": 1}]), tmp_path / "run1"))
     reference = {0: first[0]["output_ids"], 1: first[1]["output_ids"]}
     assert first[0]["cached_tokens"] == 0 and first[1]["cached_tokens"] == 0
+    assert reference[0] != reference[1], "the model's output must depend on its prompt (test premise)"
     for result in first[2:]:
         assert result["output_ids"] == reference[result["gen"]], "KV loaded from tierkv changed the output"
         assert storage_tokens(result) >= PROMPT - PAGE, f"prefix not served from tierkv: {result}"

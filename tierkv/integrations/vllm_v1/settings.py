@@ -26,7 +26,6 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,9 +59,7 @@ class ConnectorSettings:
     def metadata(self, worker_id: int, kv_shape: tuple[int, int, int, Any] | None = None) -> EngineMetadata:
         """The engine's metadata; ``kv_shape`` ``(layers, kv_heads, head_size, dtype)`` lets a fresh
         process size chunks (plan by cost, bound the first retrieve) before it has read one."""
-        if kv_shape is not None and "kv_shape" in {f.name for f in dataclasses.fields(EngineMetadata)}:
-            return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm", kv_shape=kv_shape)  # type: ignore[call-arg]
-        return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm")
+        return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm", kv_shape=kv_shape)
 
 
 def _load_async(value: Any) -> str:

@@ -30,6 +30,18 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+
+def stop_process(process: subprocess.Popen[bytes] | None) -> None:
+    """Stop a server we started, by its PID: terminate, then kill if it does not exit."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
 class RedisServer:
     """Start with :meth:`start` (or ``with RedisServer() as server``), connect to :attr:`url`."""
 
@@ -80,14 +92,7 @@ class RedisServer:
 
     def _terminate(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_process(process)
 
     def stop(self) -> None:
         """Stop the server by its PID and remove its working directory. Idempotent."""
@@ -205,15 +210,7 @@ class RedisClusterServers:
 
     def stop_node(self, port: int) -> None:
         """Stop one node by its PID (its slots' chunks become misses)."""
-        process = self.processes.pop(port, None)
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_process(self.processes.pop(port, None))
 
     def stop(self) -> None:
         """Stop every node by PID and remove the working directories. Idempotent."""
