@@ -259,6 +259,39 @@ class AsyncEngine:
                                                    plan=plan)
         return ret_mask
 
+    async def retrieve_keys_into(self, keys: Sequence[CacheKey], ranges: Sequence[tuple[int, int]],
+                                 sink: transfer.ChunkSink, deadline_s: float | None = None) -> int:
+        """Read the leading ``keys`` some tier holds into ``sink`` at token ``ranges``; how
+        many leading chunks arrived (a damaged or late chunk is a miss and ends the prefix).
+
+        The key-level read for callers that name chunks themselves (SGLang's pages): the
+        same tiers, deadline and hit/miss accounting as :meth:`retrieve`, without hashing
+        tokens. Chunks after the delivered prefix may hold junk in ``sink``: the count is the
+        contract (the caller's memory is not released while a tier still writes into it).
+        """
+        self.router.ensure_open()
+        await self.router.start()
+        keys = list(keys)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        held = keys[: await self.router.wait_inflight(keys, deadline)]
+        levels = self.router.locate_for_read(held)
+        held = held[: policy.first_missing([level is not None for level in levels])]
+        delivered = 0
+        if held:
+            with copies.on_path(self.router.copies, "retrieve"):
+                # caller_owned=False: a tier that verifies after streaming may write straight into
+                # a chunk whose check then fails; that chunk is reported missing
+                delivered = await self.router.read_into(held, levels[: len(held)], list(ranges[: len(held)]), sink,
+                                                        caller_owned=False, deadline=deadline)
+        tokens = [end - start for start, end in ranges[: len(keys)]]
+        hit = sum(tokens[:delivered])
+        self._hit_tokens += hit
+        self._miss_tokens += sum(tokens) - hit
+        if hit:
+            self.router.copies.add_delivered("retrieve", sum(nbytes_of(sink.chunk_shape(end - start), sink.dtype)
+                                                             for start, end in ranges[:delivered]))
+        return delivered
+
     async def _retrieve_into(self, token_array: np.ndarray, skip: int, sink: transfer.ChunkSink | None,
                              caller_owned: bool, deadline: float | None = None, plan: bool = True
                              ) -> tuple[Any, int, torch.Tensor]:

@@ -107,6 +107,8 @@ def test_pages_round_trip_through_the_host_pool_once(tmp_path: Path, layout: str
         store_copies = 2.0 if tier == "lmdb" else 1.0
         assert copies["store"]["copies_per_byte"] == store_copies, copies
         assert copies["retrieve"]["copies_per_byte"] == 1.0, copies
+        # the engine counts the pages' tokens as hits, like a prompt retrieve
+        assert stats["engine"]["hit_tokens"] == 3 * PAGE and stats["engine"]["miss_tokens"] == 0, stats["engine"]
         # a second store of the same pages writes nothing
         assert storage.batch_set_v1(names, source) == [True] * 3
         assert storage.stats()["counters"]["pages_already_stored"] == 3
@@ -211,6 +213,8 @@ def test_a_damaged_page_is_a_miss(tmp_path: Path, tier: str) -> None:
         target = pool.alloc(3 * PAGE)
         assert reader.batch_get_v1(names, target) == [True, False, False]
         assert reader.stats()["counters"]["pages_missed"] == 2
+        engine_stats = reader.stats()["engine"]
+        assert (engine_stats["hit_tokens"], engine_stats["miss_tokens"]) == (PAGE, 2 * PAGE), engine_stats
         assert reader.batch_exists(names) == 1, "the damaged page was dropped from the index"
     finally:
         reader.close()

@@ -17,12 +17,11 @@ replace them).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
-from tierkv import copies, policy
+from tierkv import policy
 from tierkv.engine import Engine
 from tierkv.keys import CacheKey
 from tierkv.memory import copy_into
@@ -119,24 +118,4 @@ class PageIO:
     def read(self, keys: Sequence[CacheKey], sink: ViewSink, deadline_s: float | None) -> int:
         """Read the leading pages held by some tier into ``sink``; how many leading pages arrived
         (a damaged page is a miss and ends the prefix; pages past it are not to be used)."""
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        return self.engine.run(self._read(list(keys), sink, deadline))
-
-    async def _read(self, keys: list[CacheKey], sink: ViewSink, deadline: float | None) -> int:
-        router = self.core.router
-        router.ensure_open()
-        await router.start()
-        keys = keys[: await router.wait_inflight(keys, deadline)]
-        levels = router.locate_for_read(keys)
-        held = self.held_prefix(levels)
-        if not held:
-            return 0
-        with copies.on_path(router.copies, "retrieve"):
-            # caller_owned=False: a tier that verifies after streaming may write straight into a page
-            # whose check then fails; that page is reported missing and SGLang never reads it
-            delivered = await router.read_into(keys[:held], levels[:held], self.ranges(held), sink,
-                                               caller_owned=False, deadline=deadline)
-            if delivered:
-                page_bytes = sink.views[0].nbytes
-                router.copies.add_delivered("retrieve", delivered * page_bytes)
-        return delivered
+        return self.engine.run(self.core.retrieve_keys_into(list(keys), self.ranges(len(keys)), sink, deadline_s))
