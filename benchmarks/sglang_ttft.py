@@ -34,6 +34,17 @@ from sglang_runner import make_model, run_spec  # noqa: E402
 from tierkv.integrations.sglang import BACKEND_CLASS, BACKEND_MODULE  # noqa: E402
 
 PAGE = 16
+DTYPE = "bfloat16"  # set from --dtype in main()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without it a bf16 prefill
+    runs several times slower than float32 and an 8K prompt takes minutes."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def tierkv_extra(tiers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -52,7 +63,7 @@ def measure(name: str, model: Path, backend: str, extra: dict[str, Any] | None, 
             steps += [{"flush": True}, {"gen": i}]
     spec = {"model": str(model), "backend": backend, "extra_config": extra, "prompts": prompts, "steps": steps,
             "page_size": PAGE, "max_new_tokens": 1, "max_total_tokens": 4 * max(len(p) for p in prompts),
-            "chunked_prefill_size": 8192}
+            "chunked_prefill_size": 8192, "engine_args": {"dtype": DTYPE}}
     print(f"[{name}] starting SGLang ...", flush=True)
     results = [r for r in run_spec(spec, work / name, timeout_s=3000) if "gen" in r]
     cold_results = results[: len(prompts)] if cold else []
@@ -75,7 +86,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--out", default="bench-results/sglang_ttft.json")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="model dtype; auto: bfloat16 where the CPU has native bf16, else float32")
     args = parser.parse_args()
+    global DTYPE
+    DTYPE = args.dtype if args.dtype != "auto" else ("bfloat16" if native_bf16() else "float32")
+    print(f"model dtype: {DTYPE}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="tierkv-sglang-bench-") as tmp:
         work = Path(tmp)
@@ -105,7 +121,8 @@ def _fs_two_processes(model: Path, fs: list[dict[str, Any]], prompts: list[list[
     """The fs tier filled by one SGLang process and read by a new one."""
     spec = {"model": str(model), "backend": "tierkv", "extra_config": tierkv_extra(fs), "prompts": prompts,
             "steps": [{"gen": i, "settle_s": 1.0} for i in range(len(prompts))], "page_size": PAGE,
-            "max_new_tokens": 1, "max_total_tokens": 4 * max(len(p) for p in prompts), "chunked_prefill_size": 8192}
+            "max_new_tokens": 1, "max_total_tokens": 4 * max(len(p) for p in prompts), "chunked_prefill_size": 8192,
+            "engine_args": {"dtype": DTYPE}}
     print("[tierkv fs] first process stores ...", flush=True)
     stored = [r for r in run_spec(spec, work / "fs-store", timeout_s=3000) if "gen" in r]
     row = measure("tierkv fs (new process)", model, "tierkv", tierkv_extra(fs), prompts, repeats, work, cold=False,

@@ -95,7 +95,7 @@ def main(spec_path: str) -> int:
             kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm_v1",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=extra)
     max_len = int(spec.get("max_model_len", 4096))
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
               enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
               disable_log_stats=True, **kwargs)
     top = spec.get("logprobs")
