@@ -4,7 +4,10 @@ A put is acknowledged once the first tier that admits it holds it; its copies to
 lower tiers wait here, reading either that tier's own copy (held until the fill is done,
 so a memory tier may evict the chunk meanwhile) or a private snapshot, so the caller may
 reuse its buffers at once and the queue's memory is bounded. When the queue is full a put
-either waits for room (back-pressure) or its fill is dropped and counted, as configured.
+either waits for room (back-pressure) or its fill is dropped and counted, as configured. A
+put whose caller was cancelled never waits for room: its fill is queued if there is room and
+otherwise dropped and counted (its chunks stay in the tier that took them), so a cancellation
+returns promptly and the queue stays bounded.
 Chunks waiting here are still served by reads, so an acknowledged chunk never goes missing
 between tiers. :class:`FillWorker` queues the fills of a put and writes them below.
 """
@@ -68,8 +71,12 @@ class FillQueue:
         """The snapshot of ``key`` if it is waiting to be written (or being written)."""
         return self._pending.get(key)
 
-    async def put(self, job: FillJob) -> bool:
-        """Queue ``job``; False when it was dropped because the queue is full."""
+    async def put(self, job: FillJob, cancelled: asyncio.Event | None = None) -> bool:
+        """Queue ``job``; False when it was dropped because the queue is full.
+
+        ``cancelled``: set when the put's caller was cancelled; from then on the job does not
+        wait for room (``when_full: wait``) but is dropped if there is none.
+        """
         async with self._changed:
             def has_room() -> bool:
                 # a job larger than the whole queue still goes through when the queue is empty
@@ -77,18 +84,53 @@ class FillQueue:
 
             if not has_room():
                 if self.when_full == "drop":
-                    self.dropped_chunks += len(job.keys)
-                    self.dropped_bytes += job.nbytes
-                    if job.release is not None:
-                        job.release()
+                    self._drop(job)
                     return False
-                await self._changed.wait_for(has_room)
+                if cancelled is None:
+                    await self._changed.wait_for(has_room)
+                elif not await self._room_unless(has_room, cancelled):
+                    logger.debug("fill of %d chunk(s) (%d bytes) dropped: its store was cancelled while the "
+                                 "fill queue was full", len(job.keys), job.nbytes)
+                    self._drop(job)
+                    return False
             self._jobs.append(job)
             self.queued_bytes += job.nbytes
             for key, chunk in zip(job.keys, job.chunks):
                 self._pending[key] = chunk
             self._changed.notify_all()
             return True
+
+    def _drop(self, job: FillJob) -> None:
+        self.dropped_chunks += len(job.keys)
+        self.dropped_bytes += job.nbytes
+        if job.release is not None:
+            job.release()
+
+    async def _room_unless(self, has_room: Callable[[], bool], cancelled: asyncio.Event) -> bool:
+        """Wait until ``has_room()`` or ``cancelled`` is set; whether there is room. Called and
+        returns with the condition's lock held (the wait for room gives it up meanwhile)."""
+        if cancelled.is_set():
+            return has_room()
+        room = asyncio.ensure_future(self._changed.wait_for(has_room))
+        gave_up = asyncio.ensure_future(cancelled.wait())
+        try:
+            await asyncio.wait({room, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gave_up.cancel()
+            room.cancel()
+            # Condition.wait takes the lock back before it ends, however it ends: only then is
+            # it ours again (one loop turn); a cancellation meanwhile is delivered after
+            interrupted = False
+            while not room.done():
+                try:
+                    await asyncio.wait({room})
+                except asyncio.CancelledError:
+                    interrupted = True
+            if not room.cancelled():
+                room.exception()  # retrieved: its error, if any, is the lock's and already handled
+            if interrupted:
+                raise asyncio.CancelledError
+        return has_room()
 
     async def take(self, max_bytes: int) -> list[FillJob]:
         """Wait for work and take queued jobs, up to ``max_bytes`` (at least one job)."""
@@ -143,13 +185,15 @@ class FillWorker:
         return self.write_through and level + 1 < len(self.tiers)
 
     async def add(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], owned: list[bool],
-                  taken: list[Any] | None = None) -> None:
+                  taken: list[Any] | None = None, *, cancelled: asyncio.Event | None = None) -> None:
         """Queue copies of what tier ``level`` just took for the tiers below.
 
         From an in-place tier the fill reads the tier's own copy, held since the commit
         (``taken``, from :meth:`Tier.put`'s ``fill_holds``), so it stays valid even if the
         tier evicts the chunk before the fill runs; otherwise chunks that are views of the
         caller's memory (``owned`` False) are snapshotted first, since the caller may reuse it.
+        ``cancelled`` (set when the store's caller was cancelled): the fill does not wait for
+        room in a full queue but is dropped (:meth:`FillQueue.put`).
         """
         if not self.fills_below(level):
             return
@@ -172,7 +216,7 @@ class FillWorker:
             fresh = iter(dst for dst, _ in pairs)
             chunks = [c if mine else next(fresh) for c, mine in zip(chunks, owned)]
         try:
-            queued = await self.queue.put(FillJob(keys, chunks, below, release))
+            queued = await self.queue.put(FillJob(keys, chunks, below, release), cancelled)
         except BaseException:  # cancelled while waiting for room: the job never got in
             if release is not None:
                 release()

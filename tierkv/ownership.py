@@ -31,17 +31,21 @@ T = TypeVar("T")
 __all__ = ["WriteGrant", "finish", "gather", "in_thread"]
 
 
-async def finish(work: Awaitable[T]) -> T:
+async def finish(work: Awaitable[T], on_cancel: Callable[[], None] | None = None) -> T:
     """Await ``work`` to its end even if the awaiting task is cancelled.
 
     On cancellation the work keeps running; once it has stopped (result or error, which is
     dropped), ``CancelledError`` is raised as usual. A second cancellation while waiting
-    does not cut the wait short either.
+    does not cut the wait short either. ``on_cancel`` is called at the first cancellation,
+    before the wait: it tells the work that nobody waits for it any more, so the parts of it
+    that need not run to their end (a wait for room in the fill queue) can stop early.
     """
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
         await _until_done(task)
         raise
 

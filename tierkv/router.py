@@ -202,9 +202,11 @@ class TierRouter:
         return await self._store(keys, sum(c.nbytes for c in chunks),
                                  functools.partial(self._put_chunks, keys, chunks))
 
-    async def _store(self, keys: list[CacheKey], nbytes: int, put_at: Callable[[Tier], Awaitable[int]]) -> int:
+    async def _store(self, keys: list[CacheKey], nbytes: int,
+                     put_at: Callable[[Tier, asyncio.Event], Awaitable[int]]) -> int:
         """The one store loop: ``put_at`` the first tier that admits the batch, else an error
-        naming every tier and why it was skipped."""
+        naming every tier and why it was skipped. ``put_at``'s event is set when the caller is
+        cancelled (its fill then does not wait for room in the queue)."""
         self.ensure_open()
         await self.start()
         if not keys:
@@ -217,9 +219,11 @@ class TierRouter:
                 if not tier.admits(skipped):
                     continue
                 try:
-                    # once a tier put has begun, a cancellation waits for it and for its fill to
-                    # be queued: a chunk in the tier is then also on its way below (write-through)
-                    return await ownership.finish(put_at(tier))
+                    # once a tier put has begun, a cancellation waits for it (its copy owns the
+                    # caller's memory) and for its fill to be queued or, when the queue is full,
+                    # dropped: a cancelled call never waits for room (when_full: wait)
+                    cancelled = asyncio.Event()
+                    return await ownership.finish(put_at(tier, cancelled), on_cancel=cancelled.set)
                 except Exception as exc:
                     errors.append(exc)
                     skipped[tier.name] = rejection(exc)
@@ -228,26 +232,28 @@ class TierRouter:
             errors[0] if errors else None)
 
     async def _put_source(self, keys: list[CacheKey], source: transfer.ChunkSource, ranges: list[tuple[int, int]],
-                          layouts: Layouts, tier: Tier) -> int:
+                          layouts: Layouts, tier: Tier, cancelled: asyncio.Event) -> int:
         """Put the chunks into ``tier`` (one copy, from ``source``) and queue their fill."""
         if tier.in_place:
-            return await self._put_and_fill(tier, keys, layouts=layouts, write=source_writer(source, keys, ranges))
+            return await self._put_and_fill(tier, keys, cancelled, layouts=layouts,
+                                            write=source_writer(source, keys, ranges))
         views = [source.view(start, end) for start, end in ranges]
         chunks = [view if view is not None else await gathered(source, shape, rng)
                   for view, (shape, _), rng in zip(views, layouts, ranges)]
-        return await self._put_and_fill(tier, keys, chunks, owned=[view is None for view in views])
+        return await self._put_and_fill(tier, keys, cancelled, chunks, owned=[view is None for view in views])
 
-    async def _put_chunks(self, keys: list[CacheKey], chunks: list[torch.Tensor], tier: Tier) -> int:
-        return await self._put_and_fill(tier, keys, chunks, owned=[False] * len(chunks))
+    async def _put_chunks(self, keys: list[CacheKey], chunks: list[torch.Tensor], tier: Tier,
+                          cancelled: asyncio.Event) -> int:
+        return await self._put_and_fill(tier, keys, cancelled, chunks, owned=[False] * len(chunks))
 
-    async def _put_and_fill(self, tier: Tier, keys: list[CacheKey], chunks: list[torch.Tensor] | None = None, *,
-                            owned: list[bool] | None = None, layouts: Layouts | None = None,
-                            write: Writer | None = None) -> int:
+    async def _put_and_fill(self, tier: Tier, keys: list[CacheKey], cancelled: asyncio.Event,
+                            chunks: list[torch.Tensor] | None = None, *, owned: list[bool] | None = None,
+                            layouts: Layouts | None = None, write: Writer | None = None) -> int:
         # an in-place tier's chunks, held from their commit until the fill has them
         holds: list[Any] | None = [] if tier.in_place and self._fills.fills_below(tier.level) else None
         try:
             stored = await tier.put(keys, chunks, layouts=layouts, write=write, fill_holds=holds)
-            await self._fills.add(tier.level, keys, chunks or [], owned or [], holds)
+            await self._fills.add(tier.level, keys, chunks or [], owned or [], holds, cancelled=cancelled)
         except BaseException:
             release_all(holds or [])
             raise
