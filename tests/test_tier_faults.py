@@ -235,3 +235,54 @@ def test_latency_past_timeout_s_through_the_engine_is_a_miss_and_out_stays_the_c
             kv, mask = eng.retrieve(tokens, return_tuple=False, out=again)
             return assert_exact_or_miss(kv, mask, tokens) == 2 * CHUNK
         wait_until(hit, "hits once the latency is gone")
+
+
+@pytest.mark.parametrize("damage", ["shorter", "longer"])
+def test_an_object_of_the_wrong_size_for_its_header_is_corrupt_not_a_fault(
+        damage: str, s3_server: S3Server, s3_bucket: str) -> None:
+    """An object whose size (as the server states it) disagrees with its own chunk header was
+    not written by tierkv as it is: a miss, deleted and counted as corrupt, and no strike
+    against the tier's health (failure_threshold 1 would trip on the first). Straight at the
+    server, no proxy: the replies are whole; only the object is wrong."""
+    prefix = f"faults/size/{damage}/{uuid.uuid4().hex[:8]}"
+
+    async def body() -> None:
+        options = S3Backend.validate_options(
+            s3_tier_options(s3_server, s3_bucket, prefix, failure_threshold=1), "tiers[0]")
+        backend = S3Backend(name="shared", **options)
+        raw = s3_server.boto3_client()
+
+        def damage_object(index: int) -> None:
+            name = f"{prefix}/{make_key(index).to_string()}"
+            good = raw.get_object(Bucket=s3_bucket, Key=name)["Body"].read()
+            bad = good[:-16] if damage == "shorter" else good + b"\0" * 16
+            raw.put_object(Bucket=s3_bucket, Key=name, Body=bad)
+            assert stored_objects(s3_server, s3_bucket, prefix)[name] == len(bad)
+
+        try:
+            keys = [make_key(i) for i in (1, 2, 3)]
+            await backend.batched_put(keys, [make_chunk(i) for i in (1, 2, 3)])
+            damage_object(1)
+            damage_object(3)
+
+            # into caller memory: the wrong object is a miss, the valid one a hit
+            outs = [torch.full_like(make_chunk(i), SENTINEL) for i in (1, 2)]
+            assert await backend.batched_get_into(keys[:2], outs) == [False, True]
+            assert bool((outs[0] == SENTINEL).all()), "a wrong object wrote into the destination"
+            assert torch.equal(outs[1], make_chunk(2))
+            # a batch of only a wrong object: still a miss, not a failed (unreachable) tier
+            assert await backend.batched_get([keys[2]]) == [None]
+
+            stats = backend.stats()
+            assert stats["corrupt_chunks"] == 2
+            assert stats["incomplete_bodies"] == 0 and stats["retries"] == 0, "taken for a transport fault"
+            assert stats["get_errors"] == 0
+            health = stats["store_health"]
+            assert health["healthy"] and backend.health.counts["failures"] == 0, health
+            assert list(stored_objects(s3_server, s3_bucket, prefix)) == [f"{prefix}/{keys[1].to_string()}"], \
+                "the wrong objects are dropped, the valid one kept"
+            got = await backend.batched_get(keys)
+            assert got[0] is None and got[2] is None and torch.equal(got[1], make_chunk(2))
+        finally:
+            await backend.close()
+    asyncio.run(body())

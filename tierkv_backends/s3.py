@@ -23,8 +23,9 @@ How it talks to the store:
   timeouts, 5xx, a body cut, short or reset mid-transfer) are retried ``retries`` times with
   capped, jittered exponential backoff, never past the operation's ``timeout_s`` deadline.
   Anything else fails at once. A transport fault is never taken for corruption: only a whole
-  body (as long as the reply and the chunk header say) that fails its checksum is deleted
-  (:mod:`tierkv_backends.s3_requests`).
+  body that is not what tierkv wrote (it fails its checksum, or the object's size as the
+  server states it differs from its chunk header's) is deleted and counted, as a miss that
+  does not count against the tier's health (:mod:`tierkv_backends.s3_requests`).
 - Ownership: a read writes into the caller's destinations, and a put reads the caller's
   chunk, only while the call still owns them (:class:`tierkv.ownership.WriteGrant`): a
   request abandoned at ``timeout_s`` or by a cancellation never touches them afterwards.
@@ -157,10 +158,12 @@ class S3Backend(BlobBackend):
         return max(1, self.max_concurrency // max(1, batch))
 
     def _load(self, name: str, deadline: float, ways: int = 1) -> torch.Tensor | None | ChunkFormatError:
-        data = self._fetch(name, deadline, ways)
-        if data is None:
-            return None
+        """A chunk, None when absent, or the ChunkFormatError of an object that is not what
+        tierkv wrote (a wrong size for its header, bad magic, checksum): corrupt, not a fault."""
         try:
+            data = self._fetch(name, deadline, ways)
+            if data is None:
+                return None
             return serde.decode(data)
         except ChunkFormatError as exc:
             return exc
@@ -189,7 +192,10 @@ class S3Backend(BlobBackend):
         """
         if grant.revoked:
             return False
-        data = self._fetch(name, deadline, ways)
+        try:
+            data = self._fetch(name, deadline, ways)
+        except ChunkFormatError as exc:  # an object of the wrong size for its header: corrupt
+            return exc
         if data is None:
             return False
         try:
@@ -349,6 +355,8 @@ class S3Backend(BlobBackend):
     # -- BlobBackend byte API (single objects, same plumbing) -------------------------------------
     async def _one(self, op: str, call: Callable[[float], T]) -> T:
         result = (await self._batch(op, [call]))[0]
+        if isinstance(result, ChunkFormatError):  # the object is not what tierkv wrote (not a fault)
+            raise result
         if isinstance(result, BaseException):
             raise TierUnavailableError(f"tier {self.name!r}: {op} failed: {self._redact(result)}") from result
         return result  # type: ignore[no-any-return]

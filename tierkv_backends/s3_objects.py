@@ -120,7 +120,10 @@ class S3Objects:
         """Bytes [start, end] of an object and the object's total size.
 
         A body that did not arrive whole (cut, short, reset mid-body) is a transient fault
-        (see :mod:`tierkv_backends.s3_requests`): retried here, never taken for corruption.
+        (see :mod:`tierkv_backends.s3_requests`): retried here, never taken for corruption. A
+        whole first range of an object whose size (Content-Range) differs from its chunk
+        header's raises :class:`~tierkv_backends.s3_requests.ObjectSizeError` at once: the
+        object is wrong, and asking again cannot help.
         """
         def call() -> tuple[bytes, int]:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}")

@@ -8,9 +8,13 @@ acts on them differently:
   then a miss. Never a delete: the object in the bucket may be fine and shared by every
   replica.
 - *missing*: 404 / NoSuchKey. A miss.
-- *corrupt*: a whole body (its length matches what the server said and what the chunk's
-  own header says) whose contents are not a valid chunk (bad magic, checksum mismatch).
-  Only these are deleted.
+- *corrupt*: a whole body (its length matches what the server said) that is not what tierkv
+  wrote: not a valid chunk (bad magic, checksum mismatch), or an object whose size, as the
+  server states it in Content-Range, differs from the size its own chunk header gives
+  (:class:`ObjectSizeError`). A miss, deleted and counted, and no strike against the tier's
+  health: the store answered, the object is wrong. Without a Content-Range (a 200 to a
+  ranged GET) the size comes only from Content-Length, which a middlebox may have rewritten
+  together with the body, so a disagreement there stays transient.
 
 Also the option converters of the tier (bucket names, prefixes).
 """
@@ -39,6 +43,11 @@ TRANSIENT_CODES = {
 
 class IncompleteBodyError(Exception):
     """A reply body that did not arrive whole: a transport fault, retried, never corruption."""
+
+
+class ObjectSizeError(ChunkFormatError):
+    """A whole object whose size (as the server states it) is not what its chunk header says:
+    the object itself is wrong, not the transfer. Corrupt (a miss, deleted), never retried."""
 
 
 TRANSIENT_ERRORS = (
@@ -95,9 +104,12 @@ def checked_body(body: bytes, response: Mapping[str, Any], start: int) -> int:
     """The object's total size, once ``body`` (asked from byte ``start``) is known to be whole.
 
     The body must hold exactly the bytes the reply said it carries: the span of its
-    Content-Range (or its Content-Length without one). A first range (``start == 0``) must
+    Content-Range (or its Content-Length without one); anything else is a cut or short
+    transfer (:class:`IncompleteBodyError`, transient). A first range (``start == 0``) must
     also agree with the chunk header inside it: the object is as long as the header says.
-    Anything else is a cut or short transfer (:class:`IncompleteBodyError`, transient).
+    When the server stated the object's size (Content-Range) and the whole body arrived, a
+    disagreement is the object's fault (:class:`ObjectSizeError`, corrupt); without a
+    Content-Range it may be a rewritten reply (:class:`IncompleteBodyError`).
     """
     match = _CONTENT_RANGE_RE.match(response.get("ContentRange") or "")
     if match:
@@ -112,18 +124,25 @@ def checked_body(body: bytes, response: Mapping[str, Any], start: int) -> int:
     if len(body) != expected:
         raise IncompleteBodyError(f"body of {len(body)} bytes, the reply announced {expected}")
     if start == 0:
-        _check_header_length(body, total)
+        _check_header_length(body, total, sized_by_server=match is not None)
     return total
 
 
-def _check_header_length(first: bytes, total: int) -> None:
-    """A body that starts with a readable chunk header must be as long as that header says."""
+def _check_header_length(first: bytes, total: int, sized_by_server: bool) -> None:
+    """A body that starts with a readable chunk header must be as long as that header says.
+
+    ``sized_by_server``: ``total`` comes from the server's Content-Range, so a mismatch means
+    the stored object is wrong (corrupt); otherwise it may be the transfer (transient).
+    """
     try:
         header = serde.decode_header(first)
     except ChunkFormatError:
         if len(first) < serde.MAX_HEADER_BYTES and len(first) < total:
             raise IncompleteBodyError(f"body of {len(first)} bytes is too short to hold a chunk header") from None
         return  # a whole body that is not a chunk: the decoder calls it corrupt
-    if header.header_len + header.payload_len != total:
-        raise IncompleteBodyError(f"object of {total} bytes, its chunk header says "
-                                  f"{header.header_len + header.payload_len}")
+    declared = header.header_len + header.payload_len
+    if declared != total:
+        problem = f"object of {total} bytes, its chunk header says {declared}"
+        if sized_by_server:
+            raise ObjectSizeError(f"{problem} (size from the server's Content-Range: the object is wrong)")
+        raise IncompleteBodyError(f"{problem} (no Content-Range to tell a rewritten reply from a wrong object)")
