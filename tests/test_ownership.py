@@ -86,7 +86,13 @@ def assert_accounts_exactly(engine: AsyncEngine) -> None:
 
 
 async def cancel_after(coro: Any, delay: float) -> tuple[bool, Any]:
-    """Run ``coro``, cancel it after ``delay`` seconds; (finished, result)."""
+    """Run ``coro``, cancel it after ``delay`` seconds; (finished, result).
+
+    ``finished`` is False only when the call was still in flight at the cancellation (it had
+    started: ``asyncio.sleep`` yields to it at least once) and ended by raising
+    ``CancelledError``; a call that ended first, or that returned despite the cancellation,
+    finished. Tests count the False ones, so they cannot pass without cancelling anything.
+    """
     task = asyncio.ensure_future(coro)
     await asyncio.sleep(delay)
     if task.done():
@@ -95,7 +101,18 @@ async def cancel_after(coro: Any, delay: float) -> tuple[bool, Any]:
     try:
         return True, await task
     except asyncio.CancelledError:
+        assert task.cancelled(), "the CancelledError came from the call"
         return False, None
+
+
+def some_delays(rng: random.Random, count: int, longest: float) -> list[float]:
+    """``count`` delays before a cancellation: random up to ``longest``, and every fourth 0 (the
+    call is cancelled at its first suspension, so each test surely cancels calls in flight)."""
+    return [0.0 if i % 4 == 0 else rng.uniform(0, longest) for i in range(count)]
+
+
+def assert_cancelled_some(cancelled: int, calls: int) -> None:
+    assert cancelled > 0, f"none of {calls} calls was in flight when cancelled: the test cancelled nothing"
 
 
 async def retrieve_exact_or_miss(engine: AsyncEngine, seed: int, chunks: int) -> int:
@@ -118,16 +135,19 @@ def test_cancelled_store_never_lends_its_slab_to_a_later_store(tmp_path: Path, k
     async def main() -> None:
         async with with_engine(config(kind, tmp_path, capacity="16MiB")) as engine:
             big = kv_for(0, 16)
-            for trial in range(30):
+            cancelled = 0
+            for trial, delay in enumerate(some_delays(rng, 30, 0.004)):
                 seed_small = 1000 + trial
                 small_kv = kv_for(seed_small, 1)
-                finished, _ = await cancel_after(engine.store(prompt(trial + 1, 16), big), rng.uniform(0, 0.004))
+                finished, _ = await cancel_after(engine.store(prompt(trial + 1, 16), big), delay)
+                cancelled += not finished
                 assert await engine.store(prompt(seed_small, 1), small_kv) == 1
                 await asyncio.sleep(0.02)  # a copy that outlived its store would land now
                 assert await retrieve_exact_or_miss(engine, seed_small, 1) == CHUNK, f"trial {trial}"
                 await engine.batched_delete(engine.keys_for(prompt(trial + 1, 16)))
             await engine.flush()
             assert_accounts_exactly(engine)
+            assert_cancelled_some(cancelled, 30)
     asyncio.run(main())
 
 
@@ -138,19 +158,21 @@ def test_stores_cancelled_while_demoting_leave_no_reserved_bytes(tmp_path: Path)
     async def main() -> None:
         async with with_engine(config("cpu+lmdb", tmp_path, "write_back", capacity="4MiB")) as engine:
             stored: list[torch.Tensor] = []
+            cancelled = 0
             for round_ in range(40):
                 # stores at once, each must demote chunks to make room and the others take the room
                 # one made; partial last chunks of all sizes fragment the slabs: reserving a later
                 # chunk of a batch evicts (and demotes) too, and a cancellation lands there
                 batch = []
-                for seed in range(1000 + 4 * round_, 1004 + 4 * round_):
+                for seed, delay in zip(range(1000 + 4 * round_, 1004 + 4 * round_), some_delays(rng, 4, 0.01)):
                     length = rng.randrange(CHUNK, 6 * CHUNK)
                     stored.append(prompt(seed, MAX_CHUNKS)[:length])
                     batch.append(cancel_after(engine.store(stored[-1], kv_for(seed % 12, MAX_CHUNKS)[:, :, :length]),
-                                              rng.uniform(0, 0.01)))
-                await asyncio.gather(*batch)
+                                              delay))
+                cancelled += sum(not finished for finished, _ in await asyncio.gather(*batch))
                 await engine.flush()
                 assert_accounts_exactly(engine)
+            assert_cancelled_some(cancelled, 160)
             for tokens in stored:
                 await engine.batched_delete(engine.keys_for(tokens))
             await engine.flush()
@@ -214,14 +236,15 @@ def test_cancelled_retrieve_into_out_writes_nothing_after_it_returned(tmp_path: 
     async def main() -> None:
         async with with_engine(config(kind, tmp_path)) as engine:
             tokens, kv = prompt(1, MAX_CHUNKS), kv_for(1, MAX_CHUNKS)
-            for trial in range(12):
+            cancelled = 0
+            for trial, delay in enumerate(some_delays(rng, 12, 0.01)):
                 await engine.store(tokens, kv)
                 await engine.flush()
                 if kind != "cpu" and trial % 2:
                     await evict_from_memory(engine, [1], trial)
                 out = torch.full_like(kv, sentinel)
-                finished, result = await cancel_after(engine.retrieve(tokens, out=out, return_tuple=False),
-                                                      rng.uniform(0, 0.01))
+                finished, result = await cancel_after(engine.retrieve(tokens, out=out, return_tuple=False), delay)
+                cancelled += not finished
                 assert await watch_unchanged(out), f"trial {trial}: bytes landed in out after the call returned"
                 if finished:
                     served = int(result[1].sum())
@@ -230,6 +253,7 @@ def test_cancelled_retrieve_into_out_writes_nothing_after_it_returned(tmp_path: 
                 await engine.flush()
                 assert_accounts_exactly(engine)
             assert await retrieve_exact_or_miss(engine, 1, MAX_CHUNKS) == MAX_CHUNKS * CHUNK
+            assert_cancelled_some(cancelled, 12)
     asyncio.run(main())
 
 
@@ -242,8 +266,9 @@ def chunk_blobs(seed: int) -> list[torch.Tensor]:
     return [kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous() for i in range(STORM_CHUNKS[seed])]
 
 
-async def storm_op(engine: AsyncEngine, rng: random.Random, acknowledged: set[int]) -> None:
-    """One entry point with a random prompt, cancelled after a random delay (or finished)."""
+async def storm_op(engine: AsyncEngine, rng: random.Random, acknowledged: set[int]) -> bool:
+    """One entry point with a random prompt, cancelled after a random delay (or finished);
+    whether it was cancelled in flight."""
     seed = rng.choice(list(STORM_CHUNKS))
     chunks = STORM_CHUNKS[seed]
     tokens, kv = prompt(seed, chunks), kv_for(seed, chunks)
@@ -281,7 +306,7 @@ async def storm_op(engine: AsyncEngine, rng: random.Random, acknowledged: set[in
                                   f"{delay:.4f}s): tokens {changed.tolist()[:3]}..{changed.tolist()[-1:]} of out "
                                   "changed after the call returned")
     if not finished:
-        return
+        return True
     if op in ("store", "batched_put"):
         acknowledged.add(seed)
     elif op.startswith("retrieve"):
@@ -294,6 +319,7 @@ async def storm_op(engine: AsyncEngine, rng: random.Random, acknowledged: set[in
         blobs = chunk_blobs(seed)
         for index, chunk in enumerate(result):
             assert chunk is None or same(chunk, blobs[index]), f"batched_get of prompt {seed}: wrong chunk {index}"
+    return False
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -304,8 +330,10 @@ def test_cancellation_storm_keeps_every_promise(tmp_path: Path, kind: str, polic
     async def main() -> None:
         async with with_engine(config(kind, tmp_path, policy, capacity="20MiB")) as engine:
             acknowledged: set[int] = set()
+            cancelled = 0
             for _ in range(80):
-                await storm_op(engine, rng, acknowledged)
+                cancelled += await storm_op(engine, rng, acknowledged)
+            assert_cancelled_some(cancelled, 80)
             await engine.flush()
             assert_accounts_exactly(engine)
             for seed in sorted(acknowledged):  # exact or a miss (the memory tier alone may have evicted it)
@@ -355,11 +383,14 @@ def test_cancelled_connector_store_and_retrieve_keep_the_paged_cache_and_the_sla
 
     async def main() -> None:
         async with with_engine(config(kind, tmp_path)) as engine:
+            cancelled = 0
+            delays = some_delays(rng, 12, 0.01)
             for trial in range(6):
                 tokens = prompt(300 + trial, MAX_CHUNKS)
                 source = paged_cache(None, seed=trial)
-                await cancel_after(store_with_connector(engine, connector, tokens, kvcaches=source,
-                                                        slot_mapping=slots), rng.uniform(0, 0.01))
+                finished, _ = await cancel_after(store_with_connector(engine, connector, tokens, kvcaches=source,
+                                                                      slot_mapping=slots), delays[2 * trial])
+                cancelled += not finished
                 await engine.flush()
                 assert_accounts_exactly(engine)
                 assert await store_with_connector(engine, connector, tokens, kvcaches=source,
@@ -367,8 +398,10 @@ def test_cancelled_connector_store_and_retrieve_keep_the_paged_cache_and_the_sla
                 if kind != "cpu" and trial % 2:
                     await evict_from_memory(engine, [], trial)
                 target = paged_cache(-3.0)
-                await cancel_after(retrieve_with_connector(engine, connector, tokens, kvcaches=target,
-                                                           slot_mapping=target_slots), rng.uniform(0, 0.01))
+                finished, _ = await cancel_after(retrieve_with_connector(engine, connector, tokens, kvcaches=target,
+                                                                         slot_mapping=target_slots),
+                                                 delays[2 * trial + 1])
+                cancelled += not finished
                 before = flat(target).clone()
                 await asyncio.sleep(0.02)
                 assert torch.equal(flat(target), before), f"trial {trial}: the paged cache changed after return"
@@ -382,6 +415,7 @@ def test_cancelled_connector_store_and_retrieve_keep_the_paged_cache_and_the_sla
                     got = torch.stack([k.reshape(-1, HEADS, HEAD)[target_slots], v.reshape(-1, HEADS, HEAD)[target_slots]])
                     want = torch.stack([sk.reshape(-1, HEADS, HEAD)[slots], sv.reshape(-1, HEADS, HEAD)[slots]])
                     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"trial {trial}: wrong KV"
+            assert_cancelled_some(cancelled, 12)
     asyncio.run(main())
 
 
