@@ -100,7 +100,11 @@ def main() -> None:
                            vocab=32000, intermediate=2816)
         rng = random.Random(0)
         prompts = [[rng.randrange(1, 32000) for _ in range(length)] for length in args.lengths]
-        cpu = [{"name": "host", "backend": "cpu", "capacity": "8GiB"}]
+        # room for every prompt twice, no more: the cpu tier touches its pool up front, and SGLang's
+        # own host pool (2x its device pool) sits beside it in the same process
+        token_bytes = args.layers * 2 * 8 * 128 * (2 if DTYPE == "bfloat16" else 4)
+        cpu_mib = max(256, 2 * sum(args.lengths) * token_bytes >> 20)
+        cpu = [{"name": "host", "backend": "cpu", "capacity": f"{cpu_mib}MiB"}]
         lmdb = [{"name": "disk", "backend": "lmdb", "capacity": "16GiB", "path": str(work / "lmdb")}]
         fs = [{"name": "files", "backend": "fs", "path": str(work / "fs")}]
         rows = [
