@@ -191,57 +191,37 @@ inline void transpose8x8_u16(const uint16_t* src, int64_t src_stride, uint16_t* 
 }
 #endif
 
-// Tokens [t, t + 8) sit in consecutive slots of one block (one run in the transposed page).
-inline bool run_of_8(const int64_t* base, int64_t t, int64_t tokens) {
-  if (t + 8 > tokens || base[t] < 0) return false;
-  for (int i = 1; i < 8; ++i) {
+#if defined(__SSE2__)
+// dst[j][i] = src[i][j] for a 4x4 block of 4-byte elements: two rounds of unpacks, in registers.
+inline void transpose4x4_u32(const uint32_t* src, int64_t src_stride, uint32_t* dst, int64_t dst_stride) {
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + src_stride));
+  const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * src_stride));
+  const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 3 * src_stride));
+  const __m128i lo01 = _mm_unpacklo_epi32(r0, r1), lo23 = _mm_unpacklo_epi32(r2, r3);
+  const __m128i hi01 = _mm_unpackhi_epi32(r0, r1), hi23 = _mm_unpackhi_epi32(r2, r3);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi64(lo01, lo23));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + dst_stride), _mm_unpackhi_epi64(lo01, lo23));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * dst_stride), _mm_unpacklo_epi64(hi01, hi23));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 3 * dst_stride), _mm_unpackhi_epi64(hi01, hi23));
+}
+#endif
+
+// Tokens [t, t + n) sit in consecutive slots of one block (one run in the transposed page).
+inline bool run_of(const int64_t* base, int64_t t, int64_t n, int64_t tokens) {
+  if (t + n > tokens || base[t] < 0) return false;
+  for (int64_t i = 1; i < n; ++i) {
     if (base[t + i] != base[t] + i) return false;
   }
   return true;
 }
 
-// Strided paged copy: per layer a K and a V view [num_blocks, block_size, heads, head_size] of any
-// strides (vLLM's CPU cache holds K transposed per (block, head) page: the head_size stride is
-// block_size, the token stride 1) <-> a contiguous chunk [layers, 2, tokens, heads, head_size].
-// Rows whose head_size stride is 1 are memcpy'd; otherwise tiles of 16 tokens x all dims are
-// moved, so each cache line of the transposed page is fetched once per tile, not once per token.
+// A tile of kTile tokens x kTile dims goes through a local buffer: both sides are then read and
+// written kTile elements at a time (rows of the transposed page, rows of the chunk), and no two
+// of the rows in flight alias in the L1 cache as a token-by-token walk would. Any slots.
 template <typename T, bool kGather>
-void strided_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
-                  int64_t dim_stride) {
-  if (dim_stride == 1) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      if (base[t] < 0) continue;
-      if (kGather) {
-        std::memcpy(flat + t * row_stride, cache + base[t], head_size * sizeof(T));
-      } else {
-        std::memcpy(cache + base[t], flat + t * row_stride, head_size * sizeof(T));
-      }
-    }
-    return;
-  }
-#if defined(__SSE2__)
-  if (sizeof(T) == 2 && head_size % 8 == 0) {  // bf16 / fp16: 8x8 register transposes where tokens run
-    auto* flat16 = reinterpret_cast<uint16_t*>(flat);
-    auto* cache16 = reinterpret_cast<uint16_t*>(cache);
-    bool all_runs = true;
-    for (int64_t t = 0; t + 8 <= tokens; t += 8) all_runs = all_runs && run_of_8(base, t, tokens);
-    if (all_runs && tokens % 8 == 0) {
-      for (int64_t t = 0; t < tokens; t += 8) {
-        for (int64_t d = 0; d < head_size; d += 8) {
-          if (kGather) {
-            transpose8x8_u16(cache16 + base[t] + d * dim_stride, dim_stride, flat16 + t * row_stride + d, row_stride);
-          } else {
-            transpose8x8_u16(flat16 + t * row_stride + d, row_stride, cache16 + base[t] + d * dim_stride, dim_stride);
-          }
-        }
-      }
-      return;
-    }
-  }
-#endif
-  // a tile of kTile tokens x kTile dims goes through a local buffer: both sides are then read and
-  // written kTile elements at a time (rows of the transposed page, rows of the chunk), and no
-  // two of the rows in flight alias in the L1 cache as a token-by-token walk would
+void tiled_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
+                int64_t dim_stride) {
   constexpr int64_t kTile = 16;
   T buffer[kTile][kTile];
   for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
@@ -276,6 +256,80 @@ void strided_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_
       }
     }
   }
+}
+
+#if defined(__SSE2__)
+// One register transpose of a kGroup x kGroup block (kGroup tokens x kGroup dims).
+template <typename T, bool kGather>
+inline void transpose_group(T* flat, T* cache, int64_t row_stride, int64_t dim_stride) {
+  if constexpr (sizeof(T) == 2) {
+    auto* f = reinterpret_cast<uint16_t*>(flat);
+    auto* c = reinterpret_cast<uint16_t*>(cache);
+    if (kGather) transpose8x8_u16(c, dim_stride, f, row_stride); else transpose8x8_u16(f, row_stride, c, dim_stride);
+  } else {
+    auto* f = reinterpret_cast<uint32_t*>(flat);
+    auto* c = reinterpret_cast<uint32_t*>(cache);
+    if (kGather) transpose4x4_u32(c, dim_stride, f, row_stride); else transpose4x4_u32(f, row_stride, c, dim_stride);
+  }
+}
+
+// 2- and 4-byte elements: where kGroup tokens run in one block, register transposes move
+// kGroup x kGroup blocks; runs of up to one cache line of tokens are swept together per group
+// of dims, so each line of the transposed page is written (or read) whole. Tokens outside such
+// runs (a block boundary inside a group, skipped slots) go through the tiled path one by one.
+template <typename T, bool kGather>
+void transposed_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
+                     int64_t dim_stride) {
+  constexpr int64_t kGroup = sizeof(T) == 2 ? 8 : 4;
+  constexpr int64_t kLine = 64 / sizeof(T);  // tokens per cache line of a transposed row
+  int64_t t = 0;
+  while (t < tokens) {
+    if (!run_of(base, t, kGroup, tokens)) {
+      tiled_rows<T, kGather>(flat + t * row_stride, cache, base + t, 1, row_stride, head_size, dim_stride);
+      ++t;
+      continue;
+    }
+    int64_t span = kGroup;
+    while (span < kLine && run_of(base, t + span, kGroup, tokens) && base[t + span] == base[t] + span) span += kGroup;
+    for (int64_t d = 0; d < head_size; d += kGroup) {
+      for (int64_t s = 0; s < span; s += kGroup) {
+        transpose_group<T, kGather>(flat + (t + s) * row_stride + d, cache + base[t] + s + d * dim_stride,
+                                    row_stride, dim_stride);
+      }
+    }
+    t += span;
+  }
+}
+#endif
+
+// Strided paged copy: per layer a K and a V view [num_blocks, block_size, heads, head_size] of any
+// strides (vLLM's CPU cache holds K transposed per (block, head) page: the head_size stride is
+// block_size, the token stride 1) <-> a contiguous chunk [layers, 2, tokens, heads, head_size].
+// Rows whose head_size stride is 1 are memcpy'd; 2- and 4-byte transposed rows go through
+// register transposes; anything else through tiles.
+template <typename T, bool kGather>
+void strided_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
+                  int64_t dim_stride) {
+  if (dim_stride == 1) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (base[t] < 0) continue;
+      if (kGather) {
+        std::memcpy(flat + t * row_stride, cache + base[t], head_size * sizeof(T));
+      } else {
+        std::memcpy(cache + base[t], flat + t * row_stride, head_size * sizeof(T));
+      }
+    }
+    return;
+  }
+#if defined(__SSE2__)
+  if constexpr (sizeof(T) == 2 || sizeof(T) == 4) {
+    if (head_size % (sizeof(T) == 2 ? 8 : 4) == 0) {
+      transposed_rows<T, kGather>(flat, cache, base, tokens, row_stride, head_size, dim_stride);
+      return;
+    }
+  }
+#endif
+  tiled_rows<T, kGather>(flat, cache, base, tokens, row_stride, head_size, dim_stride);
 }
 
 template <typename T, bool kGather>

@@ -246,11 +246,12 @@ def test_slot_mapping_marks_partial_ranges() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
-@pytest.mark.parametrize("head_size", [64, 12])
+@pytest.mark.parametrize("head_size", [64, 12, 20])
 def test_strided_kernel_matches_the_reference(dtype: torch.dtype, head_size: int, copy_path: str) -> None:
-    """ops.paged_copy_strided (kernel: 8x8 register transposes where 8 tokens run in one block,
-    tiles elsewhere; memcpy rows) against its reference, on transposed K and row-major V views,
-    with -1 slots, runs that cross blocks and runs not aligned to 8 tokens."""
+    """ops.paged_copy_strided (kernel: register transposes, 8x8 for 2-byte and 4x4 for 4-byte
+    elements, where a group of tokens runs in one block; tiles elsewhere; memcpy rows) against
+    its reference, on transposed K and row-major V views, with -1 slots, runs that cross blocks,
+    runs not aligned to a group and head sizes the transposes do not divide."""
     if copy_path == "torch":
         pytest.skip("the reference against itself proves nothing")
     block_size, blocks, tokens = 32, 6, 77
