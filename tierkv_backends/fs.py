@@ -5,8 +5,10 @@ so a crash or a concurrent reader never sees a half-written chunk. With a capaci
 least-recently-used files (by this process's accesses; by modification time after a
 restart) are deleted to make room.
 
-Bytes move once: a put ``writev``\ s the header and the chunk's contiguous pieces
-straight from the caller's tensor (a token slice of a KV blob is not gathered first);
+Bytes move once: a put ``pwritev``\ s the chunk's contiguous pieces straight from the
+caller's tensor (a token slice of a KV blob is not gathered first), checksumming each step
+of about 1 MiB just before the kernel copies it (so each byte is read from RAM once, as by a
+bare ``writev``), then writes the header, which holds that checksum, at the file's start;
 ``batched_get_into`` ``preadv``\ s straight into the destination's pieces and verifies the
 checksum there, in place: one copy per byte, also into memory the caller owns (the tier
 does not ask the engine to stage, ``streams_into_destination`` is False). A damaged file
@@ -26,10 +28,10 @@ A full disk (ENOSPC, EDQUOT, EIO on write) is a :class:`~tierkv.errors.TierFullE
 naming the tier and the file; the failed file is removed, what was written stays
 readable, and the next put tries again (after space was freed, it succeeds).
 
-Over 400 lines (about 510) by choice: one tier over one shared state -- the in-memory index,
+Over 400 lines (about 500) by choice: one tier over one shared state -- the in-memory index,
 the rescans that refresh it for other processes' writes, the writers that rename into it and
-the LRU that deletes from it -- with every method a few lines; the byte-level file format
-helpers at the top are the part that could move out next.
+the LRU that deletes from it -- with every method a few lines; the byte-level I/O helpers
+live in :mod:`tierkv_backends.fs_files`.
 """
 
 from __future__ import annotations
@@ -57,57 +59,29 @@ from tierkv.options import Option, format_size
 from tierkv.planner import SpeedSeed
 from tierkv.policy import LRUIndex
 from tierkv_backends._paths import ensure_writable_dir
+from tierkv_backends.fs_files import pwrite_all, read_all, write_payload
 
 logger = logging.getLogger(__name__)
 
 _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
-_IOV_MAX = 1024
 _DIGEST_CACHE = 1 << 16
-Header = bytes | bytearray | Callable[[], bytes]
-"""A file's header, or how to make it (the checksum pass over the chunk, run in the writer thread)."""
+MakeHeader = Callable[[int], bytes]
+"""How to make a chunk file's header from its payload's checksum (known once the payload is written)."""
+FileParts = tuple[MakeHeader | bytes | bytearray, list[memoryview], int]
+"""What one file is made of: its header (or how to make it; plain bytes are written as they
+are, without a checksum), the payload's pieces written after it, and the header's length."""
 
 
-def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[Header, list[memoryview], int]:
-    """How to make the header, zero-copy views of the payload's pieces (written with one
-    writev) and the header's length. Checked here (a bad dtype fails before anything is
-    written); the checksum is left to the writer thread, so the checksum of one file overlaps
-    the writes of the others instead of running on the event loop before any of them."""
+def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[MakeHeader, list[memoryview], int]:
+    """How to make the header, zero-copy views of the payload's pieces and the header's
+    length. Checked here (a bad dtype fails before anything is written); the checksum is
+    left to the writer thread, which takes it piece by piece as it writes (see
+    :func:`~tierkv_backends.fs_files.write_payload`)."""
     fmt = key.fmt if key.fmt in KV_FORMATS else None
     runs = serde.payload_runs(chunk)
     length = len(serde.encode_header(chunk, fmt, runs, digest=0))  # the digest has a fixed size
-    return lambda: serde.encode_header(chunk, fmt, runs), runs, length
-
-
-def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
-    """``pending`` without its first ``done`` bytes."""
-    index = 0
-    while index < len(pending) and done >= pending[index].nbytes:
-        done -= pending[index].nbytes
-        index += 1
-    rest = pending[index:]
-    if rest and done:
-        rest[0] = rest[0][done:]
-    return rest
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    pending = [b.cast("B") for b in buffers if b.nbytes]
-    while pending:
-        pending = _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
-
-
-def _read_all(fd: int, into: list[memoryview], offset: int) -> int:
-    """Read into the buffers until they are full or the file ends; the number of bytes read."""
-    pending = [b for b in into if b.nbytes]
-    got = 0
-    while pending:
-        n = os.preadv(fd, pending[:_IOV_MAX], offset + got)
-        if n == 0:
-            break
-        got += n
-        pending = _advance(pending, n)
-    return got
+    return lambda digest: serde.encode_header(chunk, fmt, runs, digest=digest), runs, length
 
 
 class FSBackend(BlobBackend):
@@ -253,7 +227,7 @@ class FSBackend(BlobBackend):
     # -- batched paths: one worker-thread hop per batch, one copy per chunk -------------------
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         """Write each chunk to a temporary file and rename it into place, straight from the
-        caller's memory (``writev``). Returns only when no thread reads that memory any more,
+        caller's memory (``pwritev``, checksummed on the way). Returns only when no thread reads that memory any more,
         cancellation included; what was renamed into place is indexed whatever happens, a
         file that failed or never started is not there (no partial file is ever visible)."""
         self._ensure_open()
@@ -263,16 +237,14 @@ class FSBackend(BlobBackend):
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         parts = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
         sizes = {digest: length + sum(run.nbytes for run in runs) for digest, (_, runs, length) in parts.items()}
-        encoded = {digest: (header, runs) for digest, (header, runs, _) in parts.items()}
         for size in sizes.values():
             self._check_fits(size)
         async with self._write_lock():
             await self._make_room(sizes)
-            await self._write_indexed(list(encoded.items()), sizes)
+            await self._write_indexed(list(parts.items()), sizes)
         return len(keys)
 
-    async def _write_indexed(self, items: list[tuple[str, tuple[Header, list[memoryview]]]],
-                             sizes: dict[str, int]) -> None:
+    async def _write_indexed(self, items: list[tuple[str, FileParts]], sizes: dict[str, int]) -> None:
         """Write files in worker threads; index every file renamed into place, even when
         another failed or the call was cancelled (the threads are waited for either way)."""
         written: list[str] = []
@@ -347,23 +319,17 @@ class FSBackend(BlobBackend):
             results.extend(outcome)
         return results
 
-    def _write_files(self, items: list[tuple[str, tuple[Header, list[memoryview]]]],
-                     written: list[str] | None = None) -> list[None]:
+    def _write_files(self, items: list[tuple[str, FileParts]], written: list[str] | None = None) -> list[None]:
         """Write each file under a temporary name and rename it into place; ``written`` gets
         each digest renamed into place. A full disk is a TierFullError; the temporary file of
         a failed write is removed, so no partial file is ever visible."""
-        for digest, (header, runs) in items:
-            head = header() if callable(header) else header
+        for digest, parts in items:
             final = self._file(digest)
             temporary = final.parent / f".{digest}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = self._create(temporary)
                 try:
-                    _write_all(fd, [memoryview(head), *runs])
-                    copies.count(sum(run.nbytes for run in runs))
-                    if self.fsync:
-                        os.fsync(fd)
+                    self._write_file(fd, parts)
                 finally:
                     os.close(fd)
                 os.replace(temporary, final)
@@ -377,6 +343,33 @@ class FSBackend(BlobBackend):
             if written is not None:
                 written.append(digest)
         return [None] * len(items)
+
+    @staticmethod
+    def _create(temporary: Path) -> int:
+        """Open a new temporary file; its shard directory is made only when missing (one
+        failed open the first time, instead of a mkdir per file)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            return os.open(temporary, flags, 0o644)
+        except FileNotFoundError:
+            temporary.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(temporary, flags, 0o644)
+
+    def _write_file(self, fd: int, parts: FileParts) -> None:
+        """The payload after the header's place, checksummed as it goes, then the header
+        (which holds that checksum) at the start: the file is whole only once both are in,
+        and it is renamed into place only then."""
+        header, runs, header_len = parts
+        if callable(header):
+            head = header(write_payload(fd, runs, header_len))
+            if len(head) != header_len:
+                raise AssertionError(f"chunk header is {len(head)} bytes, {header_len} were reserved")
+            copies.count(sum(run.nbytes for run in runs))
+        else:
+            head = header
+        pwrite_all(fd, [memoryview(head)], 0)
+        if self.fsync:
+            os.fsync(fd)
 
     def _read_files(self, digests: list[str]) -> list[torch.Tensor | ChunkFormatError | None]:
         return [self._read_file(digest) for digest in digests]
@@ -439,7 +432,7 @@ class FSBackend(BlobBackend):
         try:
             if os.fstat(fd).st_size != header.header_len + header.payload_len:
                 raise ChunkFormatError("chunk file size differs from what its header says (torn or appended)")
-            got = _read_all(fd, runs, header.header_len)
+            got = read_all(fd, runs, header.header_len)
             copies.count(got)
             if got != header.payload_len:
                 raise ChunkFormatError(f"truncated chunk file: read {got} payload bytes, header says {header.payload_len}")
@@ -488,7 +481,7 @@ class FSBackend(BlobBackend):
         self._check_fits(len(data))
         async with self._write_lock():
             await self._make_room({digest: len(data)})
-            await self._write_indexed([(digest, (data, []))], {digest: len(data)})
+            await self._write_indexed([(digest, (data, [], len(data)))], {digest: len(data)})
 
     async def delete_bytes(self, key: str) -> bool:
         digest = self._digest(key)
