@@ -7,8 +7,19 @@ prompt, ``--repeats`` times: ``flush_cache()`` (GPU and host caches emptied, so 
 only come from L3) and one timed request (``max_new_tokens=1``: the time to first token).
 
 Configurations, side by side in one run: no L3 (recompute), SGLang's own file backend,
-tierkv with a cpu tier, an lmdb tier, and an fs tier read by a new process (a second SGLang
-process over what the first stored). Ratios are against no L3 timed in the same run.
+SGLang's own Mooncake backend (``--mooncake``), tierkv with a cpu tier, an lmdb tier, and an
+fs tier read by a new process (a second SGLang process over what the first stored). Ratios
+are against no L3 timed in the same run; ``--only`` runs a subset (no L3 always runs).
+
+SGLang mooncake: ``hicache_storage_backend="mooncake"`` against a real Mooncake master and
+one storage node on 127.0.0.1 (:class:`tierkv.testing.mooncake_server.MooncakeCluster`,
+started before that configuration and stopped by PID after it, also on failure). SGLang is
+configured through its extra_config (master_server_address, metadata_server = the master's
+HTTP metadata server, protocol tcp, local_hostname 127.0.0.1, global_segment_size 0: the
+SGLang process mounts nothing, every page goes to the storage node over TCP, as with
+tierkv's mooncake tier). SGLang switches its host pool to the page_first_direct layout for
+this backend by itself. It needs ``mooncake-transfer-engine-non-cuda`` in the SGLang env;
+without it (or with ``--no-mooncake``) the configuration is skipped, saying why.
 
 Targets (issue 24): tierkv cpu <= 0.3x no-L3 at 8K; tierkv's best local tier <= SGLang's file
 backend at every length; the storing pass <= 1.05x no-L3. Prints each target and whether it
@@ -24,6 +35,7 @@ import random
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hicac
 from sglang_runner import make_model, run_spec  # noqa: E402
 
 from tierkv.integrations.sglang import BACKEND_CLASS, BACKEND_MODULE  # noqa: E402
+from tierkv.testing.mooncake_server import MooncakeCluster, MooncakeServerError, mooncake_importable  # noqa: E402
 
 PAGE = 16
 DTYPE = "bfloat16"  # set from --dtype in main()
+CONFIGS = ("no L3", "SGLang file", "SGLang mooncake", "tierkv cpu", "tierkv lmdb", "tierkv fs")
 
 
 def native_bf16() -> bool:
@@ -80,6 +94,16 @@ def measure(name: str, model: Path, backend: str, extra: dict[str, Any] | None, 
     return row
 
 
+def parse_only(value: str) -> list[str]:
+    """``--only``: comma-separated configuration names (see CONFIGS)."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected names from {', '.join(CONFIGS)} (comma-separated), "
+                                         f"got {value!r}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -88,10 +112,25 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/sglang_ttft.json")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="model dtype; auto: bfloat16 where the CPU has native bf16, else float32")
+    parser.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=None,
+                        help="run SGLang's mooncake backend against a local Mooncake cluster "
+                             "(default: when mooncake.store imports)")
+    parser.add_argument("--only", type=parse_only, default=list(CONFIGS), metavar="NAME[,NAME]",
+                        help=f"run only these configurations ({', '.join(CONFIGS)}); no L3 always runs")
     args = parser.parse_args()
     global DTYPE
     DTYPE = args.dtype if args.dtype != "auto" else ("bfloat16" if native_bf16() else "float32")
     print(f"model dtype: {DTYPE}", flush=True)
+    selected = {"no L3", *args.only}
+    if "SGLang mooncake" in selected:
+        missing = mooncake_importable()
+        if args.mooncake is False:
+            selected.discard("SGLang mooncake")
+        elif missing is not None:
+            if args.mooncake:
+                parser.error(f"--mooncake: {missing}")
+            print(f"SGLang mooncake skipped: {missing}", flush=True)
+            selected.discard("SGLang mooncake")
 
     with tempfile.TemporaryDirectory(prefix="tierkv-sglang-bench-") as tmp:
         work = Path(tmp)
@@ -103,21 +142,42 @@ def main() -> None:
         # room for every prompt twice, no more: the cpu tier touches its pool up front, and SGLang's
         # own host pool (2x its device pool) sits beside it in the same process
         token_bytes = args.layers * 2 * 8 * 128 * (2 if DTYPE == "bfloat16" else 4)
-        cpu_mib = max(256, 2 * sum(args.lengths) * token_bytes >> 20)
-        cpu = [{"name": "host", "backend": "cpu", "capacity": f"{cpu_mib}MiB"}]
+        twice_mib = max(256, 2 * sum(args.lengths) * token_bytes >> 20)
+        cpu = [{"name": "host", "backend": "cpu", "capacity": f"{twice_mib}MiB"}]
         lmdb = [{"name": "disk", "backend": "lmdb", "capacity": "16GiB", "path": str(work / "lmdb")}]
         fs = [{"name": "files", "backend": "fs", "path": str(work / "fs")}]
-        rows = [
-            measure("no L3", model, "none", None, prompts, args.repeats, work),
-            measure("SGLang file", model, "file", None, prompts, args.repeats, work),
-            measure("tierkv cpu", model, "tierkv", tierkv_extra(cpu), prompts, args.repeats, work),
-            measure("tierkv lmdb", model, "tierkv", tierkv_extra(lmdb), prompts, args.repeats, work),
-        ]
-        rows.append(_fs_two_processes(model, fs, prompts, args.repeats, work))
+        runs: dict[str, Callable[[], dict[str, Any] | None]] = {
+            "no L3": lambda: measure("no L3", model, "none", None, prompts, args.repeats, work),
+            "SGLang file": lambda: measure("SGLang file", model, "file", None, prompts, args.repeats, work),
+            "SGLang mooncake": lambda: _sglang_mooncake(model, prompts, args.repeats, work, twice_mib << 20),
+            "tierkv cpu": lambda: measure("tierkv cpu", model, "tierkv", tierkv_extra(cpu), prompts, args.repeats,
+                                          work),
+            "tierkv lmdb": lambda: measure("tierkv lmdb", model, "tierkv", tierkv_extra(lmdb), prompts,
+                                           args.repeats, work),
+            "tierkv fs": lambda: _fs_two_processes(model, fs, prompts, args.repeats, work),
+        }
+        rows = [row for name in CONFIGS if name in selected and (row := runs[name]()) is not None]
     report(rows, args.lengths)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
+
+
+def _sglang_mooncake(model: Path, prompts: list[list[int]], repeats: int, work: Path,
+                     pool_bytes: int) -> dict[str, Any] | None:
+    """SGLang's own mooncake backend on a Mooncake master + storage node of this run (None when
+    the cluster cannot start: the reason is printed). The cluster is stopped by PID afterwards."""
+    try:
+        cluster = MooncakeCluster(pool_size=pool_bytes).start()
+    except MooncakeServerError as exc:
+        print(f"SGLang mooncake skipped: {exc}", flush=True)
+        return None
+    try:
+        extra = {"master_server_address": cluster.master_address, "metadata_server": cluster.metadata_server,
+                 "protocol": "tcp", "device_name": "", "local_hostname": "127.0.0.1", "global_segment_size": 0}
+        return measure("SGLang mooncake", model, "mooncake", extra, prompts, repeats, work)
+    finally:
+        cluster.stop()
 
 
 def _fs_two_processes(model: Path, fs: list[dict[str, Any]], prompts: list[list[int]], repeats: int,
@@ -135,11 +195,15 @@ def _fs_two_processes(model: Path, fs: list[dict[str, Any]], prompts: list[list[
     return row
 
 
+def _label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
 def report(rows: list[dict[str, Any]], lengths: list[int]) -> None:
     base = rows[0]
     print("\nTTFT after flush_cache() (median), x = ratio to no L3 in this run; storing pass = cold request")
-    print(f"{'configuration':26s}" + "".join(f"{f'{n // 1024}K ttft, x, from L3':>24s}" for n in lengths)
-          + "".join(f"{f'{n // 1024}K store':>14s}" for n in lengths))
+    print(f"{'configuration':26s}" + "".join(f"{f'{_label(n)} ttft, x, from L3':>24s}" for n in lengths)
+          + "".join(f"{f'{_label(n)} store':>14s}" for n in lengths))
     for row in rows:
         cells = "".join(f"{row['ttft_s'][n]:8.3f}s {row['ttft_s'][n] / base['ttft_s'][n]:5.2f}x {row['from_storage'][n]:>6d}"
                         for n in lengths)
@@ -147,11 +211,12 @@ def report(rows: list[dict[str, Any]], lengths: list[int]) -> None:
         print(f"{row['name']:26s}{cells}{store}")
     by_name = {row["name"]: row for row in rows}
     longest = max(lengths)
-    cpu_ratio = by_name["tierkv cpu"]["ttft_s"][longest] / base["ttft_s"][longest]
-    print(f"\ntarget tierkv cpu <= 0.3x no-L3 at {longest // 1024}K: {cpu_ratio:.2f}x "
-          f"{'met' if cpu_ratio <= 0.3 else 'NOT met'}")
+    if "tierkv cpu" in by_name:
+        cpu_ratio = by_name["tierkv cpu"]["ttft_s"][longest] / base["ttft_s"][longest]
+        print(f"\ntarget tierkv cpu <= 0.3x no-L3 at {longest // 1024}K: {cpu_ratio:.2f}x "
+              f"{'met' if cpu_ratio <= 0.3 else 'NOT met'}")
     local = [r for r in rows if r["name"].startswith("tierkv")]
-    for n in lengths:
+    for n in lengths if local and "SGLang file" in by_name else ():
         best = min(local, key=lambda r: r["ttft_s"][n])
         file_s = by_name["SGLang file"]["ttft_s"][n]
         print(f"target best tierkv tier <= SGLang file at {n // 1024}K: {best['name']} {best['ttft_s'][n]:.3f}s vs "
