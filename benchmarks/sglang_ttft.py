@@ -24,6 +24,14 @@ without it (or with ``--no-mooncake``) the configuration is skipped, saying why.
 Targets (issue 24): tierkv cpu <= 0.3x no-L3 at 8K; tierkv's best local tier <= SGLang's file
 backend at every length; the storing pass <= 1.05x no-L3. Prints each target and whether it
 is met; exits 0 (a benchmark reports, CI does not gate on timings).
+
+What a hit can save here: on the CPU SGLang runs the ``torch_native`` attention backend, which
+computes an extend's attention with a query as long as the whole sequence (the cached
+prefix's rows zero, ``per_req_query_redudant`` in its ``_run_sdpa_forward_extend``): a prefix
+served from any L3 still pays the full prompt's attention, only the projections and MLP of
+the prefix are saved. So the TTFT of a hit grows with the square of the prompt for every
+backend alike; tierkv's own share is in its counters (``load_us``; an 8K-token hit from the
+cpu tier read 1024 MiB of pages in about 0.2 s of a 22 s TTFT in one measurement).
 """
 
 from __future__ import annotations
