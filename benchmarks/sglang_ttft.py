@@ -31,7 +31,7 @@ prefix's rows zero, ``per_req_query_redudant`` in its ``_run_sdpa_forward_extend
 served from any L3 still pays the full prompt's attention, only the projections and MLP of
 the prefix are saved. So the TTFT of a hit grows with the square of the prompt for every
 backend alike; tierkv's own share is in its counters (``load_us``; an 8K-token hit from the
-cpu tier read 1024 MiB of pages in about 0.2 s of a 22 s TTFT in one measurement).
+cpu tier read 511 MiB of pages in about 0.22 s of a 22-26 s TTFT in one measurement).
 """
 
 from __future__ import annotations
