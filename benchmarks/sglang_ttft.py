@@ -192,7 +192,9 @@ def _fs_two_processes(model: Path, fs: list[dict[str, Any]], prompts: list[list[
                       work: Path) -> dict[str, Any]:
     """The fs tier filled by one SGLang process and read by a new one."""
     spec = {"model": str(model), "backend": "tierkv", "extra_config": tierkv_extra(fs), "prompts": prompts,
-            "steps": [{"gen": i, "settle_s": 1.0} for i in range(len(prompts))], "page_size": PAGE,
+            # the closing flush_cache() succeeds only once SGLang's L3 writes are done: the new
+            # process then finds every page the first one stored
+            "steps": [*({"gen": i, "settle_s": 1.0} for i in range(len(prompts))), {"flush": True}], "page_size": PAGE,
             "max_new_tokens": 1, "max_total_tokens": 4 * max(len(p) for p in prompts), "chunked_prefill_size": 8192,
             "engine_args": {"dtype": DTYPE}}
     print("[tierkv fs] first process stores ...", flush=True)
