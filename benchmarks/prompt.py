@@ -24,7 +24,8 @@ Baselines, interleaved with our passes so noise hits both:
 
 - ``memcpy``: ``dst.copy_(kv)`` of each prompt's KV into memory allocated and touched once;
 - ``empty+copy``: ``torch.empty`` + ``copy_`` of the same size (what a fresh output costs);
-- ``raw files`` (fs): one file per chunk, ``writev`` of the chunk's bytes straight from the KV;
+- ``raw files`` (fs): one file per chunk, ``writev`` of the chunk's bytes straight from the KV
+  (``raw files (tmp+rename)``: the same, each file renamed into place as the tier does);
   read back with ``preadv`` into touched memory after the page cache of the files is dropped
   (``fdatasync`` + ``POSIX_FADV_DONTNEED``, applied to tierkv's files alike: "cold");
 - ``raw lmdb``: py-lmdb puts of the same chunk bytes (one write transaction per prompt) and
@@ -133,14 +134,20 @@ class RawFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def store(self, prompt: int, kv: torch.Tensor) -> None:
+    def store(self, prompt: int, kv: torch.Tensor, publish: bool = False) -> None:
+        """``publish``: write each file under a temporary name and rename it into place, as
+        the fs tier does so that no reader sees a half-written chunk (the bare baseline lacks that)."""
         for index, start in enumerate(range(0, kv.shape[2], CHUNK)):
             runs = _byte_runs(kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)))
-            fd = os.open(self.root / f"{prompt}-{index}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            final = self.root / f"{prompt}-{index}"
+            path = final.with_name(f".{final.name}.tmp") if publish else final
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             try:
                 os.writev(fd, runs)
             finally:
                 os.close(fd)
+            if publish:
+                os.replace(path, final)
 
     def read(self, prompt: int, out: torch.Tensor) -> None:
         for index, start in enumerate(range(0, out.shape[2], CHUNK)):
@@ -305,6 +312,10 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
                     record("raw files (cold)", phase,
                            _timed(lambda: [raw_files.read(i, o) for i, o in enumerate(outs)]))
                 raw_files.clear()
+                if tier == "fs":  # with the tier's atomic publish: what crash safety costs the bare files
+                    record("raw files (tmp+rename)", phase, _timed_write(
+                        lambda: [raw_files.store(i, kv, publish=True) for i, (_, kv) in enumerate(prompts)]))
+                    raw_files.clear()
             for name, raw in raw_lmdbs.items():
                 record(name, phase, _timed_write(lambda raw=raw: [raw.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
                 if raw is raw_lmdb:
@@ -332,7 +343,7 @@ def _rows(tier: str, samples: dict[tuple[str, str], list[float]], per_byte: dict
           pass_bytes: int, startup_s: float) -> list[dict[str, Any]]:
     rows = []
     lmdb = tier.startswith("lmdb")
-    baselines_of = {"store": ["raw files"] if tier == "fs" else
+    baselines_of = {"store": ["raw files", "raw files (tmp+rename)"] if tier == "fs" else
                     [RAW_LMDB_BASELINE[tier], *RAW_LMDB_PUTS, "raw lmdb put (txn per chunk)", "raw files"] if lmdb
                     else ["memcpy"],
                     "retrieve out=": ["raw lmdb"] if lmdb else ["memcpy"],
