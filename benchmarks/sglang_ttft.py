@@ -49,6 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hicache"))
 
+from cpu_dtype import CHOICES, element_bytes, model_dtype  # noqa: E402
 from sglang_runner import make_model, run_spec  # noqa: E402
 
 from tierkv.integrations.sglang import BACKEND_CLASS, BACKEND_MODULE  # noqa: E402
@@ -57,16 +58,6 @@ from tierkv.testing.mooncake_server import MooncakeCluster, MooncakeServerError,
 PAGE = 16
 DTYPE = "bfloat16"  # set from --dtype in main()
 CONFIGS = ("no L3", "SGLang file", "SGLang mooncake", "tierkv cpu", "tierkv lmdb", "tierkv fs")
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without it a bf16 prefill
-    runs several times slower than float32 and an 8K prompt takes minutes."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def tierkv_extra(tiers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -118,7 +109,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--out", default="bench-results/sglang_ttft.json")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+    parser.add_argument("--dtype", choices=CHOICES, default="auto",
                         help="model dtype; auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=None,
                         help="run SGLang's mooncake backend against a local Mooncake cluster "
@@ -127,7 +118,7 @@ def main() -> None:
                         help=f"run only these configurations ({', '.join(CONFIGS)}); no L3 always runs")
     args = parser.parse_args()
     global DTYPE
-    DTYPE = args.dtype if args.dtype != "auto" else ("bfloat16" if native_bf16() else "float32")
+    DTYPE = model_dtype(args.dtype)
     print(f"model dtype: {DTYPE}", flush=True)
     selected = {"no L3", *args.only}
     if "SGLang mooncake" in selected:
@@ -149,7 +140,7 @@ def main() -> None:
         prompts = [[rng.randrange(1, 32000) for _ in range(length)] for length in args.lengths]
         # room for every prompt twice, no more: the cpu tier touches its pool up front, and SGLang's
         # own host pool (2x its device pool) sits beside it in the same process
-        token_bytes = args.layers * 2 * 8 * 128 * (2 if DTYPE == "bfloat16" else 4)
+        token_bytes = args.layers * 2 * 8 * 128 * element_bytes(DTYPE)
         twice_mib = max(256, 2 * sum(args.lengths) * token_bytes >> 20)
         cpu = [{"name": "host", "backend": "cpu", "capacity": f"{twice_mib}MiB"}]
         lmdb = [{"name": "disk", "backend": "lmdb", "capacity": "16GiB", "path": str(work / "lmdb")}]

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cpu_dtype import CHOICES, element_bytes, model_dtype
+
 from tierkv.testing.vllm_runner import run_vllm, save_random_llama
 
 CHUNK = 256
@@ -51,17 +53,6 @@ def prompt(seed: int, count: int) -> list[int]:
     return [(seed * 7919 + index * 104729) % 1000 + 1 for index in range(count)]
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without it vLLM's CPU
-    bf16 path is several times slower than float32 (measured here: 25 s vs 4.6 s for a 1K
-    prefill of the default model)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int, workdir: Path,
         dtype: str = "bfloat16") -> list[dict[str, Any]]:
     model = save_random_llama(workdir / "model", num_layers=layers, hidden_size=hidden, num_heads=heads,
@@ -69,7 +60,7 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     warm = [prompt(900 + index, length) for index, length in enumerate(lengths)]
     sets = [[prompt(100 * s + index, length) for index, length in enumerate(lengths)] for s in range(1, SAMPLES + 1)]
     max_len = max(lengths) + 64
-    token_bytes = layers * 2 * kv_heads * (hidden // heads) * (2 if dtype == "bfloat16" else 4)
+    token_bytes = layers * 2 * kv_heads * (hidden // heads) * element_bytes(dtype)
     kv_gib = max(1, -(-(max_len * token_bytes * 3) // 2**30))
     capacity = f"{max(64, 2 * (SAMPLES + 1) * sum(lengths) * token_bytes // 2**20)}MiB"
 
@@ -159,14 +150,14 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+    parser.add_argument("--dtype", choices=CHOICES, default="auto",
                         help="model dtype; auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--out", default="bench-results")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if native_bf16() else "float32")
+    dtype = model_dtype(args.dtype)
     model_text = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, {dtype}, "
                   f"chunk {CHUNK}")
     from tierkv import ops

@@ -259,6 +259,14 @@ class AsyncEngine:
                                                    plan=plan)
         return ret_mask
 
+    async def _held_prefix(self, keys: list[CacheKey], deadline: float | None
+                           ) -> tuple[list[CacheKey], list[int | None]]:
+        """The leading ``keys`` some tier holds (after the stores in flight for them landed, or
+        the deadline passed) and the level each of them was located in."""
+        keys = keys[: await self.router.wait_inflight(keys, deadline)]
+        levels = self.router.locate_for_read(keys)
+        return keys[: policy.first_missing([level is not None for level in levels])], levels
+
     async def retrieve_keys_into(self, keys: Sequence[CacheKey], ranges: Sequence[tuple[int, int]],
                                  sink: transfer.ChunkSink, deadline_s: float | None = None) -> int:
         """Read the leading ``keys`` some tier holds into ``sink`` at token ``ranges``; how
@@ -273,9 +281,7 @@ class AsyncEngine:
         await self.router.start()
         keys = list(keys)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        held = keys[: await self.router.wait_inflight(keys, deadline)]
-        levels = self.router.locate_for_read(held)
-        held = held[: policy.first_missing([level is not None for level in levels])]
+        held, levels = await self._held_prefix(keys, deadline)
         delivered = 0
         if held:
             with copies.on_path(self.router.copies, "retrieve"):
@@ -305,10 +311,7 @@ class AsyncEngine:
         num_tokens = len(token_array)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         first_chunk = skip // self.chunk_size
-        keys = list(self._iter_keys(token_array))[first_chunk:]
-        keys = keys[: await self.router.wait_inflight(keys, deadline)]
-        levels = self.router.locate_for_read(keys)
-        keys = keys[: policy.first_missing([level is not None for level in levels])]
+        keys, levels = await self._held_prefix(list(self._iter_keys(token_array))[first_chunk:], deadline)
         if plan and keys and self.cost_aware:
             prefix_plan = self.plans.plan(levels[: len(keys)], num_tokens, first_chunk)
             keys = keys[: max(0, -(-prefix_plan.planned_tokens // self.chunk_size) - first_chunk)]

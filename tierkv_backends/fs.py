@@ -363,7 +363,7 @@ class FSBackend(BlobBackend):
         if callable(header):
             head = header(write_payload(fd, runs, header_len))
             if len(head) != header_len:
-                raise AssertionError(f"chunk header is {len(head)} bytes, {header_len} were reserved")
+                raise RuntimeError(f"chunk header is {len(head)} bytes, {header_len} were reserved")
             copies.count(sum(run.nbytes for run in runs))
         else:
             head = header
