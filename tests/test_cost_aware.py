@@ -106,6 +106,26 @@ def test_speed_estimate_leaves_its_seed_and_follows_a_tier_whose_speed_changes()
     assert estimate.fixed_s == pytest.approx(0.001, rel=0.3)
 
 
+def test_a_tier_far_slower_than_its_seed_is_measured_within_a_few_gets() -> None:
+    # the fs seed (300 us, 1.5 GB/s) behind a 20 MB/s link: once, every get "surprised" the
+    # last one's guess and the fit came out as all fixed cost with infinite bandwidth, so the
+    # planner thought two chunks cost what one does and recomputed what it should have loaded
+    estimate = TierSpeed(SpeedSeed(fixed_s=300e-6, bytes_per_s=1.5e9))
+    for mib in (0.5, 1.5, 0.5, 1.0, 2.0):
+        nbytes = int(mib * 2**20)
+        estimate.observe(nbytes, 0.002 + nbytes / 20e6)
+    assert estimate.bytes_per_s == pytest.approx(20e6, rel=0.05)
+    assert estimate.fixed_s == pytest.approx(0.002, rel=0.2)
+
+
+def test_gets_of_one_size_scale_the_seed_line_rather_than_calling_it_all_fixed_cost() -> None:
+    estimate = TierSpeed(SpeedSeed(fixed_s=1e-3, bytes_per_s=1e9))
+    for _ in range(3):
+        estimate.observe(1 << 20, 0.05)
+    assert estimate.seconds(1 << 20) == pytest.approx(0.05, rel=0.01)
+    assert estimate.seconds(4 << 20) > 2 * estimate.seconds(1 << 20)  # bytes still cost, as in the seed (2.5x)
+
+
 class FakeClock:
     """Seconds that pass only when the test says so (the planner's exploration waits on time)."""
 

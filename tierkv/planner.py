@@ -47,7 +47,10 @@ class SpeedSeed:
 HOST_MEMORY_SEED = SpeedSeed(fixed_s=20e-6, bytes_per_s=8e9)
 """A copy out of host memory (the cpu tier, the fill queue)."""
 
-_REFERENCE_BYTES = 32 << 20  # the size the seed's prior is anchored at (one Llama-3-8B chunk)
+_DISTINCT_SIZES = 1e-2
+"""How far apart the sizes of a tier's gets must be (as 1 - the squared correlation of their
+sizes with a constant, weighted) before a fit may split their time into fixed cost and
+bandwidth; below it the seed's line is scaled to the gets instead."""
 
 
 class _DecayedFit:
@@ -133,15 +136,16 @@ EXPLORE_EVERY_S = 10.0
 EXPLORE_MAX_FRACTION = 0.02
 """... and only when that chunk is expected to cost at most this share of the request's time."""
 _SURPRISE = 2.0  # a get this many times faster or slower than expected: the tier changed
-_SURPRISE_KEEP = 0.05  # the weight the samples before such a get keep
 
 
 class TierSpeed:
     """Running estimate of one tier's get time: ``fixed_s + nbytes / bytes_per_s``.
 
     A get that takes less than half or more than twice the expected time means the tier
-    changed (another tenant left, a link got congested): the samples before it then keep only
-    a twentieth of their weight, so one read re-measures the tier. The plan skips a slow tier
+    changed (another tenant left, a link got congested): the samples before it are dropped and
+    the old line, scaled to the new gets, stands until gets of different sizes draw a new one.
+    The first get after the seed or such a change is never a surprise itself: one get cannot
+    split its time between fixed cost and bandwidth. The plan skips a slow tier
     entirely, so without help it would never be read again: :meth:`due_for_exploration` says
     when a plan may add one chunk from it (see :func:`plan_prefix`).
     """
@@ -154,11 +158,14 @@ class TierSpeed:
             raise ValueError(f"exploration needs explore_every_plans >= 1 and explore_every_s >= 0, "
                              f"got {explore_every_plans} and {explore_every_s}")
         self.seed = seed
-        x = float(_REFERENCE_BYTES)
-        # two prior points on the seed's line: it governs until real gets outweigh it
-        self._fit = _DecayedFit(2, half_life, [((1.0, 0.0), seed.fixed_s), ((1.0, x), seed.fixed_s + x / seed.bytes_per_s)],
-                                weight=0.5, prior_decay=0.7)
+        self._fit = _DecayedFit(2, half_life, [], weight=0.0)
         self._fixed_s, self._per_byte = seed.fixed_s, 1.0 / seed.bytes_per_s
+        self._shape = (self._fixed_s, self._per_byte)  # the line scaled to gets too alike to draw their own
+        # gets since the seed or the last surprise: one get cannot tell fixed cost from
+        # bandwidth, so until a second one the line is a guess that must not count as surprised
+        # (else every get of a tier far from its seed "surprised" the last one's guess, and the
+        # fit only ever knew one get: all of it fixed cost, bandwidth infinite)
+        self._since_change = 0
         self._clock = clock
         self._explore_plans, self._explore_s = explore_every_plans, explore_every_s
         self._skipped = 0  # plans that left this tier out since it was last read or explored
@@ -169,14 +176,34 @@ class TierSpeed:
         """A get batch of ``nbytes`` took ``seconds``."""
         if nbytes <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
-        if self._fit.samples:
+        if self._since_change >= 2:  # only a line the new data has drawn can be surprised
             expected = self.seconds(nbytes)
             if expected > 0 and not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
-                self._fit.forget(_SURPRISE_KEEP)
+                self._shape = (self._fixed_s, self._per_byte)  # the old line, until new gets draw one
+                self._fit.forget(0.0)
+                self._since_change = 0
         self._fit.add((1.0, float(nbytes)), seconds)
-        fixed, per_byte = self._fit.solve()
-        self._fixed_s, self._per_byte = fixed, max(per_byte, 1e-15)
+        self._since_change += 1
+        self._fixed_s, self._per_byte = self._line()
         self._skipped, self._quiet_since = 0, self._clock()
+
+    def _line(self) -> tuple[float, float]:
+        """Fixed seconds and seconds per byte from the gets so far. Gets of one size cannot
+        tell the two apart; then the seed's line (or, after a surprise, the line before it) is
+        scaled to match them (a tier twenty times slower than its seed is taken as twenty times
+        slower in both). A prior point pulling
+        the fit towards the seed would not do: its leverage at any size far from the gets'
+        outweighs them, and the fit came out as all fixed cost, bandwidth infinite."""
+        xx, xy = self._fit.xx, self._fit.xy
+        spread = xx[0][0] * xx[1][1] - xx[0][1] ** 2
+        if spread > _DISTINCT_SIZES * xx[0][0] * xx[1][1]:
+            fixed, per_byte = self._fit.solve()
+            if fixed > 0 or per_byte > 0:
+                return fixed, max(per_byte, 1e-15)
+        fixed, per_byte = self._shape
+        expected = fixed * xx[0][0] + per_byte * xx[0][1]  # what the gets would have taken on that line
+        scale = xy[0] / expected if expected > 0 and xy[0] > 0 else 1.0
+        return fixed * scale, per_byte * scale
 
     def seconds(self, nbytes: int) -> float:
         """Expected time of a get batch of ``nbytes`` (0 bytes costs nothing: no request)."""
