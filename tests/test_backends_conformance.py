@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,31 +36,15 @@ class TestGPUBackendOnCPU(BackendTests):
         return GPUBackend(name="gpu", capacity=capacity or 64 << 20, device="cpu")
 
 
-class TestLMDBBackend(BackendTests):
-    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
-        return LMDBBackend(name="disk", capacity=capacity or 64 << 20, path=str(tmp_path / "lmdb"))
+class VerifiesInDestination:
+    """fs and lmdb checksum a chunk as it lands in the destination: the corrupt-chunk test
+    without "the destination stays untouched" (the rest of that contract holds)."""
 
-    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
-        assert isinstance(backend, LMDBBackend)
-        with backend._env.begin(write=True, db=backend._data) as txn:
-            value = bytearray(txn.get(encode_key(key)))
-            value[-1] ^= 0xFF
-            txn.put(encode_key(key), bytes(value))
-
-
-class TestFSBackend(BackendTests):
-    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
-        return FSBackend(name="files", capacity=capacity, path=str(tmp_path / "fs"))
-
-    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
-        assert isinstance(backend, FSBackend)
-        path = backend._file(backend._digest(key.to_string()))
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
+    with_backend: Any
+    corrupt_stored: Any
 
     def test_corrupt_value_is_a_miss_and_is_dropped(self, tmp_path: Path) -> None:
-        """fs verifies in the destination (one copy, no staging): a damaged chunk is a miss
+        """Verified in the destination (one copy, no staging): a damaged chunk is a miss
         whose slice may hold its bytes -- the mask is the contract, not the slice."""
         async def body(backend: StorageBackend) -> None:
             assert not type(backend).streams_into_destination  # the engine reads it straight into out
@@ -72,6 +57,31 @@ class TestFSBackend(BackendTests):
             assert await backend.get(make_key(44)) is None and not await backend.contains(make_key(44))
             assert backend.stats()["corrupt_chunks"] >= 1
         self.with_backend(tmp_path, body)
+
+
+class TestLMDBBackend(VerifiesInDestination, BackendTests):
+    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
+        return LMDBBackend(name="disk", capacity=capacity or 64 << 20, path=str(tmp_path / "lmdb"))
+
+    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
+        assert isinstance(backend, LMDBBackend)
+        with backend._env.begin(write=True, db=backend._data) as txn:
+            value = bytearray(txn.get(encode_key(key)))
+            value[-1] ^= 0xFF
+            txn.put(encode_key(key), bytes(value))
+
+
+class TestFSBackend(VerifiesInDestination, BackendTests):
+    def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
+        return FSBackend(name="files", capacity=capacity, path=str(tmp_path / "fs"))
+
+    def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
+        assert isinstance(backend, FSBackend)
+        path = backend._file(backend._digest(key.to_string()))
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
 
 
 class TestLMDBBackendWritemap(TestLMDBBackend):

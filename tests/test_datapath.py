@@ -192,7 +192,7 @@ def corrupt(eng: Engine, kind: str, key: Any) -> None:
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "fs"])
-def test_corrupt_chunk_read_into_out_is_a_miss_and_leaves_out_clean(tmp_path: Path, kind: str) -> None:
+def test_corrupt_chunk_read_into_out_is_a_miss_and_nothing_past_it_is_used(tmp_path: Path, kind: str) -> None:
     tokens = torch.arange(4 * CHUNK)
     kv = make_kv(len(tokens))
     with Engine(config([tier_entry(kind, tmp_path)])) as eng:
@@ -203,10 +203,8 @@ def test_corrupt_chunk_read_into_out_is_a_miss_and_leaves_out_clean(tmp_path: Pa
         _, mask = eng.retrieve(tokens, out=out)
         assert int(mask.sum()) == 2 * CHUNK, "the prefix stops before the corrupt chunk"
         assert same(token_slice(out, "vllm", 0, 2 * CHUNK), token_slice(kv, "vllm", 0, 2 * CHUNK))
-        if kind == "lmdb":  # verifies in the map before it copies
-            assert same(token_slice(out, "vllm", 2 * CHUNK, 3 * CHUNK),
-                        token_slice(sentinel, "vllm", 2 * CHUNK, 3 * CHUNK)), "the corrupt chunk's bytes reached out"
-        # fs reads into out and verifies there (one copy): the slice may hold junk, the mask says so
+        # both copy into out and verify there (one copy): the corrupt chunk's slice may hold
+        # junk, the mask says so
         tail = token_slice(out, "vllm", 3 * CHUNK, 4 * CHUNK)
         assert same(tail, token_slice(sentinel, "vllm", 3 * CHUNK, 4 * CHUNK)) or \
             same(tail, token_slice(kv, "vllm", 3 * CHUNK, 4 * CHUNK)), "past the mask: old bytes or the right KV only"

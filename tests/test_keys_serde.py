@@ -87,3 +87,27 @@ def test_serde_rejects_corruption_truncation_and_garbage() -> None:
         serde.decode(b"\x80\x04\x95" + bytes(60))  # a pickle stream is not a chunk
     with pytest.raises(ChunkFormatError):
         serde.decode(b"TKV")
+
+
+@pytest.mark.parametrize("in_destination", [False, True])
+def test_copy_payload_into_a_token_slice_is_exact_and_a_damaged_payload_is_refused(in_destination: bool) -> None:
+    # a token slice of a [layers, 2, tokens, heads, dim] blob: several runs of 600 KiB, each
+    # cut into steps of serde.VERIFY_STEP
+    blob = torch.zeros(2, 2, 1024, 8, 128, dtype=torch.bfloat16)
+    chunk = torch.randn(2, 2, 300, 8, 128).to(torch.bfloat16)
+    data = serde.encode(chunk, "vllm")
+    header = serde.decode_header(data)
+    payload = memoryview(data)[header.header_len:]
+    target = blob.narrow(2, 100, 300)
+    assert serde.copy_payload_into(header, payload, target, in_destination=in_destination)
+    assert torch.equal(target, chunk)
+    assert not bool(blob.narrow(2, 0, 100).view(torch.int16).any()), "bytes outside the slice were written"
+    damaged = bytearray(payload)
+    damaged[len(damaged) // 2] ^= 0x01
+    target.zero_()
+    with pytest.raises(ChunkFormatError, match="checksum mismatch"):
+        serde.copy_payload_into(header, bytes(damaged), target, in_destination=in_destination)
+    if not in_destination:
+        assert not bool(target.view(torch.int16).any()), "verify-first must leave the destination untouched"
+    with pytest.raises(ChunkFormatError, match="truncated"):
+        serde.copy_payload_into(header, bytes(payload[:-2]), target, in_destination=in_destination)

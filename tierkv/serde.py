@@ -193,22 +193,53 @@ def fits(header: ChunkHeader, out: torch.Tensor) -> bool:
 
 
 def copy_payload_into(header: ChunkHeader, payload: bytes | memoryview | np.ndarray, out: torch.Tensor,
-                      verify: bool = True) -> bool:
-    """Verify ``payload`` in place, then copy it once into the host tensor ``out``.
+                      verify: bool = True, in_destination: bool = False) -> bool:
+    """Verify ``payload`` and copy it once into the host tensor ``out``.
 
     False (``out`` untouched) when the chunk is not the one ``out`` waits for (another shape
-    or dtype); raises ChunkFormatError, ``out`` untouched, for a damaged payload. Without
+    or dtype); raises ChunkFormatError for a damaged payload, ``out`` untouched -- unless
+    ``in_destination``: then the bytes are checksummed as they land in ``out`` (each byte read
+    from memory once instead of twice) and a damaged payload may have left its bytes there,
+    for backends whose hit mask is the contract (see ``docs/writing-a-backend.md``). Without
     ``verify`` only the length is checked (a store that cannot tear a write, trusted).
     """
     if not fits(header, out):
         return False
     raw = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) else payload.reshape(-1).data
+    if raw.nbytes != header.payload_len:
+        raise ChunkFormatError(f"truncated chunk: payload has {raw.nbytes} bytes, header says {header.payload_len}")
+    if verify and in_destination:
+        copy_verified(header, raw, byte_runs(out))
+        return True
     if verify:
         verify_payload(header, [raw])
-    elif raw.nbytes != header.payload_len:
-        raise ChunkFormatError(f"truncated chunk: payload has {raw.nbytes} bytes, header says {header.payload_len}")
     scatter_bytes(raw, byte_runs(out), last_first=verify)
     return True
+
+
+VERIFY_STEP = 256 << 10
+"""Bytes copied, then checksummed, at a time: the checksum reads them from the CPU cache."""
+
+
+def copy_verified(header: ChunkHeader, source: memoryview, runs: list[memoryview]) -> None:
+    """Copy ``source`` into ``runs`` and checksum what landed there, a step at a time, so each
+    byte is read from memory once (a verify before the copy reads it twice). Raises
+    ChunkFormatError on a mismatch, with ``runs`` then holding the damaged bytes."""
+    total = sum(run.nbytes for run in runs)
+    if total != source.nbytes:
+        raise ValueError(f"copy_verified: {source.nbytes} source bytes for {total} destination bytes")
+    copies.count(total)
+    state = xxhash.xxh3_64()
+    offset = 0
+    for run in runs:
+        run = run.cast("B")
+        for start in range(0, run.nbytes, VERIFY_STEP):
+            piece = run[start : start + VERIFY_STEP]
+            piece[:] = source[offset : offset + piece.nbytes]
+            state.update(piece)
+            offset += piece.nbytes
+    if state.intdigest() != header.checksum:
+        raise ChunkFormatError("chunk checksum mismatch: the stored bytes were altered or torn")
 
 
 def decode_payload(

@@ -3,7 +3,9 @@
 Each chunk is two records written in one transaction: its chunk-format header in the
 ``meta`` database and its raw bytes in ``data``. Keeping the payload a record of its own
 lets LMDB copy the tensor's bytes straight from the caller's buffer, and lets a read
-copy them once, from the map into the output tensor, after the checksum passes.
+copy them once, from the map into the output tensor, checksumming each step of 256 KiB as
+it lands (from the CPU cache: each byte is read from memory once). A damaged chunk is a
+miss whose destination may hold its bytes: the hit mask is the contract, as for ``fs``.
 
 A ``batched_put`` is one write transaction. When the map fills (LMDB needs contiguous
 free pages for a large value) least-recently-used chunks are evicted in a committed
@@ -300,7 +302,8 @@ class LMDBBackend(StorageBackend):
         return results
 
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Verified in the map, then copied once from the map into each destination."""
+        """Copied once from the map into each destination and verified there as it lands (a
+        damaged chunk is a miss whose destination may hold its bytes: the mask is the contract)."""
         self._ensure_open()
         check_destinations(keys, outs)
         kbs = [encode_key(key) for key in keys]
@@ -350,7 +353,7 @@ class LMDBBackend(StorageBackend):
                 target, staged = direct_target(out)
                 try:
                     header = serde.decode_header(meta[_SEQ.size:])
-                    hit = serde.copy_payload_into(header, payload, target, verify=self.verify)
+                    hit = serde.copy_payload_into(header, payload, target, verify=self.verify, in_destination=True)
                 except ChunkFormatError:
                     corrupt.append(kb)
                     hit = False
