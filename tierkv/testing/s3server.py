@@ -16,6 +16,7 @@ and a restart on the same data and ports.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -32,6 +33,7 @@ _LOOPBACK = "127.0.0.1"
 _GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on port + 10000 for master, volume and filer
 _DEFAULT_KEY = "tierkv-test"
 _DEFAULT_SECRET = "tierkv-test-secret"  # noqa: S105 - a throwaway credential for a loopback test server
+_READY_BUCKET = "tierkv-ready-probe"  # where a restarted server is asked to take a write
 
 
 class S3ServerError(RuntimeError):
@@ -93,6 +95,7 @@ class S3Server:
     _ports: list[int] = field(default_factory=list, repr=False)
     _command: list[str] = field(default_factory=list, repr=False)
     _env: dict[str, str] = field(default_factory=dict, repr=False)
+    _restarted: bool = field(default=False, repr=False)  # True once started: the next start reopens its data
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> S3Server:
@@ -113,9 +116,12 @@ class S3Server:
         self.pid = self._process.pid
         try:
             self._wait_ready(timeout_s)
+            if self._restarted:
+                self._wait_writable(timeout_s)
         except BaseException:
             self.stop()
             raise
+        self._restarted = True
         return self
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -212,6 +218,24 @@ class S3Server:
                              "-master.telemetry=false", "-webdav=false", "-admin.ui=false"]
         self._env = env
         self.endpoint_url = f"http://{_LOOPBACK}:{port}"
+
+    def _wait_writable(self, timeout_s: float) -> None:
+        """Poll until a small put succeeds. A restarted SeaweedFS answers ListBuckets (and a
+        tier's health probe) before its volume server has reloaded its data: puts then hang
+        for seconds and reads miss, which a test of recovery must not take for tierkv's fault."""
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        client = self.boto3_client(connect_timeout=1, read_timeout=2, retries={"total_max_attempts": 1})
+        while time.monotonic() < deadline:
+            try:
+                with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+                    client.create_bucket(Bucket=_READY_BUCKET)
+                client.put_object(Bucket=_READY_BUCKET, Key="ready", Body=b"ready")
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
+                last = exc
+                time.sleep(0.1)
+        raise S3ServerError(f"{self.kind} at {self.endpoint_url} took no write within {timeout_s:.0f}s of a restart: {last}")
 
     def _wait_ready(self, timeout_s: float) -> None:
         """Poll until a ListBuckets round trip succeeds (the S3 gateway, not just the port)."""
