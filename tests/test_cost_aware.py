@@ -152,6 +152,22 @@ def test_a_slow_prefill_over_a_cache_teaches_the_model_what_context_costs() -> N
     assert after.planned_tokens == 4096 and after.chunks_per_tier == {"host": 8, "slow": 8}
 
 
+def test_the_per_call_overhead_comes_from_short_prefills_not_from_a_suffix_seen_at_one_size() -> None:
+    # the cost sweep's point: 1,024 tokens, half in a cpu tier, half behind 50 ms + 50 MB/s.
+    # A 512-token suffix really costs 100 ms of which 10 ms are the call's own overhead.
+    recompute = RecomputeModel(curve=[(1024, 1024 / 0.102), (4096, 4096 / 0.80), (16384, 16384 / 7.8)])
+    host, slow = TierSpeed(SpeedSeed(20e-6, 8e9)), TierSpeed(SpeedSeed(0.05, 50e6))
+    for _ in range(12):
+        recompute.observe(512, 512, 0.100)
+    recompute.observe(1, 1023, 0.010)  # a whole prompt loaded: only the last token computed
+    for _ in range(12):
+        recompute.observe(512, 512, 0.100)
+    assert recompute.overhead_s == pytest.approx(0.010)
+    assert recompute.suffix_seconds(512, 512) == pytest.approx(0.090, rel=0.1)
+    plan = plan_prefix(["host", "host", "slow", "slow"], [256] * 4, 2048, {"host": host, "slow": slow}, recompute)
+    assert plan.planned_tokens == 1024, plan.reason  # 76 ms of fetch beats 90 ms of compute
+
+
 def test_the_rest_of_the_prompt_after_the_cached_prefix_is_costed_with_its_context() -> None:
     recompute = RecomputeModel(curve=[(1024, 10_000), (16384, 2_000)])
     recompute.observe(1024, 1024, 10.0)  # context is very expensive here

@@ -240,7 +240,8 @@ class TierSpeed:
 
 
 _CONTEXT_PRIOR_WEIGHT = 0.01  # how firmly "context is as cheap as in a prefill from scratch" is held (relative error)
-_OVERHEAD_PRIOR_WEIGHT = 1.0  # how firmly "a prefill has no fixed cost" is held
+OVERHEAD_TOKENS = 16
+"""A measured prefill of at most this many tokens is taken as the per-call overhead alone."""
 
 
 def _weighted(x: Sequence[float], y: float, weight: float) -> tuple[list[float], float]:
@@ -259,9 +260,15 @@ class RecomputeModel:
     from scratch (HF transformers on the CPU: an explicit mask instead of a causal kernel, so
     the second half of a prompt after a loaded first half costs about as much as the whole
     prompt). ``c`` starts at ``2b``, held loosely, and follows the prefills measured with a
-    context. A measured prefill also pays a fixed per-call overhead (fitted apart, never
-    counted as saved: the model runs for the last token whatever is loaded); it is pulled
-    towards zero so one slow prefill over a cache is not written off as overhead.
+    context.
+
+    A measured prefill also pays a fixed per-call overhead, paid whatever is loaded (the
+    model runs at least for the last token), so never counted as saved. It is measured only
+    where it is all there is, on prefills of at most ``OVERHEAD_TOKENS`` tokens (loading a
+    whole prompt leaves one), and subtracted from the others. Fitted as a fourth term it
+    could not be told apart from a suffix always measured at one size: in the cost sweep the
+    fit wrote 36 of 100 ms of a 512-token suffix off as overhead (the real one was 10), and
+    the plan kept recomputing half of a 1,024-token prompt that loading beat by 1.2x.
 
     ``tokens_per_s`` (one throughput) or ``curve`` (throughput at a few prompt lengths, as
     ``[(tokens, tokens_per_s), ...]``) set it; :meth:`observe` refines it from prefills that
@@ -277,39 +284,53 @@ class RecomputeModel:
         if any(tokens <= 0 or speed <= 0 for tokens, speed in points):
             raise ValueError(f"recompute: lengths and tokens_per_s must be positive, got {points}")
         quadratic = bool(curve)
-        # terms: a per-call overhead, a*new, b*new^2, c*new*context
+        # terms: a*new, b*new^2, c*new*context
         prior: list[tuple[Sequence[float], float]] = [
-            ((0.0, tokens, float(tokens) * tokens if quadratic else 0.0, 0.0), tokens / speed) for tokens, speed in points]
+            ((tokens, float(tokens) * tokens if quadratic else 0.0, 0.0), tokens / speed) for tokens, speed in points]
         if quadratic:
             # c = 2b, loosely: halves of each curve length cost T(L) - T(L/2) after the first half
-            scratch = _DecayedFit(4, half_life, prior, weight=1.0, drop_first=(0, 3, 2))
-            _, a, b, _ = scratch.solve()
+            scratch = _DecayedFit(3, half_life, prior, weight=1.0, drop_first=(2, 1))
+            a, b, _ = scratch.solve()
             for tokens, _speed in points:
                 half = tokens / 2
                 saved = a * half + b * (tokens * tokens - half * half)
                 if saved > 0:  # a relative error, so long curve points do not pin c down alone
-                    x = (0.0, half / saved, half * half / saved, half * half / saved)
+                    x = (half / saved, half * half / saved, half * half / saved)
                     prior.append(_weighted(x, 1.0, _CONTEXT_PRIOR_WEIGHT))
-        prior.append(_weighted((1.0, 0.0, 0.0, 0.0), 0.0, _OVERHEAD_PRIOR_WEIGHT))
         self.configured = bool(points)
-        self._fit = _DecayedFit(4, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(0, 3, 2))
+        self._fit = _DecayedFit(3, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(2, 1))
+        self._overhead_decay = 0.5 ** (1.0 / half_life)
+        self._overhead_sum = self._overhead_weight = 0.0  # decayed sum and weight of the short prefills' times
         self._solve()
 
     def _solve(self) -> None:
-        _, self._a, self._b, self._c = self._fit.solve()  # the overhead is paid either way: never saved
-        if self._fit.xx[3][3] == 0:  # nothing says what context costs yet: as in a prefill from scratch
+        self._a, self._b, self._c = self._fit.solve()
+        if self._fit.xx[2][2] == 0:  # nothing says what context costs yet: as in a prefill from scratch
             self._c = 2 * self._b
 
     @property
     def known(self) -> bool:
         return self.configured or self._fit.samples > 0
 
+    @property
+    def overhead_s(self) -> float:
+        """The per-call overhead measured so far (0 until a prefill of a few tokens was timed)."""
+        return self._overhead_sum / self._overhead_weight if self._overhead_weight else 0.0
+
     def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """Computing ``new_tokens`` after ``context_tokens`` cached ones took ``seconds``."""
         if new_tokens <= 0 or context_tokens < 0 or seconds <= 0 or not math.isfinite(seconds):
             return
+        if new_tokens <= OVERHEAD_TOKENS:
+            d = self._overhead_decay
+            self._overhead_sum = self._overhead_sum * d + seconds
+            self._overhead_weight = self._overhead_weight * d + 1.0
+            return
+        spent = seconds - self.overhead_s
+        if spent <= 0:  # no slower than an empty call: nothing to learn about tokens
+            return
         new, context = float(new_tokens), float(context_tokens)
-        self._fit.add((1.0, new, new * new, new * context), seconds)
+        self._fit.add((new, new * new, new * context), spent)
         self._solve()
 
     def seconds(self, num_tokens: int) -> float:
@@ -330,7 +351,8 @@ class RecomputeModel:
     def snapshot(self) -> dict[str, float | bool]:
         return {"known": self.known, "measured_prefills": self._fit.samples,
                 "tokens_per_s_at_1k": self.tokens_per_s(1024), "tokens_per_s_at_16k": self.tokens_per_s(16384),
-                "context_cost_vs_scratch": self._c / (2 * self._b) if self._b > 0 else 1.0}
+                "context_cost_vs_scratch": self._c / (2 * self._b) if self._b > 0 else 1.0,
+                "overhead_ms": self.overhead_s * 1e3}
 
 
 @dataclass(frozen=True)
