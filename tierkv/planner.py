@@ -59,8 +59,8 @@ class _DecayedFit:
     prior points whose weight shrinks by ``prior_decay`` with every sample (the prior speaks
     until data does)."""
 
-    def __init__(self, terms: int, half_life: float, prior: Sequence[tuple[Sequence[float], float]], weight: float,
-                 prior_decay: float = 1.0, drop_first: Sequence[int] = ()) -> None:
+    def __init__(self, terms: int, half_life: float, prior: Sequence[tuple[Sequence[float], float]] = (),
+                 weight: float = 0.0, prior_decay: float = 1.0, drop_first: Sequence[int] = ()) -> None:
         self.terms = terms
         self.drop_first = list(drop_first)  # which terms to give up first when the data cannot tell them apart
         self.decay = 0.5 ** (1.0 / half_life)
@@ -71,12 +71,10 @@ class _DecayedFit:
         self.xy = [0.0] * terms
         self.samples = 0
 
-    def forget(self, keep: float) -> None:
-        """Keep only ``keep`` of the weight of every sample so far (the thing measured changed)."""
-        for i in range(self.terms):
-            self.xy[i] *= keep
-            for j in range(self.terms):
-                self.xx[i][j] *= keep
+    def clear(self) -> None:
+        """Drop every sample so far (the thing measured changed); the prior stays."""
+        self.xx = [[0.0] * self.terms for _ in range(self.terms)]
+        self.xy = [0.0] * self.terms
 
     def add(self, x: Sequence[float], y: float) -> None:
         d = self.decay
@@ -158,7 +156,7 @@ class TierSpeed:
             raise ValueError(f"exploration needs explore_every_plans >= 1 and explore_every_s >= 0, "
                              f"got {explore_every_plans} and {explore_every_s}")
         self.seed = seed
-        self._fit = _DecayedFit(2, half_life, [], weight=0.0)
+        self._fit = _DecayedFit(2, half_life)
         self._fixed_s, self._per_byte = seed.fixed_s, 1.0 / seed.bytes_per_s
         self._shape = (self._fixed_s, self._per_byte)  # the line scaled to gets too alike to draw their own
         # gets since the seed or the last surprise: one get cannot tell fixed cost from
@@ -180,7 +178,7 @@ class TierSpeed:
             expected = self.seconds(nbytes)
             if expected > 0 and not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
                 self._shape = (self._fixed_s, self._per_byte)  # the old line, until new gets draw one
-                self._fit.forget(0.0)
+                self._fit.clear()
                 self._since_change = 0
         self._fit.add((1.0, float(nbytes)), seconds)
         self._since_change += 1
@@ -191,9 +189,9 @@ class TierSpeed:
         """Fixed seconds and seconds per byte from the gets so far. Gets of one size cannot
         tell the two apart; then the seed's line (or, after a surprise, the line before it) is
         scaled to match them (a tier twenty times slower than its seed is taken as twenty times
-        slower in both). A prior point pulling
-        the fit towards the seed would not do: its leverage at any size far from the gets'
-        outweighs them, and the fit came out as all fixed cost, bandwidth infinite."""
+        slower in both). A prior point pulling the fit towards the seed would not do: its
+        leverage at any size far from the gets' outweighs them, and the fit came out as all
+        fixed cost, bandwidth infinite."""
         xx, xy = self._fit.xx, self._fit.xy
         spread = xx[0][0] * xx[1][1] - xx[0][1] ** 2
         if spread > _DISTINCT_SIZES * xx[0][0] * xx[1][1]:
@@ -299,8 +297,7 @@ class RecomputeModel:
                     prior.append(_weighted(x, 1.0, _CONTEXT_PRIOR_WEIGHT))
         self.configured = bool(points)
         self._fit = _DecayedFit(3, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(2, 1))
-        self._overhead_decay = 0.5 ** (1.0 / half_life)
-        self._overhead_sum = self._overhead_weight = 0.0  # decayed sum and weight of the short prefills' times
+        self._overhead = _DecayedFit(1, half_life)  # one constant term: the short prefills' decayed mean
         self._solve()
 
     def _solve(self) -> None:
@@ -315,16 +312,14 @@ class RecomputeModel:
     @property
     def overhead_s(self) -> float:
         """The per-call overhead measured so far (0 until a prefill of a few tokens was timed)."""
-        return self._overhead_sum / self._overhead_weight if self._overhead_weight else 0.0
+        return self._overhead.solve()[0]
 
     def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """Computing ``new_tokens`` after ``context_tokens`` cached ones took ``seconds``."""
         if new_tokens <= 0 or context_tokens < 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         if new_tokens <= OVERHEAD_TOKENS:
-            d = self._overhead_decay
-            self._overhead_sum = self._overhead_sum * d + seconds
-            self._overhead_weight = self._overhead_weight * d + 1.0
+            self._overhead.add((1.0,), seconds)
             return
         spent = seconds - self.overhead_s
         if spent <= 0:  # no slower than an empty call: nothing to learn about tokens

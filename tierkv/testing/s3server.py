@@ -95,7 +95,7 @@ class S3Server:
     _ports: list[int] = field(default_factory=list, repr=False)
     _command: list[str] = field(default_factory=list, repr=False)
     _env: dict[str, str] = field(default_factory=dict, repr=False)
-    _restarted: bool = field(default=False, repr=False)  # True once started: the next start reopens its data
+    _started_before: bool = field(default=False, repr=False)  # a later start reopens its data: a restart
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> S3Server:
@@ -116,12 +116,12 @@ class S3Server:
         self.pid = self._process.pid
         try:
             self._wait_ready(timeout_s)
-            if self._restarted:
+            if self._started_before:
                 self._wait_writable(timeout_s)
         except BaseException:
             self.stop()
             raise
-        self._restarted = True
+        self._started_before = True
         return self
 
     def stop(self, grace_s: float = 5.0) -> None:
