@@ -83,3 +83,69 @@ def test_chunk_file_from_a_token_slice_is_the_chunk_format(tmp_path: Path) -> No
     assert payload == chunk.contiguous().view(torch.uint8).numpy().tobytes()
     serde.verify_payload(header, memoryview(payload))
     assert header.shape == tuple(chunk.shape) and header.kv_format == "vllm"
+
+
+def _one_chunk_file(root: Path) -> Path:
+    files = [p for p in root.rglob("*.tkv")]
+    assert len(files) == 1
+    return files[0]
+
+
+def test_large_payload_starts_on_a_page_and_reads_back(tmp_path: Path) -> None:
+    """A payload of ALIGN_FROM bytes or more starts at the first page boundary after the
+    header; the file reads back whole, through batched_get, batched_get_into and get."""
+    chunk = torch.randn(2, 2, 64, 4, 64)  # 256 KiB of float32
+    assert chunk.numel() * 4 >= fs_files.ALIGN_FROM
+    key = CacheKey("vllm", "m", 1, 0, "1" * 32)
+    tier = FSBackend("files", None, path=str(tmp_path / "fs"))
+    out = torch.zeros_like(chunk)
+
+    async def round_trip() -> tuple[torch.Tensor | None, torch.Tensor | None, list[bool]]:
+        await tier.batched_put([key], [chunk])
+        got = (await tier.batched_get([key]))[0]
+        single = await tier.get(key)
+        mask = await tier.batched_get_into([key], [out])
+        await tier.close()
+        return got, single, mask
+
+    got, single, mask = asyncio.run(round_trip())
+    data = _one_chunk_file(tmp_path / "fs").read_bytes()
+    header = serde.decode_header(data)
+    assert header.header_len < fs_files.PAGE and len(data) == fs_files.PAGE + header.payload_len
+    assert data[fs_files.PAGE :] == chunk.numpy().tobytes()
+    assert got is not None and torch.equal(got, chunk)
+    assert single is not None and torch.equal(single, chunk)
+    assert mask == [True] and torch.equal(out, chunk)
+
+
+def test_payload_right_after_the_header_is_still_read(tmp_path: Path) -> None:
+    """Files written before payloads were page-aligned (the chunk format as one encoded blob)
+    keep reading; a file whose size fits neither layout is a miss, not bytes from the hole."""
+    chunk = torch.randn(2, 2, 64, 4, 64)
+    key = CacheKey("vllm", "m", 1, 0, "2" * 32)
+    root = tmp_path / "fs"
+    tier = FSBackend("files", None, path=str(root))
+
+    async def put() -> None:
+        await tier.batched_put([key], [chunk])
+        await tier.close()
+
+    asyncio.run(put())
+    path = _one_chunk_file(root)
+    path.write_bytes(serde.encode(chunk, "vllm"))  # the older layout, same name
+
+    async def read(tier: FSBackend) -> tuple[torch.Tensor | None, list[bool], torch.Tensor]:
+        out = torch.zeros_like(chunk)
+        got = (await tier.batched_get([key]))[0]
+        mask = await tier.batched_get_into([key], [out])
+        await tier.close()
+        return got, mask, out
+
+    got, mask, out = asyncio.run(read(FSBackend("files", None, path=str(root))))
+    assert got is not None and torch.equal(got, chunk)
+    assert mask == [True] and torch.equal(out, chunk)
+
+    with open(path, "ab") as appended:  # neither layout's size any more
+        appended.write(b"\0" * 16)
+    got, mask, _ = asyncio.run(read(FSBackend("files", None, path=str(root))))
+    assert got is None and mask == [False]

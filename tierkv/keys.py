@@ -25,6 +25,7 @@ KV_FORMATS = ("vllm", "huggingface")
 # narrower encoding halves the bytes hashed per lookup.
 _TOKEN_DTYPE = np.dtype("<i4")
 _TOKEN_MAX = 2**31 - 1
+_TORCH_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 _HASH_BYTES = 16  # 128 bits of the SHA-256 digest name the chunk
 _KEY_FIELDS = 5
 
@@ -120,9 +121,10 @@ def as_token_array(tokens: TokenIds) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be a 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        dtype = tokens.dtype
+        if dtype not in _TORCH_INTS and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
             raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
-        array = tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()  # ints carry no grad
+        array = tokens.numpy() if tokens.is_cpu else tokens.cpu().numpy()  # ints carry no grad
     else:
         array = np.asarray(tokens)
         if array.ndim != 1:
@@ -138,7 +140,9 @@ def _out_of_range(array: np.ndarray) -> bool:
     """Whether any id is negative or above the int32 range (one pass: negatives read as
     huge unsigned values)."""
     if array.dtype.itemsize in (4, 8) and array.dtype.kind == "i" and array.flags.c_contiguous:
-        return int(array.view(f"u{array.dtype.itemsize}").max()) > _TOKEN_MAX
+        # the OR of all ids has a bit above the int32 range iff one id has (a lookup pays
+        # for this on every call: the bare ufunc is the cheapest full pass numpy has)
+        return int(np.bitwise_or.reduce(array.view(f"u{array.dtype.itemsize}"))) > _TOKEN_MAX
     return int(array.min()) < 0 or int(array.max()) > _TOKEN_MAX
 
 
@@ -184,6 +188,7 @@ class KeyMaker:
     def __init__(self, fmt: str, model_name: str, world_size: int, worker_id: int, chunk_size: int,
                  recent_max: int = 1 << 15) -> None:
         self._fields = (fmt, model_name, world_size, worker_id)
+        self._prefix = namespace_prefix(fmt, model_name, world_size, worker_id)
         self._hasher = ChunkHasher(chunk_size)
         self.recent: dict[str, CacheKey] = {}
         self.recent_max = recent_max
@@ -197,4 +202,7 @@ class KeyMaker:
                 if len(recent) >= self.recent_max:
                     recent.clear()
                 key = recent[chunk_hash] = CacheKey(*self._fields, chunk_hash)
+                # a chunk hash is plain hex: the string form is the namespace's prefix and it
+                # (every tier asks for it, a lookup makes a key per chunk)
+                object.__setattr__(key, "_string", self._prefix + chunk_hash)
             yield key

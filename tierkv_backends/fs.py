@@ -8,7 +8,10 @@ restart) are deleted to make room.
 Bytes move once: a put ``pwritev``\ s the chunk's contiguous pieces straight from the
 caller's tensor (a token slice of a KV blob is not gathered first), checksumming each step
 of about 1 MiB just before the kernel copies it (so each byte is read from RAM once, as by a
-bare ``writev``), then writes the header, which holds that checksum, at the file's start;
+bare ``writev``), then writes the header, which holds that checksum, at the file's start.
+A payload of 64 KiB or more starts at the file's first page boundary after the header (a hole
+in between), so the kernel copies whole pages; files written before that, with the payload
+right after the header, are read as well;
 ``batched_get_into`` ``preadv``\ s straight into the destination's pieces and verifies the
 checksum there, in place: one copy per byte, also into memory the caller owns (the tier
 does not ask the engine to stage, ``streams_into_destination`` is False). A damaged file
@@ -45,7 +48,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import aiofiles.os
 import torch
@@ -59,7 +62,7 @@ from tierkv.options import Option, format_size
 from tierkv.planner import SpeedSeed
 from tierkv.policy import LRUIndex
 from tierkv_backends._paths import ensure_writable_dir
-from tierkv_backends.fs_files import pwrite_all, read_all, write_payload
+from tierkv_backends.fs_files import payload_offset, payload_offset_in, pwrite_all, read_all, write_payload
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +71,34 @@ _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and pag
 _DIGEST_CACHE = 1 << 16
 MakeHeader = Callable[[int], bytes]
 """How to make a chunk file's header from its payload's checksum (known once the payload is written)."""
-FileParts = tuple[MakeHeader | bytes | bytearray, list[memoryview], int]
-"""What one file is made of: its header (or how to make it; plain bytes are written as they
-are, without a checksum), the payload's pieces written after it, and the header's length."""
 
 
-def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> tuple[MakeHeader, list[memoryview], int]:
-    """How to make the header, zero-copy views of the payload's pieces and the header's
-    length. Checked here (a bad dtype fails before anything is written); the checksum is
-    left to the writer thread, which takes it piece by piece as it writes (see
+class FileParts(NamedTuple):
+    """What one file is made of."""
+
+    header: MakeHeader | bytes | bytearray
+    """The header, or how to make it; plain bytes are written as they are, without a checksum."""
+    runs: list[memoryview]
+    """The payload's pieces, written back to back from ``payload_at`` on."""
+    header_len: int
+    payload_at: int
+
+    @property
+    def size(self) -> int:
+        """The file's size once written."""
+        return self.payload_at + sum(run.nbytes for run in self.runs) if self.runs else self.header_len
+
+
+def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> FileParts:
+    """How to make the header, zero-copy views of the payload's pieces, and where they go.
+    Checked here (a bad dtype fails before anything is written); the checksum is left to the
+    writer thread, which takes it piece by piece as it writes (see
     :func:`~tierkv_backends.fs_files.write_payload`)."""
     fmt = key.fmt if key.fmt in KV_FORMATS else None
     runs = serde.payload_runs(chunk)
     length = len(serde.encode_header(chunk, fmt, runs, digest=0))  # the digest has a fixed size
-    return lambda digest: serde.encode_header(chunk, fmt, runs, digest=digest), runs, length
+    return FileParts(lambda digest: serde.encode_header(chunk, fmt, runs, digest=digest), runs, length,
+                     payload_offset(length, sum(run.nbytes for run in runs)))
 
 
 class FSBackend(BlobBackend):
@@ -236,13 +253,21 @@ class FSBackend(BlobBackend):
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         parts = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
-        sizes = {digest: length + sum(run.nbytes for run in runs) for digest, (_, runs, length) in parts.items()}
+        sizes = {digest: file.size for digest, file in parts.items()}
         for size in sizes.values():
             self._check_fits(size)
         async with self._write_lock():
             await self._make_room(sizes)
             await self._write_indexed(list(parts.items()), sizes)
         return len(keys)
+
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        await self.batched_put([key], [chunk])
+
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        """Read through :meth:`batched_get`: a chunk file is not one encoded chunk when its
+        payload starts on a page boundary (see :func:`~tierkv_backends.fs_files.payload_offset`)."""
+        return (await self.batched_get([key]))[0]
 
     async def _write_indexed(self, items: list[tuple[str, FileParts]], sizes: dict[str, int]) -> None:
         """Write files in worker threads; index every file renamed into place, even when
@@ -359,12 +384,13 @@ class FSBackend(BlobBackend):
         """The payload after the header's place, checksummed as it goes, then the header
         (which holds that checksum) at the start: the file is whole only once both are in,
         and it is renamed into place only then."""
-        header, runs, header_len = parts
+        header = parts.header
+        head: bytes | bytearray
         if callable(header):
-            head = header(write_payload(fd, runs, header_len))
-            if len(head) != header_len:
-                raise RuntimeError(f"chunk header is {len(head)} bytes, {header_len} were reserved")
-            copies.count(sum(run.nbytes for run in runs))
+            head = header(write_payload(fd, parts.runs, parts.payload_at))
+            if len(head) != parts.header_len:
+                raise RuntimeError(f"chunk header is {len(head)} bytes, {parts.header_len} were reserved")
+            copies.count(sum(run.nbytes for run in parts.runs))
         else:
             head = header
         pwrite_all(fd, [memoryview(head)], 0)
@@ -430,9 +456,10 @@ class FSBackend(BlobBackend):
     def _read_payload(fd: int, header: serde.ChunkHeader, runs: list[memoryview]) -> ChunkFormatError | None:
         """Read the payload into ``runs`` and verify it; the problem, if any."""
         try:
-            if os.fstat(fd).st_size != header.header_len + header.payload_len:
+            offset = payload_offset_in(os.fstat(fd).st_size, header.header_len, header.payload_len)
+            if offset is None:
                 raise ChunkFormatError("chunk file size differs from what its header says (torn or appended)")
-            got = read_all(fd, runs, header.header_len)
+            got = read_all(fd, runs, offset)
             copies.count(got)
             if got != header.payload_len:
                 raise ChunkFormatError(f"truncated chunk file: read {got} payload bytes, header says {header.payload_len}")
@@ -481,7 +508,7 @@ class FSBackend(BlobBackend):
         self._check_fits(len(data))
         async with self._write_lock():
             await self._make_room({digest: len(data)})
-            await self._write_indexed([(digest, (data, [], len(data)))], {digest: len(data)})
+            await self._write_indexed([(digest, FileParts(data, [], len(data), len(data)))], {digest: len(data)})
 
     async def delete_bytes(self, key: str) -> bool:
         digest = self._digest(key)

@@ -14,6 +14,30 @@ WRITE_STEP = 1 << 20
 the kernel copies them into the page cache, large enough that syscalls cost nothing."""
 
 
+PAGE = 4096
+ALIGN_FROM = 64 << 10
+"""Payloads of at least this many bytes start on a page boundary of their file."""
+
+
+def payload_offset(header_len: int, payload_len: int) -> int:
+    """Where a new chunk file's payload starts: the header's length rounded up to a page for
+    a payload of ``ALIGN_FROM`` bytes or more. Page-aligned, the kernel copies whole pages
+    between the page cache and the caller's memory; right after a header of a few dozen
+    bytes every page is copied in two pieces (writes ran about 25% slower on tmpfs here).
+    The gap is a hole: nothing is written there."""
+    if payload_len < ALIGN_FROM:
+        return header_len
+    return -(-header_len // PAGE) * PAGE
+
+
+def payload_offset_in(file_size: int, header_len: int, payload_len: int) -> int | None:
+    """Where an existing chunk file of ``file_size`` bytes holds its payload: right after the
+    header (every file written before payloads were aligned) or where :func:`payload_offset`
+    puts it; None when the size fits neither (a torn or appended file)."""
+    offset = file_size - payload_len
+    return offset if offset in (header_len, payload_offset(header_len, payload_len)) else None
+
+
 def advance(pending: list[memoryview], done: int) -> list[memoryview]:
     """``pending`` without its first ``done`` bytes."""
     index = 0
