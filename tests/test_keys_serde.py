@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from tierkv import CacheKey, ChunkFormatError, ChunkHasher, serde
+from tierkv.keys import KeyMaker, as_token_array
 
 
 def test_hashes_are_identical_across_processes_and_hash_seeds() -> None:
@@ -111,3 +113,36 @@ def test_copy_payload_into_a_token_slice_is_exact_and_a_damaged_payload_is_refus
         assert not bool(target.view(torch.int16).any()), "verify-first must leave the destination untouched"
     with pytest.raises(ChunkFormatError, match="truncated"):
         serde.copy_payload_into(header, bytes(payload[:-2]), target, in_destination=in_destination)
+
+
+@pytest.mark.parametrize("bad", [
+    torch.tensor([5, -1, 7]),  # negative id, int64
+    torch.tensor([5, -1, 7], dtype=torch.int32),
+    torch.tensor([5, 2**31, 7]),  # one past the int32 range
+    torch.tensor([2**40 + 3]),  # the low 32 bits alone would look valid
+    np.array([1, -(2**62)], dtype=np.int64),
+    [0, 2**31],
+])
+def test_token_ids_out_of_range_are_a_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 2147483647\]"):
+        as_token_array(bad)  # type: ignore[arg-type]
+
+
+def test_every_integer_form_of_the_same_ids_gives_the_same_keys() -> None:
+    ids = [0, 7, 2**31 - 1, 12345] * 8
+    forms = [torch.tensor(ids), torch.tensor(ids, dtype=torch.int32), np.array(ids, dtype=np.int64),
+             np.array(ids, dtype=np.uint32), ids, torch.tensor(ids)[::1]]
+    maker = KeyMaker("vllm", "m", 1, 0, 8)
+    expected = [key.to_string() for key in maker.iter_keys(as_token_array(forms[0]))]
+    for form in forms[1:]:
+        keys = list(KeyMaker("vllm", "m", 1, 0, 8).iter_keys(as_token_array(form)))
+        assert [key.to_string() for key in keys] == expected
+        # the string a key maker sets is the one the key itself would make
+        assert [CacheKey(k.fmt, k.model_name, k.world_size, k.worker_id, k.chunk_hash).to_string()
+                for k in keys] == expected
+    small = as_token_array(torch.tensor([1, 2, 255], dtype=torch.uint8))
+    assert small.dtype == np.dtype("<i4") and small.tolist() == [1, 2, 255]
+    with pytest.raises(ValueError, match="integer dtype"):
+        as_token_array(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="integer dtype"):
+        as_token_array(torch.tensor([True, False]))
