@@ -300,15 +300,12 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
     def record(op: str, phase: str, seconds: float) -> None:
         samples.setdefault((op, phase), []).append(seconds)
 
-    def retrieve_out(op: str, phase: str) -> None:
-        if tier == "fs":
-            _drop_page_cache(root / tier)
-        record(op, phase, _timed(lambda: [engine.retrieve(t, out=o) for (t, _), o in zip(prompts, outs)]))
-
-    def retrieve_fresh(op: str, phase: str) -> None:
+    def retrieve(op: str, phase: str, into_outs: bool) -> None:
+        """Time one retrieve of every prompt (into ``outs`` or fresh), from a cold page cache for a "(cold)" op."""
         if op.endswith("(cold)"):
             _drop_page_cache(root / tier)
-        record(op, phase, _timed(lambda: [engine.retrieve(t) for t, _ in prompts]))
+        record(op, phase, _timed(lambda: [engine.retrieve(t, out=o if into_outs else None)
+                                          for (t, _), o in zip(prompts, outs)]))
 
     def ours_pass(phase: str, number: int) -> None:
         before = _copies(engine)
@@ -318,19 +315,19 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
         # two cold reads take turns going first
         fresh_cold_first = tier == "fs" and number % 2 == 1
         if fresh_cold_first:
-            retrieve_fresh("retrieve (cold)", phase)
+            retrieve("retrieve (cold)", phase, into_outs=False)
         before_out = _copies(engine)
-        retrieve_out("retrieve out= (cold)" if tier == "fs" else "retrieve out=", phase)
+        retrieve("retrieve out= (cold)" if tier == "fs" else "retrieve out=", phase, into_outs=True)
         after_out = _copies(engine)
         if tier == "fs" and not fresh_cold_first:
-            retrieve_fresh("retrieve (cold)", phase)
-        retrieve_fresh("retrieve", phase)
+            retrieve("retrieve (cold)", phase, into_outs=False)
+        retrieve("retrieve", phase, into_outs=False)
         per_byte.setdefault("retrieve out=", []).append(_per_byte(before_out, after_out, "retrieve") or 0.0)
         per_byte.setdefault("retrieve", []).append(_per_byte(after_out, _copies(engine), "retrieve") or 0.0)
         for tokens, _ in prompts:  # the next pass starts on an empty cache
             engine.batched_delete(engine.keys_for(tokens))
 
-    def baselines_pass(phase: str, number: int) -> None:
+    def baselines_pass(phase: str) -> None:
         record("memcpy", phase, _timed(lambda: [d.copy_(kv) for (_, kv), d in zip(prompts, memcpy_dst)]))
         record("empty+copy", phase,
                _timed(lambda: [torch.empty_like(kv).copy_(kv) for _, kv in prompts]))
@@ -361,9 +358,12 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             phase = "first" if number == 0 else "steady"
             # who goes first alternates: the disk's writeback and the page cache's state after
             # one side's run then hit each side alike
-            order = (ours_pass, baselines_pass) if number % 2 == 0 else (baselines_pass, ours_pass)
-            for run_side in order:
-                run_side(phase, number)
+            ours_first = number % 2 == 0
+            if ours_first:
+                ours_pass(phase, number)
+            baselines_pass(phase)
+            if not ours_first:
+                ours_pass(phase, number)
         rows = _rows(tier, samples, per_byte, pass_bytes, startup_s)
         if tier != "lmdb-trusted":  # the same index as lmdb
             rows += _lookup_rows(tier, _lookup_us(tier, root, prompts[0][0].numel()))

@@ -81,6 +81,15 @@ class CacheKey:
         return self._bytes  # type: ignore[return-value]
 
     @classmethod
+    def in_namespace(cls, fields: tuple[str, str, int, int], prefix: str, chunk_hash: str) -> CacheKey:
+        """The key of a plain (hex) ``chunk_hash`` in the namespace ``fields`` whose escaped
+        prefix (:func:`namespace_prefix`) the caller already has: its string form is set at
+        once (a lookup makes a key per chunk, and every tier asks for that string)."""
+        key = cls(*fields, chunk_hash)
+        object.__setattr__(key, "_string", prefix + chunk_hash)
+        return key
+
+    @classmethod
     def from_string(cls, text: str) -> CacheKey:
         """Parse the form written by :meth:`to_string`."""
         parts = text.split("@")
@@ -201,8 +210,5 @@ class KeyMaker:
             if key is None:
                 if len(recent) >= self.recent_max:
                     recent.clear()
-                key = recent[chunk_hash] = CacheKey(*self._fields, chunk_hash)
-                # a chunk hash is plain hex: the string form is the namespace's prefix and it
-                # (every tier asks for it, a lookup makes a key per chunk)
-                object.__setattr__(key, "_string", self._prefix + chunk_hash)
+                key = recent[chunk_hash] = CacheKey.in_namespace(self._fields, self._prefix, chunk_hash)
             yield key

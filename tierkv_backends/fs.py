@@ -82,11 +82,12 @@ class FileParts(NamedTuple):
     """The payload's pieces, written back to back from ``payload_at`` on."""
     header_len: int
     payload_at: int
+    """Where the payload starts (plain bytes: their length, no payload follows)."""
 
     @property
     def size(self) -> int:
         """The file's size once written."""
-        return self.payload_at + sum(run.nbytes for run in self.runs) if self.runs else self.header_len
+        return self.payload_at + sum(run.nbytes for run in self.runs)
 
 
 def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> FileParts:
