@@ -379,3 +379,29 @@ def test_a_retrieve_from_s3_is_one_get_per_chunk_and_no_head(s3_server: S3Server
     # one GET per chunk asked (the 3 hits, and the 2 misses answered 404, asked in the same
     # parallel batch), and no HEAD before any of them
     assert counts == {"GET": 5}, counts
+
+
+def test_cost_aware_switched_at_runtime_keeps_the_measured_speeds(tmp_path: Path) -> None:
+    with fs_engine(tmp_path, recompute={"tokens_per_s": 1e12}) as eng:
+        tokens = prompt(0, 4)
+        eng.store(tokens, kv_of(tokens))
+        eng.flush()
+        assert eng.cost_aware and eng.lookup(tokens) == 0
+        eng.cost_aware = False  # load everything, whatever recomputing costs
+        assert eng.lookup(tokens) == 4 * CHUNK
+        assert eng.stats()["last_lookup"]["plan"]["reason"] == "cost_aware is off"
+        kv, mask = eng.retrieve(tokens, return_tuple=False)
+        assert mask.all() and torch.equal(kv, kv_of(tokens))
+        samples = eng.stats()["tiers"]["disk"]["speed"]["samples"]
+        eng.cost_aware = True
+        assert eng.lookup(tokens) == 0
+        assert eng.stats()["tiers"]["disk"]["speed"]["samples"] == samples  # the read's measurement stays
+        eng.cost_aware = None  # the default: on, since a recompute speed is configured
+        assert eng.cost_aware and eng.lookup(tokens) == 0
+
+
+def test_cost_aware_set_to_a_non_boolean_names_what_was_expected(tmp_path: Path) -> None:
+    with fs_engine(tmp_path, recompute={"tokens_per_s": 10}) as eng:
+        with pytest.raises(TypeError, match="cost_aware: expected True, False or None"):
+            eng.cost_aware = "no"  # type: ignore[assignment]
+        assert eng.cost_aware  # unchanged

@@ -384,8 +384,13 @@ class AsyncEngine:
     @property
     def cost_aware(self) -> bool:
         """Whether a cached prefix is loaded only as far as that beats recomputing it
-        (``cost_aware`` in the config; by default, once a recompute speed is known)."""
+        (``cost_aware`` in the config, or as last set; by default, once a recompute speed is known)."""
         return self.plans.cost_aware
+
+    @cost_aware.setter
+    def cost_aware(self, value: bool | None) -> None:
+        """Switch the policy at runtime (None: the default), keeping every measured speed."""
+        self.plans.set_cost_aware(value)
 
     def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """The serving model computed ``new_tokens`` after ``context_tokens`` cached ones in

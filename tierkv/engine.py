@@ -126,7 +126,15 @@ class Engine:
 
     @property
     def cost_aware(self) -> bool:
+        """Whether a cached prefix is loaded only as far as that beats recomputing it."""
         return self._core.cost_aware
+
+    @cost_aware.setter
+    def cost_aware(self, value: bool | None) -> None:
+        """Switch the policy at runtime (None: on once a recompute speed is known); the tier
+        and recompute speeds measured so far are kept, e.g. to compare the two policies on
+        one engine."""
+        self._core.cost_aware = value
 
     def locate_prefix(self, tokens: TokenIds) -> list[str]:
         """Answered on the calling thread when every tier has an in-memory index (see lookup)."""

@@ -28,16 +28,25 @@ class PrefixPlans:
         self.layout = layout
         self.config = config
         self.chunk_size = config.chunk_size
+        self._policy = config.cost_aware  # None: on once a recompute speed is known
         self.recompute = RecomputeModel(config.recompute.tokens_per_s, config.recompute.curve or None)
         self._last: tuple[int, int, list[int | None], PrefixPlan] | None = None
 
     @property
     def cost_aware(self) -> bool:
         """Whether a cached prefix is loaded only as far as that beats recomputing it
-        (``cost_aware`` in the config; by default, once a recompute speed is known)."""
-        if self.config.cost_aware is not None:
-            return self.config.cost_aware
+        (``cost_aware`` in the config, or as last set; by default, once a recompute speed is known)."""
+        if self._policy is not None:
+            return self._policy
         return self.recompute.known
+
+    def set_cost_aware(self, value: bool | None) -> None:
+        """Switch the policy at runtime (None: back to the default); what was measured (tier
+        speeds, recompute speed) is kept, so both policies plan from the same estimates."""
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"cost_aware: expected True, False or None (on once a recompute speed is known), "
+                            f"got {value!r}")
+        self._policy = value
 
     async def locate(self, keys: Iterator[CacheKey]) -> list[int | None]:
         """Levels of a prompt's chunks (``keys`` made as needed): the first chunk is located on
@@ -74,7 +83,7 @@ class PrefixPlans:
         names = [self.router.level_name(level) for level in levels if level is not None]
         sizes = [min(self.chunk_size, num_tokens - (first_chunk + i) * self.chunk_size) for i in range(len(names))]
         if not self.cost_aware:
-            return load_everything(names, sizes, "cost_aware is off" if self.config.cost_aware is False else
+            return load_everything(names, sizes, "cost_aware is off" if self._policy is False else
                                    "no recompute speed known (recompute: in the config, or measured prefills)", base)
         bytes_per_token = self.layout.bytes_per_token()
         speeds = self.router.speeds()
