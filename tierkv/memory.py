@@ -275,7 +275,7 @@ def scatter_bytes(source: memoryview, runs: list[memoryview], last_first: bool =
     order = range(len(runs) - 1, -1, -1) if last_first else range(len(runs))
     for index in order:
         run = runs[index]
-        run[:] = source[offsets[index] : offsets[index] + run.nbytes]
+        copy_bytes(run, source[offsets[index] : offsets[index] + run.nbytes])
 
 
 def gather_bytes(runs: list[memoryview], target: memoryview) -> None:
@@ -286,8 +286,22 @@ def gather_bytes(runs: list[memoryview], target: memoryview) -> None:
     copies.count(total)
     offset = 0
     for run in runs:
-        target[offset : offset + run.nbytes] = run
+        copy_bytes(target[offset : offset + run.nbytes], run)
         offset += run.nbytes
+
+
+_NUMPY_COPY_FROM = 64 << 10
+"""Pieces of at least this many bytes are copied by numpy, which releases the GIL (a
+memoryview assignment holds it, so two reader threads copied one after the other)."""
+
+
+def copy_bytes(target: memoryview, source: memoryview) -> None:
+    """Copy ``source`` into ``target`` (byte buffers of one size), other threads running meanwhile
+    when the piece is large."""
+    if target.nbytes >= _NUMPY_COPY_FROM:
+        np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    else:
+        target[:] = source
 
 
 def direct_target(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
