@@ -15,7 +15,7 @@ For every (tier, prompt length, latency, bandwidth) point, the time until the KV
 (``hf.prefill_with_reuse``: retrieve, then the model computes the rest; median of
 ``--repeats``, more for points of a few milliseconds: ``MIN_MEASURED_S``) with three policies
 (``always`` and ``cost_aware`` timed in pairs, back to back, on one engine whose policy is
-switched between the two calls (two engines with the same plan differed by up to 3% here,
+switched between the two calls (two engines with the same plan differed by 2-4% here,
 their pools and threads placed differently), and compared pair by pair:
 ``vs_always`` is the median of the pairs' ratios; a point whose first estimate is over
 ``CONFIRM_ABOVE`` gets ``CONFIRM_ROUNDS`` more rounds of always and cost-aware back to back,
@@ -208,19 +208,19 @@ def run_point(model: Any, slow: SlowTier, curve: dict[int, float], tokens: torch
             "never": lambda: _full_prefill(model, tokens)}
 
         def round_of(modes: list[str], number: int) -> Any:
+            """Time each of ``modes`` once, back to back; cost-aware's result."""
             order = modes[number % len(modes):] + modes[:number % len(modes)]  # each mode takes its turn first
-            outcome = None
+            results = {}
             for mode in order:
                 time.sleep(SETTLE_S)
                 started = time.perf_counter()
-                result = calls[mode]()
+                results[mode] = calls[mode]()
                 times[mode].append(time.perf_counter() - started)
-                outcome = result if mode == "cost_aware" else outcome
-            return outcome
+            return results["cost_aware"]
 
         repeat = 0
-        while repeat < repeats or (repeat < MAX_REPEATS and min(sum(times[m]) for m in calls if m != "never")
-                                   < MIN_MEASURED_S):
+        while repeat < repeats or (repeat < MAX_REPEATS
+                                   and min(sum(times["always"]), sum(times["cost_aware"])) < MIN_MEASURED_S):
             result = round_of(["always", "cost_aware"], repeat)
             repeat += 1
         near_never = statistics.median(times["cost_aware"]) / never_s > CONFIRM_ABOVE  # never: seconds at 16K
