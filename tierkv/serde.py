@@ -22,7 +22,7 @@ import xxhash
 
 from tierkv import copies
 from tierkv.errors import ChunkFormatError
-from tierkv.memory import as_bytes, byte_runs, contiguous_host, empty_host, gather_bytes, scatter_bytes
+from tierkv.memory import as_bytes, byte_runs, contiguous_host, copy_from_bytes, empty_host, gather_bytes, scatter_bytes
 
 MAGIC = b"TKVC"
 VERSION = 1
@@ -211,9 +211,11 @@ def copy_payload_into(header: ChunkHeader, payload: bytes | memoryview | np.ndar
     if verify and in_destination:
         copy_verified(header, raw, byte_runs(out))
         return True
-    if verify:
-        verify_payload(header, [raw])
-    scatter_bytes(raw, byte_runs(out), last_first=verify)
+    if not verify:
+        copy_from_bytes(out, raw)
+        return True
+    verify_payload(header, [raw])
+    scatter_bytes(raw, byte_runs(out), last_first=True)
     return True
 
 
