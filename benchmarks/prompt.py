@@ -31,7 +31,9 @@ pass; a steady ratio is the median of each pass's own ratio, and ``ratio_range``
   read back with ``preadv`` into touched memory after the page cache of the files is dropped
   (``fdatasync`` + ``POSIX_FADV_DONTNEED``, applied to tierkv's files alike: "cold");
 - ``raw lmdb``: py-lmdb puts of the same chunk bytes (one write transaction per prompt) and
-  ``txn.get`` + copy into touched memory; the lmdb tiers' store is also timed against raw puts
+  ``txn.get`` + copy into touched memory (``raw lmdb + XXH3``, for the lmdb tier, which checks
+  each chunk as it reads it: the same read, each value's XXH3 checked against the digest of what
+  was stored before it is copied -- what a straightforward verifying reader costs); the lmdb tiers' store is also timed against raw puts
   with and without ``writemap``, ``sync`` / ``metasync``, ``map_async``, a transaction per
   chunk, and raw files (``RAW_LMDB_PUTS``). Its target is the configuration that keeps the
   guarantees tierkv relies on (no writemap, no fsync per commit: a crashed process keeps every
@@ -63,6 +65,7 @@ from typing import Any
 
 import lmdb
 import torch
+import xxhash
 
 from tierkv import Engine, ops
 from tierkv.connectors import PagedConnector, retrieve_paged, store_paged
@@ -200,11 +203,15 @@ class RawLMDB:
                     chunk = kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)).contiguous()
                     txn.put(f"{prompt}-{start // CHUNK}".encode(), chunk.view(torch.uint8).numpy().data)
 
-    def read(self, prompt: int, out: torch.Tensor) -> None:
+    def read(self, prompt: int, out: torch.Tensor, digests: list[int] | None = None) -> None:
+        """Copy the prompt's chunks into ``out``; with ``digests`` (one XXH3 per chunk), each
+        value is checked against its digest before it is copied."""
         with self.env.begin(buffers=True) as txn:
             for index, start in enumerate(range(0, out.shape[2], CHUNK)):
                 target = out.narrow(2, start, min(CHUNK, out.shape[2] - start))
                 value = txn.get(f"{prompt}-{index}".encode())
+                if digests is not None and xxhash.xxh3_64_intdigest(value) != digests[index]:
+                    raise RuntimeError(f"raw lmdb: chunk {index} of prompt {prompt} does not match its digest")
                 flat = torch.frombuffer(value, dtype=DTYPE).view(target.shape)
                 target.view(torch.int16).copy_(flat.view(torch.int16))
 
@@ -214,6 +221,13 @@ class RawLMDB:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _chunk_digests(kv: torch.Tensor) -> list[int]:
+    """The XXH3 of each chunk's bytes as stored (the ``raw lmdb + XXH3`` reader checks them)."""
+    return [xxhash.xxh3_64_intdigest(kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)).contiguous()
+                                     .view(torch.uint8).numpy().data)
+            for start in range(0, kv.shape[2], CHUNK)]
 
 
 def _config(tier: str, root: Path, pass_bytes: int) -> dict[str, Any]:
@@ -289,6 +303,7 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             (root / f"raw-lmdb-{number}").mkdir()
             raw_lmdbs[name] = RawLMDB(root / f"raw-lmdb-{number}", 4 * pass_bytes, **flags)
     raw_lmdb = raw_lmdbs.get(RAW_LMDB_BASELINE.get(tier, ""))
+    digests = [_chunk_digests(kv) for _, kv in prompts] if tier == "lmdb" else None
     if raw_files is not None:
         raw_files.root.mkdir()
     started = time.perf_counter()
@@ -347,6 +362,9 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             record(name, phase, _timed_write(lambda raw=raw: [raw.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
             if raw is raw_lmdb:
                 record("raw lmdb", phase, _timed(lambda: [raw_lmdb.read(i, o) for i, o in enumerate(outs)]))
+                if digests is not None:
+                    record("raw lmdb + XXH3", phase,
+                           _timed(lambda: [raw_lmdb.read(i, o, digests[i]) for i, o in enumerate(outs)]))
             raw.clear()
             if name == "raw lmdb put":
                 record("raw lmdb put (txn per chunk)", phase,
@@ -383,7 +401,8 @@ def _rows(tier: str, samples: dict[tuple[str, str], list[float]], per_byte: dict
     baselines_of = {"store": ["raw files", "raw files (tmp+rename)"] if tier == "fs" else
                     [RAW_LMDB_BASELINE[tier], *RAW_LMDB_PUTS, "raw lmdb put (txn per chunk)", "raw files"] if lmdb
                     else ["memcpy"],
-                    "retrieve out=": ["raw lmdb"] if lmdb else ["memcpy"],
+                    "retrieve out=": ["raw lmdb", "raw lmdb + XXH3"] if tier == "lmdb" else
+                                     ["raw lmdb"] if lmdb else ["memcpy"],
                     "retrieve out= (cold)": ["raw files (cold)", "retrieve (cold)"],
                     "retrieve (cold)": ["raw files (cold)"], "retrieve": ["empty+copy"]}
     targets = {(op, base): target for op, base, target in TARGETS.get(tier, [])}
@@ -528,6 +547,10 @@ def summarize_prompt(rows: list[dict[str, Any]]) -> None:
     for r in judged:
         figure = f"{r['ours_us']:.1f} us (the bare sha256 chain: {r['baseline_us']:.1f} us)" if "ours_us" in r else f"{r['ratio']:.2f}x {r['baseline']} ({r['ours_GBps']:.2f} GB/s)"
         print(f"{'met ' if r['meets'] else 'SHORT'} {r['tier']} {r['op']}: {figure}, target {r['target']}")
+    for r in rows:  # what the lmdb tier's checksum costs: the same read by a raw reader that verifies
+        if r["baseline"] == "raw lmdb + XXH3" and r["pass"] == "steady":
+            print(f"     {r['tier']} {r['op']}: {r['ratio']:.2f}x raw lmdb + XXH3 ({r['baseline_GBps']:.2f} GB/s): "
+                  "a raw reader that checks what it reads")
 
 
 def main() -> int:
