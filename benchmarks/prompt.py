@@ -33,9 +33,9 @@ pass; a steady ratio is the median of each pass's own ratio, and ``ratio_range``
 - ``raw lmdb``: py-lmdb puts of the same chunk bytes (one write transaction per prompt) and
   ``txn.get`` + copy into touched memory (``raw lmdb + XXH3``, for the lmdb tier, which checks
   each chunk as it reads it: the same read, each value's XXH3 checked against the digest of what
-  was stored before it is copied -- what a straightforward verifying reader costs); the lmdb tiers' store is also timed against raw puts
-  with and without ``writemap``, ``sync`` / ``metasync``, ``map_async``, a transaction per
-  chunk, and raw files (``RAW_LMDB_PUTS``). Its target is the configuration that keeps the
+  was stored before it is copied -- what a straightforward verifying reader costs); the lmdb
+  tiers' store is also timed against raw puts with and without ``writemap``, ``sync`` /
+  ``metasync``, ``map_async``, a transaction per chunk, and raw files (``RAW_LMDB_PUTS``). Its target is the configuration that keeps the
   guarantees tierkv relies on (no writemap, no fsync per commit: a crashed process keeps every
   committed batch, a full disk is an error); ``lmdb-trusted`` (writemap) is held to raw
   writemap puts. Without writemap LMDB copies each value twice (into dirty pages it

@@ -314,9 +314,6 @@ def copy_from_bytes(out: torch.Tensor, source: memoryview) -> None:
     nbytes = out.numel() * out.element_size()
     if source.nbytes != nbytes:
         raise ValueError(f"copy_from_bytes: {source.nbytes} source bytes for {nbytes} destination bytes")
-    if nbytes == 0:
-        copies.count(0)
-        return
     array = np.asarray(_SourceBuffer(np.frombuffer(source, dtype=np.uint8)))
     copy_into(out, torch.from_numpy(array).view(out.dtype).view(out.shape))
 

@@ -208,14 +208,13 @@ def copy_payload_into(header: ChunkHeader, payload: bytes | memoryview | np.ndar
     raw = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) else payload.reshape(-1).data
     if raw.nbytes != header.payload_len:
         raise ChunkFormatError(f"truncated chunk: payload has {raw.nbytes} bytes, header says {header.payload_len}")
-    if verify and in_destination:
-        copy_verified(header, raw, byte_runs(out))
-        return True
     if not verify:
         copy_from_bytes(out, raw)
-        return True
-    verify_payload(header, [raw])
-    scatter_bytes(raw, byte_runs(out), last_first=True)
+    elif in_destination:
+        copy_verified(header, raw, byte_runs(out))
+    else:
+        verify_payload(header, [raw])
+        scatter_bytes(raw, byte_runs(out), last_first=True)
     return True
 
 
