@@ -17,8 +17,9 @@ after it (steady state):
   memory the caller allocated and touched once (fs: both also from a cold page cache, and the
   cold ``retrieve(out=...)``, one copy per byte, must be at least as fast as the cold fresh one);
 - ``lookup`` from the blocking Engine of 4,096-token prompts, each asked once: fully cached
-  (hit) and new (miss) ones, beside the bare SHA-256 chain over the same chunks (``sha256
-  chain``: the floor of any content-addressed lookup; a miss hashes one chunk);
+  (hit) and new (miss) ones, and hits under a request identity (a tenant's salt and a LoRA
+  adapter; an image in the prompt), beside the bare SHA-256 chain over the same chunks
+  (``sha256 chain``: the floor of any content-addressed lookup; a miss hashes one chunk);
 - bytes copied per byte delivered, from ``Engine.stats()["copies"]``.
 
 Baselines, interleaved with our passes so noise hits both (who goes first alternates from pass to
@@ -67,8 +68,9 @@ import lmdb
 import torch
 import xxhash
 
-from tierkv import Engine, ops
+from tierkv import Engine, MediaSpan, RequestIdentity, ops
 from tierkv.connectors import PagedConnector, retrieve_paged, store_paged
+from tierkv.identity import PLAIN
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK, BLOCK_SIZE = 32, 8, 128, 256, 16
 DTYPE = torch.bfloat16
@@ -264,29 +266,39 @@ def _hash_chain(tokens: torch.Tensor) -> list[bytes]:
 def _lookup_us(tier: str, root: Path, prompt_tokens: int) -> dict[str, tuple[float, float]]:
     """Median microseconds of one blocking ``Engine.lookup`` of a 4,096-token prompt, each
     prompt asked once (a scheduler sees each request once): ``hit`` = fully cached prompts,
-    ``miss`` = new prompts; beside each, the bare hash chain of the same prompts (a miss
+    ``miss`` = new prompts; ``hit, tenant+adapter`` and ``hit, one image`` = the cached
+    prompts stored and looked up under a request identity (a salt and a LoRA adapter; a media
+    input over tokens 1,024-1,599): what binding the identity adds to a lookup is their
+    difference from ``hit``. Beside each, the bare hash chain of the same prompts (a miss
     hashes the first chunk only), timed in turns with the lookups. The KV stored is tiny:
     what a lookup costs does not depend on it."""
     config = _config(tier, root / "lookup", 2**30)
     cached = [torch.randint(0, 32_000, (prompt_tokens,)) for _ in range(LOOKUP_CALLS)]
     new = [torch.randint(0, 32_000, (prompt_tokens,)) for _ in range(LOOKUP_CALLS)]
     kv = torch.zeros(1, 2, prompt_tokens, 1, 8, dtype=DTYPE)
+    tenant = RequestIdentity(adapter="adapter:" + "ab" * 16, salt="tenant-a")
+    image = RequestIdentity(media=(MediaSpan("image:" + "cd" * 16, min(1024, prompt_tokens - 1), 576),))
+    kinds = (("hit", cached, PLAIN), ("miss", new, PLAIN), ("hit, tenant+adapter", cached, tenant),
+             ("hit, one image", cached, image))
     result = {}
     with Engine(config) as engine:
-        for tokens in cached:
-            engine.store(tokens, kv)
+        for identity in (PLAIN, tenant, image):
+            for tokens in cached:
+                engine.store(tokens, kv, identity=identity)
         engine.flush()
-        for kind, prompts in (("hit", cached), ("miss", new)):
+        for kind, prompts, identity in kinds:
             samples, floor = [], []
             for tokens in prompts:
                 start = time.perf_counter()
-                engine.lookup(tokens)
+                engine.lookup(tokens, identity=identity)
                 samples.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 _hash_chain(tokens if kind == "hit" else tokens[:CHUNK])
                 floor.append(time.perf_counter() - start)
             result[kind] = (statistics.median(samples) * 1e6, statistics.median(floor) * 1e6)
-        if engine.lookup(cached[0]) != prompt_tokens or engine.lookup(new[0]) != 0:
+        if (engine.lookup(cached[0]) != prompt_tokens or engine.lookup(new[0]) != 0
+                or engine.lookup(cached[0], identity=tenant) != prompt_tokens
+                or engine.lookup(cached[0], identity=image) != prompt_tokens):
             raise RuntimeError("lookup benchmark: the cached prompt must hit and the new one miss")
     return result
 

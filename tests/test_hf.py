@@ -141,3 +141,55 @@ def test_blended_cache_continues_generation(model, engine: Engine) -> None:
 def test_blended_prefill_rejects_non_llama_models(engine: Engine) -> None:
     with pytest.raises(ValueError, match="Llama-family"):
         hf.blended_prefill(torch.nn.Linear(2, 2), engine, [torch.arange(4)])
+
+
+# -- identity: a peft-wrapped model never reads the base model's KV -------------------------------
+def _peft(model, seed: int):
+    peft = pytest.importorskip("peft", reason="peft is in the test extra")
+    import copy
+
+    wrapped = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+        r=4, lora_alpha=4, target_modules=["k_proj", "v_proj"], init_lora_weights=False))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return wrapped.eval()
+
+
+def test_a_peft_model_never_loads_the_base_models_chunks(model, tmp_path: Path) -> None:
+    """Base, then the same prompt through a peft adapter on k/v_proj, over one shared lmdb
+    tier: the adapter's engine finds nothing of the base's, computes its own (equal to a
+    full prefill), and hits it on a repeat; a second adapter misses both."""
+    cfg = {"model": "tiny-llama", "chunk_size": 16, "kv_format": "vllm", "cost_aware": False,
+           "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    prompt = _tokens(100, 5)
+    adapter, other = _peft(model, 1), _peft(model, 2)
+    with Engine(cfg, hf.metadata_for(model, cfg)) as base_engine:
+        assert hf.prefill_with_reuse(model, base_engine, prompt).reused_tokens == 0
+        assert hf.prefill_with_reuse(model, base_engine, prompt).reused_tokens == 99
+    for wrapped in (adapter, other):
+        with Engine(cfg, hf.metadata_for(wrapped, cfg)) as engine:
+            first = hf.prefill_with_reuse(wrapped, engine, prompt)
+            assert first.reused_tokens == 0, "nothing of the base model's (or another adapter's) KV"
+            torch.testing.assert_close(first.logits, _full(wrapped, prompt), **TOL)
+            again = hf.prefill_with_reuse(wrapped, engine, prompt)
+            assert again.reused_tokens == 99, "its own KV hits"
+            torch.testing.assert_close(again.logits, _full(wrapped, prompt), **TOL)
+    assert not torch.allclose(_full(adapter, prompt), _full(model, prompt), **TOL), "guard: the adapter matters"
+    with Engine(cfg) as plain_engine, pytest.raises(ValueError, match="metadata_for"):
+        hf.prefill_with_reuse(adapter, plain_engine, prompt)
+
+
+def test_new_weights_under_the_same_name_are_a_miss(model, tmp_path: Path) -> None:
+    cfg = {"model": "tiny-llama", "chunk_size": 16, "kv_format": "vllm", "cost_aware": False,
+           "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    prompt = _tokens(64, 6)
+    retrained = build_demo_model(seed=1, num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, max_positions=1024)
+    with Engine(cfg, hf.metadata_for(model, cfg)) as engine:
+        hf.prefill_with_reuse(model, engine, prompt)
+    with Engine(cfg, hf.metadata_for(retrained, cfg)) as engine:
+        assert hf.prefill_with_reuse(retrained, engine, prompt).reused_tokens == 0
+    with Engine(cfg, hf.metadata_for(model, cfg)) as engine:
+        assert hf.prefill_with_reuse(model, engine, prompt).reused_tokens == 63, "the same weights: a hit"

@@ -138,7 +138,7 @@ def test_every_integer_form_of_the_same_ids_gives_the_same_keys() -> None:
         keys = list(KeyMaker("vllm", "m", 1, 0, 8).iter_keys(as_token_array(form)))
         assert [key.to_string() for key in keys] == expected
         # the string a key maker sets is the one the key itself would make
-        assert [CacheKey(k.fmt, k.model_name, k.world_size, k.worker_id, k.chunk_hash).to_string()
+        assert [CacheKey(k.fmt, k.model_name, k.world_size, k.worker_id, k.chunk_hash, k.scope).to_string()
                 for k in keys] == expected
     small = as_token_array(torch.tensor([1, 2, 255], dtype=torch.uint8))
     assert small.dtype == np.dtype("<i4") and small.tolist() == [1, 2, 255]

@@ -144,10 +144,14 @@ def test_stored_chunks_are_the_kv_hf_transformers_computes(cpu_run: list[dict[st
 
     from tierkv import Engine
     from tierkv.engine import EngineMetadata
+    from tierkv.integrations.vllm_v1.identity import engine_identity
 
     prompt = PROMPTS["partial_600"]
+    # the keys vLLM's connector made: its model, revision (the directory's digest), dtype and geometry
+    revision, cache_dtype, identity = engine_identity(str(model_dir), "bfloat16", (LAYERS, KV_HEADS, HIDDEN // HEADS))
     engine = Engine({"model": str(model_dir), "chunk_size": CHUNK, "cost_aware": False, "tiers": [disks["fs"]]},
-                    EngineMetadata(str(model_dir), 1, 0, "vllm"))
+                    EngineMetadata(str(model_dir), 1, 0, "vllm", model_revision=revision,
+                                   kv_cache_dtype=cache_dtype, identity=identity))
     try:
         stored, mask = engine.retrieve(prompt, return_tuple=False)
     finally:

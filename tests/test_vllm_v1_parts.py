@@ -15,6 +15,7 @@ import torch
 
 from tierkv import Engine
 from tierkv.errors import ConfigError
+from tierkv.identity import PLAIN, MediaSpan, RequestIdentity
 from tierkv.integrations.vllm_v1.layouts import (
     PagedLayerConnector,
     detect_layout,
@@ -126,7 +127,7 @@ def step(new: list[Any], scheduled: dict[str, int], cached: Any = None, preempte
 
 
 def test_planner_never_matches_the_whole_prompt_and_plans_the_load() -> None:
-    planner = SchedulerPlanner(lambda tokens: LookupResult(len(tokens), len(tokens)))
+    planner = SchedulerPlanner(lambda tokens, identity=None: LookupResult(len(tokens), len(tokens)))
     prompt = list(range(1, 301))
     assert planner.matched_tokens("a", prompt, 0) == (299, False), "vLLM computes the last token"
     assert planner.matched_tokens("a", prompt, 128) == (171, False), "beyond what vLLM already has"
@@ -142,18 +143,19 @@ def test_planner_never_matches_the_whole_prompt_and_plans_the_load() -> None:
 
 
 def test_planner_misses_short_prompts_and_unloaded_roles() -> None:
-    assert SchedulerPlanner(lambda t: LookupResult(0, 0)).matched_tokens("a", [1, 2, 3], 0) == (0, False)
-    assert SchedulerPlanner(lambda t: LookupResult(1, 1)).matched_tokens("a", [7], 0) == (0, False)
-    producer = SchedulerPlanner(lambda t: LookupResult(len(t), len(t)), load=False)
+    assert SchedulerPlanner(lambda t, identity=None: LookupResult(0, 0)).matched_tokens("a", [1, 2, 3], 0) == (0, False)
+    assert SchedulerPlanner(lambda t, identity=None: LookupResult(1, 1)).matched_tokens("a", [7], 0) == (0, False)
+    producer = SchedulerPlanner(lambda t, identity=None: LookupResult(len(t), len(t)), load=False)
     assert producer.matched_tokens("a", list(range(50)), 0) == (0, False)
-    consumer = SchedulerPlanner(lambda t: LookupResult(0, 0), save=False)
+    consumer = SchedulerPlanner(lambda t, identity=None: LookupResult(0, 0), save=False)
     plan = consumer.build(step([new_request("b", list(range(10)), [1], 0)], {"b": 10}))
     assert plan.saves == [] and consumer.finished("b") is False
 
 
 def test_planner_saves_once_when_chunked_prefill_completes_and_tracks_blocks() -> None:
-    planner = SchedulerPlanner(lambda t: LookupResult(0, 0))
+    planner = SchedulerPlanner(lambda t, identity=None: LookupResult(0, 0))
     prompt = list(range(500))
+    assert planner.matched_tokens("c", prompt, 0) == (0, False)  # vLLM asks about every new request first
     plan = planner.build(step([new_request("c", prompt, [1, 2], 0)], {"c": 256}))
     assert plan.saves == [], "prefill not done yet"
     cached = SimpleNamespace(req_ids=["c"], resumed_req_ids=set(), new_block_ids=[([3, 4],)], num_computed_tokens=[256])
@@ -164,42 +166,48 @@ def test_planner_saves_once_when_chunked_prefill_completes_and_tracks_blocks() -
                              num_computed_tokens=[500])
     assert planner.build(step([], {"c": 1}, cached, preempted={"x"})).saves == [], "saved once"
     assert planner.build(step([], {}, preempted={"x", "y"})).preempted == ("x", "y")
+    unasked = planner.build(step([new_request("d", prompt, [5, 6], 0)], {"d": 500}))
+    assert unasked.saves == [], "a request vLLM never asked about has no known identity: not saved"
 
 
 def test_planner_loads_asynchronously_when_the_prefix_is_below_memory() -> None:
-    auto = SchedulerPlanner(lambda t: LookupResult(512, 256))
+    auto = SchedulerPlanner(lambda t, identity=None: LookupResult(512, 256))
     assert auto.matched_tokens("d", list(range(600)), 0) == (512, True)
     auto.after_alloc("d", [1, 2, 3, 4, 5], 512)
     (load,) = auto.build(step([], {})).loads  # not scheduled: it waits for its KV
     assert load.asynchronous and (load.start, load.end) == (0, 512)
-    assert SchedulerPlanner(lambda t: LookupResult(512, 512)).matched_tokens("e", list(range(600)), 0) == (512, False)
-    assert SchedulerPlanner(lambda t: LookupResult(512, 512), load_async="always").matched_tokens(
+    assert SchedulerPlanner(lambda t, identity=None: LookupResult(512, 512)).matched_tokens("e", list(range(600)), 0) == (512, False)
+    assert SchedulerPlanner(lambda t, identity=None: LookupResult(512, 512), load_async="always").matched_tokens(
         "f", list(range(600)), 0) == (512, True)
     with pytest.raises(ValueError, match="load_async"):
-        SchedulerPlanner(lambda t: LookupResult(0, 0), load_async="sometimes")
+        SchedulerPlanner(lambda t, identity=None: LookupResult(0, 0), load_async="sometimes")
 
 
 # -- the lookup channel -------------------------------------------------------------------------------
 def test_lookup_channel_between_threads_and_when_the_worker_is_gone(tmp_path: Path) -> None:
     path = str(tmp_path / "lookup.sock")
     seen: list[np.ndarray] = []
+    identities: list[RequestIdentity] = []
+    tenant = RequestIdentity(adapter="adapter:0123", salt="tenant-a", media=(MediaSpan("img", 1, 2),))
 
-    def lookup(tokens: np.ndarray) -> LookupResult:
+    def lookup(tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
         seen.append(tokens.copy())
+        identities.append(identity)
         return LookupResult(len(tokens) - 1, 7)
 
     client = LookupClient(path, timeout_s=2.0)
-    assert client(np.arange(10, dtype=np.int32)) == LookupResult(0, 0), "no server yet: not cached"
+    assert client(np.arange(10, dtype=np.int32), PLAIN) == LookupResult(0, 0), "no server yet: not cached"
     server = LookupServer(path, lookup)
     try:
         # the same process answers directly; the socket is what another process uses
-        assert client(np.arange(5, dtype=np.int32)) == LookupResult(4, 7)
+        assert client(np.arange(5, dtype=np.int32), PLAIN) == LookupResult(4, 7)
         import tierkv.integrations.vllm_v1.lookup_ipc as ipc
 
         direct = ipc._LOCAL.pop(path)
         try:
             results = []
-            threads = [threading.Thread(target=lambda n=n: results.append(client(np.arange(n, dtype=np.int32))))
+            threads = [threading.Thread(target=lambda n=n: results.append(client(np.arange(n, dtype=np.int32),
+                                                                                 tenant)))
                        for n in (3, 300, 70000)]
             for thread in threads:
                 thread.start()
@@ -207,11 +215,12 @@ def test_lookup_channel_between_threads_and_when_the_worker_is_gone(tmp_path: Pa
                 thread.join()
             assert sorted(r.cached_tokens for r in results) == [2, 299, 69999]
             assert any(len(tokens) == 70000 and tokens[-1] == 69999 for tokens in seen)
+            assert identities[-3:] == [tenant] * 3, "the identity crosses the socket whole"
         finally:
             ipc._LOCAL[path] = direct
     finally:
         server.close()
-    assert client(np.arange(4, dtype=np.int32)) == LookupResult(0, 0), "worker gone: not cached, no error"
+    assert client(np.arange(4, dtype=np.int32), PLAIN) == LookupResult(0, 0), "worker gone: not cached, no error"
 
 
 # -- settings ------------------------------------------------------------------------------------------
@@ -283,7 +292,7 @@ def test_worker_saves_then_loads_into_other_blocks_and_reports_what_it_could_not
 def test_planner_stops_offering_a_request_whose_load_failed() -> None:
     """vLLM recomputes failed blocks and may ask again: a tier whose index answers while its
     reads fail must not be retried for that request forever."""
-    planner = SchedulerPlanner(lambda tokens: LookupResult(len(tokens), len(tokens)))
+    planner = SchedulerPlanner(lambda tokens, identity=None: LookupResult(len(tokens), len(tokens)))
     prompt = list(range(300))
     for req_id, blocks in (("a", [5, 6, 7]), ("b", [8, 9, 10])):
         assert planner.matched_tokens(req_id, prompt, 0) == (299, False)
@@ -371,6 +380,6 @@ def test_a_disabled_worker_neither_loads_nor_saves_and_frees_blocks_at_once(tmp_
         assert engine.lookup(tokens) == 0, "nothing was stored"
         assert not worker.load(LoadSpec("l", tokens, (5, 6, 7, 8, 9), 0, 79))
         assert worker.take_load_errors() == {5, 6, 7, 8, 9}
-    planner = SchedulerPlanner(lambda tokens: LookupResult(-1, 0))
+    planner = SchedulerPlanner(lambda tokens, identity=None: LookupResult(-1, 0))
     assert planner.matched_tokens("r", list(range(300)), 0) == (0, False)
     assert not planner.load and not planner.save, "a worker that is off turns the scheduler side off too"

@@ -13,6 +13,7 @@ from tierkv.errors import (
     TierKVError,
     TierUnavailableError,
 )
+from tierkv.identity import MediaSpan, RequestIdentity
 from tierkv.keys import CacheKey, ChunkHasher
 
 __version__ = "0.1.0"
@@ -32,6 +33,8 @@ __all__ = [
     "EngineBuilder",
     "EngineConfig",
     "EngineMetadata",
+    "MediaSpan",
+    "RequestIdentity",
     "StorageBackend",
     "TierConfig",
     "TierKVError",

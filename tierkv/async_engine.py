@@ -10,7 +10,7 @@ What it builds on, each in its own module: keys (:class:`~tierkv.keys.KeyMaker`)
 layout (:mod:`tierkv.chunk_layout`), the plan (:mod:`tierkv.prefix_plans`), and the router
 (:mod:`tierkv.router`), used through its public methods only.
 
-Over 400 lines (about 415) by choice: it is the whole public prompt API, every method with
+Over 400 lines (about 490) by choice: it is the whole public prompt API, every method with
 its contract in its docstring, plus the router's surface re-exposed for callers of the engine
 (``batched_*``, ``flush``, ``close``, ``tiers``); the logic behind them lives elsewhere.
 """
@@ -31,6 +31,7 @@ from tierkv.backend import StorageBackend
 from tierkv.chunk_layout import ChunkLayout
 from tierkv.config import EngineConfig, load_config
 from tierkv.errors import ConfigError
+from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
 from tierkv.metadata import EngineMetadata, KVShape
@@ -82,13 +83,15 @@ class AsyncEngine:
             raise ConfigError(f"kv_format: expected one of {list(KV_FORMATS)}, got {self.metadata.fmt!r}")
         self.chunk_size = self.config.chunk_size
         meta = self.metadata
-        self.key_maker = KeyMaker(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, self.chunk_size)
+        self.key_maker = KeyMaker(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, self.chunk_size,
+                                  engine_parts=meta.identity_parts())
         self.router = TierRouter(self.config, probes)
         # the chunks' (blob shape with 0 tokens, dtype): sizes outputs, checks `out`, prices reads
         self.layout = ChunkLayout(self.router, self.metadata.fmt, self.metadata.blob_layout())
         self.plans = PrefixPlans(self.router, self.layout, self.config)
         self._hit_tokens = 0
         self._miss_tokens = 0
+        self.unidentified_requests = 0  # requests an integration neither stored nor loaded (see note_unidentified)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> AsyncEngine:
@@ -133,12 +136,18 @@ class AsyncEngine:
         await self.router.close()
 
     # -- prompts ------------------------------------------------------------------------------
-    def keys_for(self, tokens: TokenIds) -> list[CacheKey]:
-        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk)."""
-        return list(self._iter_keys(as_token_array(tokens)))
+    def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
+        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk) of a
+        request of ``identity`` (its LoRA adapter, tenant salt and media: :mod:`tierkv.identity`)."""
+        return list(self._iter_keys(as_token_array(tokens), identity))
 
-    def _iter_keys(self, token_array: np.ndarray) -> Iterator[CacheKey]:
-        return self.key_maker.iter_keys(token_array)
+    def _iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
+        return self.key_maker.iter_keys(token_array, identity)
+
+    def note_unidentified(self) -> None:
+        """An integration saw a request whose KV it cannot identify (e.g. a prompt given as
+        embeddings): it neither stores nor loads it, and ``stats()["identity"]`` counts it."""
+        self.unidentified_requests += 1
 
     async def store(
         self,
@@ -146,8 +155,13 @@ class AsyncEngine:
         kv: KVCache,
         mask: torch.Tensor | None = None,
         skip_existing: bool = True,
+        identity: RequestIdentity = PLAIN,
     ) -> int:
         """Store the KV of ``tokens``; returns the number of chunks written.
+
+        ``identity`` (every prompt call takes it): what else the KV depends on, the request's
+        LoRA adapter, tenant salt and media (:class:`~tierkv.identity.RequestIdentity`); a
+        chunk is only ever found again by a request of the same identity.
 
         With a suffix ``mask``, ``kv`` holds only the masked tokens and the number of
         unmasked (skipped) tokens must be a multiple of the chunk size. With
@@ -169,17 +183,17 @@ class AsyncEngine:
             )
         if self.config.dtype is not None and source.dtype != self.config.dtype:
             raise ValueError(f"KV dtype {source.dtype} does not match the configured dtype {self.config.dtype}")
-        keys, ranges = await self.chunks_to_store(token_array, skip, skip_existing)
+        keys, ranges = await self.chunks_to_store(token_array, skip, skip_existing, identity)
         if not keys:
             return 0
         return await self.store_from(keys, source, ranges)
 
-    async def chunks_to_store(self, token_array: np.ndarray, skip: int, skip_existing: bool = True
-                              ) -> tuple[list[CacheKey], list[tuple[int, int]]]:
+    async def chunks_to_store(self, token_array: np.ndarray, skip: int, skip_existing: bool = True,
+                              identity: RequestIdentity = PLAIN) -> tuple[list[CacheKey], list[tuple[int, int]]]:
         """Keys and token ranges of the chunks of a validated token array (:func:`as_token_array`)
         to store, from token ``skip`` (chunk-aligned) on; with ``skip_existing``, without the
         chunks already cached at the start."""
-        keys = list(self._iter_keys(token_array))[skip // self.chunk_size :]
+        keys = list(self._iter_keys(token_array, identity))[skip // self.chunk_size :]
         ranges = transfer.chunk_ranges(skip, len(token_array), self.chunk_size)
         if skip_existing and keys:
             first = policy.first_missing(await self.router.batched_contains(keys))
@@ -207,6 +221,7 @@ class AsyncEngine:
         return_tuple: bool = True,
         out: KVCache | None = None,
         deadline_s: float | None = None,
+        identity: RequestIdentity = PLAIN,
     ) -> tuple[Any, torch.Tensor]:
         """The cached KV of the longest cached prefix of ``tokens`` and a mask of the tokens it covers.
 
@@ -237,7 +252,7 @@ class AsyncEngine:
                 raise ValueError("out is per-layer tensors that do not form one blob: pass return_tuple=True")
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         sink, retrieved, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=out is not None,
-                                                              deadline=deadline)
+                                                              deadline=deadline, identity=identity)
         if not retrieved or sink is None:
             return (), ret_mask
         if isinstance(sink, transfer.TupleSink):
@@ -246,7 +261,8 @@ class AsyncEngine:
         return (kvlayout.as_tuple(blob) if return_tuple else blob), ret_mask
 
     async def retrieve_to(self, tokens: TokenIds, sink: transfer.ChunkSink, mask: torch.Tensor | None = None,
-                          deadline_s: float | None = None, plan: bool = True) -> torch.Tensor:
+                          deadline_s: float | None = None, plan: bool = True,
+                          identity: RequestIdentity = PLAIN) -> torch.Tensor:
         """Retrieve the cached prefix of ``tokens`` into ``sink`` (a connector's paged cache);
         returns the mask of the tokens written. Chunks held by a memory tier are copied
         straight out of its slabs into the sink. ``plan=False``: load all of the cached prefix
@@ -256,7 +272,7 @@ class AsyncEngine:
         skip = kvlayout.suffix_mask_skip(mask, len(token_array))
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         _, _, ret_mask = await self._retrieve_into(token_array, skip, sink, caller_owned=True, deadline=deadline,
-                                                   plan=plan)
+                                                   plan=plan, identity=identity)
         return ret_mask
 
     async def _held_prefix(self, keys: list[CacheKey], deadline: float | None
@@ -299,8 +315,8 @@ class AsyncEngine:
         return delivered
 
     async def _retrieve_into(self, token_array: np.ndarray, skip: int, sink: transfer.ChunkSink | None,
-                             caller_owned: bool, deadline: float | None = None, plan: bool = True
-                             ) -> tuple[Any, int, torch.Tensor]:
+                             caller_owned: bool, deadline: float | None = None, plan: bool = True,
+                             identity: RequestIdentity = PLAIN) -> tuple[Any, int, torch.Tensor]:
         """Locate the cached prefix and read it into ``sink`` (a fresh output when None);
         the sink, the number of tokens delivered and the mask of them.
 
@@ -311,7 +327,7 @@ class AsyncEngine:
         num_tokens = len(token_array)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         first_chunk = skip // self.chunk_size
-        keys, levels = await self._held_prefix(list(self._iter_keys(token_array))[first_chunk:], deadline)
+        keys, levels = await self._held_prefix(list(self._iter_keys(token_array, identity))[first_chunk:], deadline)
         if plan and keys and self.cost_aware:
             prefix_plan = self.plans.plan(levels[: len(keys)], num_tokens, first_chunk)
             keys = keys[: max(0, -(-prefix_plan.planned_tokens // self.chunk_size) - first_chunk)]
@@ -333,7 +349,7 @@ class AsyncEngine:
             self.router.copies.add_delivered("retrieve", retrieved * nbytes_of(sink.chunk_shape(1), sink.dtype))
         return sink, retrieved, ret_mask
 
-    async def lookup(self, tokens: TokenIds) -> int:
+    async def lookup(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
         """Length in tokens of the longest prefix of ``tokens`` cached in any tier.
 
         ``stats()["last_lookup"]`` says how many of those chunks each tier holds. The first
@@ -342,26 +358,27 @@ class AsyncEngine:
         """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(token_array, await self._locate_prefix(token_array)).planned_tokens
+        return self._record_lookup(token_array, await self._locate_prefix(token_array, identity),
+                                   identity).planned_tokens
 
-    def lookup_nowait(self, tokens: TokenIds) -> int | None:
+    def lookup_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int | None:
         """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
         None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        levels = self._locate_prefix_nowait(token_array)
-        return None if levels is None else self._record_lookup(token_array, levels).planned_tokens
+        levels = self._locate_prefix_nowait(token_array, identity)
+        return None if levels is None else self._record_lookup(token_array, levels, identity).planned_tokens
 
-    async def locate_prefix(self, tokens: TokenIds) -> list[str]:
+    async def locate_prefix(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str]:
         """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
         counts), highest first; ``"fill-queue"`` for a chunk only waiting to be written."""
         self.router.ensure_open()
-        return self._tier_names(await self._locate_prefix(as_token_array(tokens)))
+        return self._tier_names(await self._locate_prefix(as_token_array(tokens), identity))
 
-    def locate_prefix_nowait(self, tokens: TokenIds) -> list[str] | None:
+    def locate_prefix_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str] | None:
         """:meth:`locate_prefix` from in-memory indexes, from any thread; None when that needs I/O."""
         self.router.ensure_open()
-        levels = self._locate_prefix_nowait(as_token_array(tokens))
+        levels = self._locate_prefix_nowait(as_token_array(tokens), identity)
         return None if levels is None else self._tier_names(levels)
 
     def _tier_names(self, levels: list[int | None]) -> list[str]:
@@ -371,15 +388,16 @@ class AsyncEngine:
     def _level_name(self, level: int) -> str:
         return self.router.level_name(level)
 
-    async def _locate_prefix(self, token_array: np.ndarray) -> list[int | None]:
-        return await self.plans.locate(self._iter_keys(token_array))
+    async def _locate_prefix(self, token_array: np.ndarray, identity: RequestIdentity) -> list[int | None]:
+        return await self.plans.locate(self._iter_keys(token_array, identity))
 
-    def _locate_prefix_nowait(self, token_array: np.ndarray) -> list[int | None] | None:
-        return self.plans.locate_nowait(self._iter_keys(token_array))
+    def _locate_prefix_nowait(self, token_array: np.ndarray, identity: RequestIdentity) -> list[int | None] | None:
+        return self.plans.locate_nowait(self._iter_keys(token_array, identity))
 
-    def _record_lookup(self, token_array: np.ndarray, levels: list[int | None]) -> PrefixPlan:
+    def _record_lookup(self, token_array: np.ndarray, levels: list[int | None],
+                       identity: RequestIdentity) -> PrefixPlan:
         """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
-        return self.plans.record(len(token_array), levels, lambda: next(self._iter_keys(token_array)))
+        return self.plans.record(len(token_array), levels, lambda: next(self._iter_keys(token_array, identity)))
 
     @property
     def cost_aware(self) -> bool:
@@ -398,37 +416,37 @@ class AsyncEngine:
         around every prefill they run)."""
         self.plans.recompute.observe(new_tokens, context_tokens, seconds)
 
-    def plan_nowait(self, tokens: TokenIds) -> PrefixPlan | None:
+    def plan_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan | None:
         """How much of the cached prefix of ``tokens`` is worth loading, from in-memory indexes
         (any thread); None when a tier needs I/O to answer (then use :meth:`plan`)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        levels = self._locate_prefix_nowait(token_array)
+        levels = self._locate_prefix_nowait(token_array, identity)
         if levels is None:
             return None
-        return self._record_lookup(token_array, levels)
+        return self._record_lookup(token_array, levels, identity)
 
-    async def plan(self, tokens: TokenIds) -> PrefixPlan:
+    async def plan(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan:
         """How much of the cached prefix of ``tokens`` is worth loading: for each prefix length,
         the expected fetch time (the tiers holding its chunks, at their measured speeds, read in
         parallel) against the recompute time it saves; the best length wins. Without a known
         recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(token_array, await self._locate_prefix(token_array))
+        return self._record_lookup(token_array, await self._locate_prefix(token_array, identity), identity)
 
-    async def locate(self, tokens: TokenIds) -> list[str | None]:
+    async def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
-        levels = await self.router.locate(self.keys_for(as_token_array(tokens)))
+        levels = await self.router.locate(self.keys_for(as_token_array(tokens), identity))
         return [None if level is None else self._level_name(level) for level in levels]
 
-    async def prefetch(self, tokens: TokenIds) -> None:
+    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
         """Start moving the cached prefix of ``tokens`` up to the top tier; returns at once.
 
         A later retrieve of the same tokens waits only for the chunks still in flight.
         """
         self.router.ensure_open()
-        keys = self.keys_for(as_token_array(tokens))
+        keys = self.keys_for(as_token_array(tokens), identity)
         levels = await self.router.locate(keys)
         held = policy.first_missing([level is not None for level in levels])
         await self.router.prefetch(keys[:held], levels[:held])
@@ -453,4 +471,22 @@ class AsyncEngine:
             "recompute": self.plans.recompute.snapshot(),
             "copies": router["copies"],
             "tiers": router["tiers"],
+            "identity": self.identity_stats(),
         }
+
+    def occupancy(self) -> dict[str, Any]:
+        """What each tier holds per key scope (a model revision x adapter x tenant salt), as
+        ``{"tiers": {tier: {scope: {"chunks", "bytes"}} or None}, "scopes": {scope: what it
+        binds}}``, naming no key and no salt. A tier that cannot list its keys cheaply (s3,
+        mooncake, fs) shows None; scopes this process never made keys in show no description
+        (another process's tenants, or ``""``: keys of an older tierkv, never read now)."""
+        tiers = {tier.name: tier.scope_usage() for tier in self.tiers}
+        labels = self.key_maker.scope_labels
+        seen = {scope for usage in tiers.values() if usage for scope in usage}
+        return {"tiers": tiers, "scopes": {scope: labels.get(scope, {}) for scope in sorted(seen)}}
+
+    def identity_stats(self) -> dict[str, Any]:
+        """The scopes this engine made keys in (short digest -> what it binds, never a salt)
+        and the requests integrations could not identify."""
+        return {"engine": dict(self.metadata.identity_parts()), "scopes": dict(self.key_maker.scope_labels),
+                "unidentified_requests": self.unidentified_requests}

@@ -151,6 +151,12 @@ class StorageBackend(abc.ABC):
     def closed(self) -> bool:
         return self._closed
 
+    def scope_usage(self) -> dict[str, dict[str, int]] | None:
+        """``{scope: {"chunks": n, "bytes": b}}`` of what this tier holds, per key scope (the
+        digest of a model revision, adapter and tenant salt: :mod:`tierkv.identity`), without
+        naming any key; None when the tier cannot list its keys cheaply (a remote store)."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters and occupancy, safe to print (no credentials)."""
         return {

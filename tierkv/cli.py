@@ -53,7 +53,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from tierkv.engine import Engine
 
     with Engine.from_yaml(args.config) as engine:
-        print(json.dumps(engine.stats(), indent=2, default=str))
+        print(json.dumps({**engine.stats(), "occupancy": engine.occupancy()}, indent=2, default=str))
     return 0
 
 

@@ -56,10 +56,10 @@ _RECOMPUTE_KEYS = ("tokens_per_s", "curve")
 _TIER_COMMON = ("name", "backend", "capacity", "promote")
 _TOP_LEVEL = (
     "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
-    "background", "health", "recompute", "cost_aware",
+    "background", "health", "recompute", "cost_aware", "model_revision",
 )
 # TIERKV_<NAME> overrides these top-level keys (parsed as YAML scalars).
-_ENV_OVERRIDES = ("model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id")
+_ENV_OVERRIDES = ("model", "model_revision", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id")
 # Variables tierkv reads elsewhere; anything else under TIERKV_ is reported.
 _ENV_KNOWN = {"TIERKV_CONFIG", "TIERKV_S3_ENDPOINT", "TIERKV_LOG_LEVEL", "TIERKV_NO_EXT"} | {
     f"TIERKV_{key.upper()}" for key in _ENV_OVERRIDES
@@ -137,6 +137,8 @@ class EngineConfig:
     # load a cached prefix only as far as it beats recomputing it; None: when a recompute speed is known
     cost_aware: bool | None = None
     source: str = "<dict>"
+    # what tells this model's weights from another revision under the same name; in every key
+    model_revision: str | None = None
 
 
 def _require(raw: Mapping[str, Any], key: str, path: str) -> Any:
@@ -271,6 +273,10 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
         low, high = getattr(pressure, f"{kind}_low_watermark"), getattr(pressure, f"{kind}_high_watermark")
         if not 0 < low <= high <= 1:
             raise ConfigError(f"pressure: need 0 < {kind}_low_watermark <= {kind}_high_watermark <= 1, got {low} and {high}")
+    revision = raw.get("model_revision")
+    if revision is not None and (not isinstance(revision, str | int) or isinstance(revision, bool) or revision == ""):
+        raise ConfigError(f"model_revision: expected a non-empty string (a commit id, a digest, a version), "
+                          f"got {revision!r}")
     cost_aware = raw.get("cost_aware")
     if cost_aware is not None and not isinstance(cost_aware, bool):
         raise ConfigError(f"cost_aware: expected true, false or null (true once a recompute speed is known), "
@@ -279,7 +285,7 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
         model=model, tiers=tiers, chunk_size=chunk_size, kv_format=kv_format, dtype=dtype,
         write_policy=write_policy, world_size=world_size, worker_id=worker_id, pressure=pressure,
         background=background, health=health, recompute=_recompute(raw.get("recompute")), cost_aware=cost_aware,
-        source=source,
+        source=source, model_revision=None if revision is None else str(revision),
     )
 
 

@@ -25,6 +25,7 @@ from tierkv.async_engine import AsyncEngine, EngineMetadata
 from tierkv.backend import StorageBackend
 from tierkv.config import EngineConfig, load_config
 from tierkv.errors import BackendClosedError
+from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import CacheKey, TokenIds
 from tierkv.kvlayout import KVCache
 from tierkv.planner import PrefixPlan
@@ -99,27 +100,31 @@ class Engine:
     def tiers(self) -> list[StorageBackend]:
         return self._core.tiers
 
-    def keys_for(self, tokens: TokenIds) -> list[CacheKey]:
-        return self._core.keys_for(tokens)
+    def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
+        return self._core.keys_for(tokens, identity)
+
+    def note_unidentified(self) -> None:
+        self._core.note_unidentified()
 
     def store(self, tokens: TokenIds, kv: KVCache, mask: torch.Tensor | None = None,
-              skip_existing: bool = True) -> int:
-        return self._run(self._core.store(tokens, kv, mask, skip_existing))
+              skip_existing: bool = True, identity: RequestIdentity = PLAIN) -> int:
+        return self._run(self._core.store(tokens, kv, mask, skip_existing, identity))
 
     def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None, return_tuple: bool = True,
-                 out: KVCache | None = None, deadline_s: float | None = None) -> tuple[Any, torch.Tensor]:
-        return self._run(self._core.retrieve(tokens, mask, return_tuple, out, deadline_s))
+                 out: KVCache | None = None, deadline_s: float | None = None,
+                 identity: RequestIdentity = PLAIN) -> tuple[Any, torch.Tensor]:
+        return self._run(self._core.retrieve(tokens, mask, return_tuple, out, deadline_s, identity))
 
-    def lookup(self, tokens: TokenIds) -> int:
+    def lookup(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
         """Answered on the calling thread from the tiers' in-memory indexes when they all have
         one (no hop to the engine's loop: a scheduler asks this for every request)."""
-        cached = self._core.lookup_nowait(tokens)
-        return cached if cached is not None else self._run(self._core.lookup(tokens))
+        cached = self._core.lookup_nowait(tokens, identity)
+        return cached if cached is not None else self._run(self._core.lookup(tokens, identity))
 
-    def plan(self, tokens: TokenIds) -> PrefixPlan:
+    def plan(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan:
         """Answered on the calling thread when every tier has an in-memory index (see lookup)."""
-        planned = self._core.plan_nowait(tokens)
-        return planned if planned is not None else self._run(self._core.plan(tokens))
+        planned = self._core.plan_nowait(tokens, identity)
+        return planned if planned is not None else self._run(self._core.plan(tokens, identity))
 
     def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         self._core.observe_recompute(new_tokens, context_tokens, seconds)
@@ -136,16 +141,16 @@ class Engine:
         one engine."""
         self._core.cost_aware = value
 
-    def locate_prefix(self, tokens: TokenIds) -> list[str]:
+    def locate_prefix(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str]:
         """Answered on the calling thread when every tier has an in-memory index (see lookup)."""
-        names = self._core.locate_prefix_nowait(tokens)
-        return names if names is not None else self._run(self._core.locate_prefix(tokens))
+        names = self._core.locate_prefix_nowait(tokens, identity)
+        return names if names is not None else self._run(self._core.locate_prefix(tokens, identity))
 
-    def prefetch(self, tokens: TokenIds) -> None:
-        self._run(self._core.prefetch(tokens))
+    def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
+        self._run(self._core.prefetch(tokens, identity))
 
-    def locate(self, tokens: TokenIds) -> list[str | None]:
-        return self._run(self._core.locate(tokens))
+    def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
+        return self._run(self._core.locate(tokens, identity))
 
     def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         return self._run(self._core.batched_put(keys, chunks))
@@ -167,6 +172,13 @@ class Engine:
 
     async def _stats(self) -> dict[str, Any]:
         return self._core.stats()
+
+    def occupancy(self) -> dict[str, Any]:
+        """What each tier holds per key scope (see :meth:`AsyncEngine.occupancy`)."""
+        return self._run(self._occupancy())
+
+    async def _occupancy(self) -> dict[str, Any]:
+        return self._core.occupancy()
 
     def close(self) -> None:
         """Flush background work, close every tier and stop the loop thread. Idempotent."""

@@ -43,7 +43,7 @@ import torch
 from tierkv import copies, ownership, serde
 from tierkv.backend import FULL_DISK_ERRNOS, StorageBackend, check_batch, check_destinations, full_disk_error
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
-from tierkv.keys import KV_FORMATS, CacheKey
+from tierkv.keys import KV_FORMATS, CacheKey, count_by_scope
 from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option, format_size
 from tierkv.planner import SpeedSeed
@@ -414,6 +414,10 @@ class LMDBBackend(StorageBackend):
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
             self._env.close()
+
+    def scope_usage(self) -> dict[str, dict[str, int]]:
+        index = self._index
+        return count_by_scope((key, index.size_of(key) or 0) for key in list(index.keys()))
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "chunks": len(self._index), "path": self.path}

@@ -36,7 +36,7 @@ import torch
 from tierkv import offload
 from tierkv.backend import DemoteSink, StorageBackend, check_batch, check_destinations, fits_destination
 from tierkv.errors import CapacityError
-from tierkv.keys import CacheKey
+from tierkv.keys import CacheKey, count_by_scope
 from tierkv.memory import can_pin_memory, empty_host, size_class
 from tierkv.options import Option, format_size
 from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
@@ -416,6 +416,10 @@ class MemoryTier(StorageBackend):
     def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
         resident = self._resident
         return [key in resident for key in keys]
+
+    def scope_usage(self) -> dict[str, dict[str, int]]:
+        index = self._index
+        return count_by_scope((key, index.size_of(key) or 0) for key in list(index.keys()))
 
     def resident_keys(self) -> list[CacheKey]:
         """Keys held now, first to be evicted first."""

@@ -84,6 +84,21 @@ def _flush(engine: Any) -> bool:
     return False
 
 
+def _generate(engine: Any, input_ids: list[int], sampling: dict[str, Any], cache_salt: str | None,
+              extra_key: str | None) -> dict[str, Any]:
+    """One greedy generation; ``cache_salt`` (a tenant) and ``extra_key`` (what SGLang sets
+    from a request's LoRA adapter) seed SGLang's page hashes. ``Engine.generate`` takes no
+    ``extra_key``, so that request goes through the engine's tokenizer manager as
+    ``Engine.generate`` itself sends it."""
+    if extra_key is None:
+        return dict(engine.generate(input_ids=input_ids, sampling_params=sampling, cache_salt=cache_salt))
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling, cache_salt=cache_salt,
+                               extra_key=extra_key)
+    return dict(engine.loop.run_until_complete(engine.tokenizer_manager.generate_request(request, None).__anext__()))
+
+
 def main(spec_path: str, out_path: str) -> None:
     import sglang
 
@@ -98,7 +113,7 @@ def main(spec_path: str, out_path: str) -> None:
                 results.append({"flush": _flush(engine)})
                 continue
             started = time.perf_counter()
-            out = engine.generate(input_ids=prompts[step["gen"]], sampling_params=sampling)
+            out = _generate(engine, prompts[step["gen"]], sampling, step.get("cache_salt"), step.get("extra_key"))
             seconds = time.perf_counter() - started
             meta = out.get("meta_info", {})
             results.append({"gen": step["gen"], "output_ids": out.get("output_ids"), "seconds": seconds,

@@ -66,10 +66,12 @@ def page_key(model: Path, tokens: list[int], page: int) -> Any:
     """The tierkv key SGLang's page ``page`` of ``tokens`` is stored under (SGLang's own page hash)."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
+    from tierkv.revisions import directory_revision
+
     hashes = get_storage_hash_str(tokens[: (page + 1) * PAGE], None, page_size=PAGE)
     geometry = (f"mha:layers={LAYERS}:heads={KV_HEADS}:head_dim={HIDDEN // HEADS}:page={PAGE}:dtype=bfloat16"
                 ":pp=0/1")
-    return PageKeySpace(str(model), 1, 0, geometry).key(hashes[page])
+    return PageKeySpace(str(model), 1, 0, geometry, directory_revision(model)).key(hashes[page])
 
 
 def test_outputs_identical_pages_from_tierkv_across_processes_and_damage(models: tuple[Path, Path],
@@ -121,3 +123,26 @@ def test_a_failing_tier_leaves_outputs_correct(models: tuple[Path, Path], tmp_pa
     assert storage_tokens(results[1]) == 0
     counters = json.loads(stats.read_text())["counters"]
     assert counters.get("store_errors", 0) >= 1 and counters.get("pages_loaded", 0) == 0, counters
+
+
+def test_salted_and_lora_pages_never_mix(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """SGLang seeds its page hashes with the request's ``cache_salt`` and ``extra_key`` (what it
+    sets from a LoRA adapter); tierkv keys pages by those hashes. After ``flush_cache()`` only
+    tierkv can serve a prefix: another tenant or adapter gets none of it, the same one all."""
+    model_a, _ = models
+    stats = tmp_path / "stats.json"
+    identities = [{"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}, {"extra_key": "lora-1"},
+                  {"extra_key": "lora-2"}, {"extra_key": "lora-1", "cache_salt": "tenant-a"}, {}]
+    steps: list[dict[str, Any]] = []
+    for identity in identities * 2:  # each identity once (a miss), then each again (its own hit)
+        steps += [{"gen": 0, **identity}, {"flush": True}]
+    results = gens(run_spec(spec(model_a, extra([tier_entry("lmdb", tmp_path)], stats), [prompt(0)], steps),
+                            tmp_path / "run"))
+    first, again = results[: len(identities)], results[len(identities):]
+    assert [storage_tokens(r) for r in first] == [0] * len(identities), (
+        f"a tenant or adapter was served another's pages: {[storage_tokens(r) for r in first]}")
+    assert all(storage_tokens(r) >= PROMPT - PAGE for r in again), (
+        f"each identity hits its own pages: {[storage_tokens(r) for r in again]}")
+    assert len({tuple(r["output_ids"]) for r in results}) == 1, "no adapter is loaded: one output for all"
+    counters = json.loads(stats.read_text())["counters"]
+    assert counters["pages_loaded"] >= len(identities) * (PROMPT // PAGE - 1), counters

@@ -19,6 +19,7 @@ from tierkv import kvlayout
 from tierkv.blend.interfaces import BlendRetriever, BlendRetrieverResult, BlendRetrieverTask
 from tierkv.blend.segments import FetchedSegment, SegmentKeys, fetch_segments, segment_keys
 from tierkv.engine import Engine
+from tierkv.identity import PLAIN, RequestIdentity
 
 
 def split_segments(prompt: torch.Tensor, starts: Sequence[int]) -> list[tuple[int, int]]:
@@ -40,7 +41,7 @@ class SegmentRetrievalTask(BlendRetrieverTask):
     """A background retrieval of one batch; ``result(layer_id)`` blocks for that layer only."""
 
     def __init__(self, engine: Engine, prompts: list[torch.Tensor], indices: list[list[int]],
-                 device: torch.device | str | None) -> None:
+                 device: torch.device | str | None, identity: RequestIdentity = PLAIN) -> None:
         if len(prompts) != len(indices):
             raise ValueError(f"new_request got {len(prompts)} prompts but {len(indices)} index lists")
         self._engine = engine
@@ -51,7 +52,7 @@ class SegmentRetrievalTask(BlendRetrieverTask):
         for prompt, starts in zip(prompts, indices):
             for begin, end in split_segments(prompt, starts):
                 self._spans.append((offset + begin, offset + end))
-                self._keys.append(segment_keys(engine, prompt[begin:end]))
+                self._keys.append(segment_keys(engine, prompt[begin:end], identity))
             offset += prompt.numel()
         self.num_tokens = offset
         with torch.inference_mode(False):  # filled in by the worker thread, which is not in inference mode
@@ -130,9 +131,12 @@ class SegmentRetrievalTask(BlendRetrieverTask):
 class SegmentBlendRetriever(BlendRetriever):
     """Retrieves the segments stored by :func:`tierkv.blend.store_segments` from an engine."""
 
-    def __init__(self, engine: Engine, device: torch.device | str | None = None) -> None:
+    def __init__(self, engine: Engine, device: torch.device | str | None = None,
+                 identity: RequestIdentity = PLAIN) -> None:
         self.engine = engine
         self.device = device
+        self.identity = identity  # the adapter and salt whose segments this retriever reads
 
     def new_request(self, full_prompts: list[torch.Tensor], indices: list[list[int]]) -> SegmentRetrievalTask:
-        return SegmentRetrievalTask(self.engine, list(full_prompts), [list(i) for i in indices], self.device)
+        return SegmentRetrievalTask(self.engine, list(full_prompts), [list(i) for i in indices], self.device,
+                                    self.identity)

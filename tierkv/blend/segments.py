@@ -26,6 +26,7 @@ import torch
 
 from tierkv import kvlayout
 from tierkv.engine import Engine
+from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import CacheKey, as_token_array
 from tierkv.namespaces import in_namespace, namespaced_keys
 
@@ -42,12 +43,15 @@ class SegmentKeys:
     positions: CacheKey
 
 
-def segment_keys(engine: Engine, tokens: torch.Tensor | Sequence[int]) -> SegmentKeys:
-    """Keys of a segment, hashed from its own first token (not from the prompt's)."""
+def segment_keys(engine: Engine, tokens: torch.Tensor | Sequence[int],
+                 identity: RequestIdentity = PLAIN) -> SegmentKeys:
+    """Keys of a segment, hashed from its own first token (not from the prompt's), under
+    ``identity`` (the adapter and salt of the requests that may reuse it; media offsets
+    count from the segment's first token)."""
     token_array = as_token_array(tokens)
     if not len(token_array):
         raise ValueError("a segment must hold at least one token")
-    prefix_keys = engine.keys_for(token_array)
+    prefix_keys = engine.keys_for(token_array, identity)
     return SegmentKeys(len(token_array), namespaced_keys(prefix_keys, SEGMENT_NAMESPACE),
                        in_namespace(prefix_keys[-1], POSITIONS_NAMESPACE))
 
@@ -76,6 +80,7 @@ def store_segments(
     kvs: Sequence[kvlayout.KVCache],
     positions: Sequence[int | torch.Tensor | None] | None = None,
     skip_existing: bool = True,
+    identity: RequestIdentity = PLAIN,
 ) -> int:
     """Store each segment's KV as its own entry; returns the number of segments written.
 
@@ -83,6 +88,8 @@ def store_segments(
     positions from there), a 1-D tensor with one position per token, or None for 0. With
     ``skip_existing``, a segment whose chunks and positions are all cached is not rewritten;
     otherwise every chunk is rewritten, so chunks and positions always come from one store.
+    ``identity``: the adapter and salt the segments are stored under (only requests of the
+    same identity reuse them).
     """
     if len(segments_tokens) != len(kvs):
         raise ValueError(f"store_segments got {len(segments_tokens)} segments but {len(kvs)} KV caches")
@@ -93,7 +100,7 @@ def store_segments(
     chunk_size = engine.config.chunk_size
     written = 0
     for index, (tokens, kv) in enumerate(zip(segments_tokens, kvs)):
-        keys = segment_keys(engine, tokens)
+        keys = segment_keys(engine, tokens, identity)
         blob = kvlayout.as_blob(kv, fmt)
         if blob.shape[dim] != keys.num_tokens:
             raise ValueError(f"segment {index}: KV holds {blob.shape[dim]} tokens (dim {dim} of {fmt} shape "

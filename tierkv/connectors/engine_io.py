@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierkv import copies, kvlayout
+from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import CacheKey, as_token_array
 
 if TYPE_CHECKING:
@@ -93,18 +94,19 @@ def _on_stream(stream: torch.cuda.Stream | None) -> Any:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | None
-                       ) -> tuple[int, list[CacheKey], list[tuple[int, int]]]:
+async def _store_range(engine: AsyncEngine, tokens: Any, mask: torch.Tensor | None,
+                       identity: RequestIdentity = PLAIN) -> tuple[int, list[CacheKey], list[tuple[int, int]]]:
     """How many tokens the chunks to store cover (masked-out and already cached ones left out),
     and their keys and token ranges."""
     token_array = as_token_array(tokens)
     skip = kvlayout.store_mask_skip(mask, len(token_array), engine.chunk_size)
-    keys, ranges = await engine.chunks_to_store(token_array, skip)
+    keys, ranges = await engine.chunks_to_store(token_array, skip, identity=identity)
     return (len(token_array) - ranges[0][0] if ranges else 0), keys, ranges
 
 
 async def store_with_connector(
-    engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
+    engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, *,
+    identity: RequestIdentity = PLAIN, **kwargs: Any
 ) -> int:
     """Store the KV of ``tokens`` straight from the serving engine's cache; returns chunks written.
 
@@ -113,9 +115,10 @@ async def store_with_connector(
     pooled buffer for tiers without memory of their own): no prompt-sized blob. Chunks
     already cached at the start of the prompt are neither gathered nor written again; a
     suffix ``mask`` (aligned to chunks) leaves its unmasked prefix out, as in ``AsyncEngine.store``.
+    ``identity``: the request's adapter, salt and media (see ``AsyncEngine.store``).
     """
     _check_format(engine, connector)
-    num_tokens, keys, ranges = await _store_range(engine, tokens, mask)
+    num_tokens, keys, ranges = await _store_range(engine, tokens, mask, identity)
     if not keys:
         return 0
     return await engine.store_from(keys, ConnectorSource(connector, kwargs, num_tokens), ranges)
@@ -123,7 +126,7 @@ async def store_with_connector(
 
 async def retrieve_with_connector(
     engine: AsyncEngine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
-    deadline_s: float | None = None, **kwargs: Any
+    deadline_s: float | None = None, *, identity: RequestIdentity = PLAIN, **kwargs: Any
 ) -> torch.Tensor:
     """Retrieve the cached prefix of ``tokens`` straight into the serving engine's cache.
 
@@ -133,11 +136,13 @@ async def retrieve_with_connector(
     """
     _check_format(engine, connector)
     skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s)
+    return await engine.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s,
+                                    identity=identity)
 
 
 def store_paged(
-    engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, **kwargs: Any
+    engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, *,
+    identity: RequestIdentity = PLAIN, **kwargs: Any
 ) -> int:
     """Blocking :func:`store_with_connector` for :class:`~tierkv.Engine` (the gathers run on the
     caller's CUDA stream)."""
@@ -146,7 +151,7 @@ def store_paged(
     source = ConnectorSource(connector, kwargs, 0)
 
     async def store() -> int:
-        source.num_tokens, keys, ranges = await _store_range(core, tokens, mask)
+        source.num_tokens, keys, ranges = await _store_range(core, tokens, mask, identity)
         if not keys:
             return 0
         return await core.store_from(keys, source, ranges)
@@ -155,11 +160,12 @@ def store_paged(
 
 def retrieve_paged(
     engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
-    deadline_s: float | None = None, **kwargs: Any
+    deadline_s: float | None = None, *, identity: RequestIdentity = PLAIN, **kwargs: Any
 ) -> torch.Tensor:
     """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine` (the scatters run on
     the caller's CUDA stream)."""
     core = engine.core
     _check_format(core, connector)
     skip = kvlayout.suffix_mask_skip(mask, len(as_token_array(tokens)))
-    return engine.run(core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s))
+    return engine.run(core.retrieve_to(tokens, ConnectorSink(connector, kwargs, skip), mask, deadline_s,
+                                       identity=identity))

@@ -5,7 +5,9 @@ format; a model's ``past_key_values`` (a ``DynamicCache``, batch size 1) are con
 the engine's layout on the way in and back on the way out.
 
 - :func:`metadata_for`: the engine's metadata for a model, with its ``kv_shape`` (a fresh
-  process plans reads and sizes outputs before it has seen a chunk);
+  process plans reads and sizes outputs before it has seen a chunk) and its identity (a
+  digest of its weights, peft adapters included, and its KV geometry), so a peft-wrapped
+  model never reads the base model's chunks nor a re-trained model the old one's;
 - :func:`store_cache` / :func:`retrieve_cache`: a prompt's KV into the engine and back;
 - :func:`prefill_with_reuse`: retrieve the longest cached prefix, run the model only on the
   rest, store the prompt's KV; :func:`generate_with_reuse` does the same inside ``generate``;
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import xxhash
 
 from tierkv.async_engine import EngineMetadata, KVShape
 from tierkv.blend.executor import CacheBlendExecutor
@@ -31,6 +34,7 @@ from tierkv.blend.retriever import SegmentBlendRetriever
 from tierkv.blend.segments import store_segments
 from tierkv.config import EngineConfig, load_config
 from tierkv.engine import Engine
+from tierkv.metadata import geometry_part
 
 try:
     from transformers import DynamicCache
@@ -54,12 +58,64 @@ def kv_shape_of(model: Any) -> KVShape:
     return layers, kv_heads, head_size, model.dtype
 
 
+def weights_digest(model: Any) -> str:
+    """XXH3-128 of every parameter and buffer of ``model`` (names, shapes, dtypes, bytes):
+    what tells a model's weights, adapters included, from any other's. One pass over the
+    weights (device weights are copied to the host a tensor at a time)."""
+    digest = xxhash.xxh3_128()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        data = tensor.detach()
+        digest.update(f"{name}:{tuple(data.shape)}:{data.dtype}\0".encode())
+        if data.numel():
+            flat = data.reshape(-1).contiguous().cpu()
+            digest.update(flat.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _active_adapters(model: Any) -> str | None:
+    """The active peft adapter names of a peft-wrapped model (None for a plain model)."""
+    active = getattr(model, "active_adapters", None)
+    if active is None or not hasattr(model, "peft_config"):
+        return None
+    names = active() if callable(active) else active
+    return ",".join(sorted([names] if isinstance(names, str) else names))
+
+
+def model_identity(model: Any, revision: str | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(revision, identity pairs) of a transformers model, peft-wrapped or not.
+
+    The revision is ``revision`` when given (the config's ``model_revision``), else a digest
+    of the weights in memory (:func:`weights_digest`: a peft adapter's weights are
+    parameters of the wrapped model, so base and adapter never share a key). The pairs bind
+    the KV geometry and dtype and the active adapters."""
+    if revision is None:
+        revision = "weights:" + weights_digest(model)
+    pairs = [geometry_part(kv_shape_of(model))]
+    adapters = _active_adapters(model)
+    if adapters is not None:
+        pairs.append(("adapters", adapters))
+    return revision, tuple(pairs)
+
+
 def metadata_for(model: Any, config: EngineConfig | Any, model_name: str | None = None) -> EngineMetadata:
     """The :class:`~tierkv.EngineMetadata` to build an :class:`~tierkv.Engine` for ``model`` with:
-    the config's keys (``model_name`` overrides its ``model``) and the model's ``kv_shape``, so
-    a fresh process sizes outputs and plans reads before it has seen a chunk."""
+    the config's keys (``model_name`` overrides its ``model``), the model's ``kv_shape`` (a
+    fresh process sizes outputs and plans reads before it has seen a chunk) and its identity
+    (:func:`model_identity`; the config's ``model_revision`` skips the pass over the weights,
+    and then names the weights *and* any adapter: give each its own)."""
     base = EngineMetadata.from_config(load_config(config))
-    return replace(base, model_name=model_name or base.model_name, kv_shape=kv_shape_of(model))
+    revision, identity = model_identity(model, base.model_revision)
+    return replace(base, model_name=model_name or base.model_name, kv_shape=kv_shape_of(model),
+                   model_revision=revision, identity=identity)
+
+
+def check_engine_for(model: Any, engine: Engine) -> None:
+    """ValueError when ``model`` runs peft adapters that ``engine``'s keys do not bind (an
+    engine built without :func:`metadata_for` would hand a peft model the base model's KV)."""
+    adapters = _active_adapters(model)
+    if adapters is not None and ("adapters", adapters) not in engine.metadata.identity:
+        raise ValueError(f"the model runs peft adapter(s) {adapters!r}, but the engine's keys do not bind them: build "
+                         "the engine with tierkv.integrations.hf.metadata_for(model, config) (one engine per adapter)")
 
 
 # -- DynamicCache <-> engine layout ------------------------------------------------------------
@@ -156,6 +212,7 @@ def prefill_with_reuse(model: Any, engine: Engine, input_ids: torch.Tensor, stor
     fetch than to compute.
     """
     tokens = _token_list(input_ids)
+    check_engine_for(model, engine)
     device = next(model.parameters()).device
     cache, cached = retrieve_cache(engine, tokens, max_tokens=tokens.numel() - 1, device=device)
     new_tokens = tokens[cached:].to(device)[None]
@@ -172,6 +229,7 @@ def generate_with_reuse(model: Any, engine: Engine, input_ids: torch.Tensor, sto
                         **generate_kwargs: Any) -> torch.Tensor:
     """``model.generate`` for one prompt, starting from its cached prefix; stores the prompt's KV."""
     tokens = _token_list(input_ids)
+    check_engine_for(model, engine)
     device = next(model.parameters()).device
     cache, _cached = retrieve_cache(engine, tokens, max_tokens=tokens.numel() - 1, device=device)
     output = model.generate(tokens[None].to(device), past_key_values=cache, use_cache=True,
@@ -214,6 +272,7 @@ def document_kv(model: Any, tokens: torch.Tensor) -> DynamicCache:
 
 def store_documents(model: Any, engine: Engine, documents: Sequence[torch.Tensor]) -> int:
     """Prefill each document alone and store its KV as a blend segment; returns segments written."""
+    check_engine_for(model, engine)
     fmt = engine.metadata.fmt
     kvs = [tuple((k.cpu(), v.cpu()) for k, v in cache_to_kv(document_kv(model, doc), fmt)) for doc in documents]
     return store_segments(engine, [doc.cpu() for doc in documents], kvs)
@@ -257,6 +316,7 @@ def blended_prefill(model: Any, engine: Engine, segments: Sequence[torch.Tensor]
     a ``DynamicCache`` of the whole prompt that ``generate`` can continue from.
     """
     decoder = _decoder(model)
+    check_engine_for(model, engine)
     if not segments:
         raise ValueError("blended_prefill needs at least one segment")
     device = next(model.parameters()).device

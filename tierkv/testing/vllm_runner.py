@@ -8,7 +8,12 @@ every generated token, the wall time of its generate call, and the connector's s
 it stood after the call. The spec::
 
     {"model": DIR, "prompts": [[ids], ...], "max_tokens": 8, "logprobs": null | k,
-     "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096}
+     "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096,
+     "loras": {NAME: ADAPTER_DIR, ...}}
+
+A prompt may also be ``{"ids": [...], "cache_salt": "tenant-a", "lora": NAME}`` (a tenant's
+salt, a LoRA adapter of ``loras``; vLLM runs with ``enable_lora`` when ``loras`` is given).
+:func:`save_random_lora` makes an adapter for such a model with peft.
 
 :func:`save_random_llama` makes a model to serve: a Llama with random weights, saved with
 transformers (no download); prompts are token ids, so no tokenizer is needed. With the
@@ -48,6 +53,27 @@ def save_random_llama(path: str | os.PathLike[str], num_layers: int = 2, hidden_
         finally:
             torch.random.set_rng_state(state)
     model.to(torch.bfloat16).save_pretrained(path)
+    return Path(path)
+
+
+def save_random_lora(model_dir: str | os.PathLike[str], path: str | os.PathLike[str], seed: int = 1, rank: int = 8,
+                     targets: tuple[str, ...] = ("k_proj", "v_proj"), scale: float = 0.5) -> Path:
+    """A LoRA adapter with random A and B on ``targets`` of the model in ``model_dir``, saved
+    with peft's ``save_pretrained`` (no download). Its B is drawn too (peft starts it at zero,
+    which would leave the K/V unchanged), with entries of about ``scale``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets),
+                                                  lora_dropout=0.0, init_lora_weights=False))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    peft_model.save_pretrained(path)
     return Path(path)
 
 
@@ -95,17 +121,29 @@ def main(spec_path: str) -> int:
             kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm_v1",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=extra)
     max_len = int(spec.get("max_model_len", 4096))
+    loras = dict(spec.get("loras") or {})
+    if loras:
+        kwargs.update(enable_lora=True, max_lora_rank=int(spec.get("max_lora_rank", 8)), max_loras=len(loras))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
               enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
               disable_log_stats=True, **kwargs)
+    lora_requests = {}
+    if loras:
+        from vllm.lora.request import LoRARequest
+
+        lora_requests = {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(loras.items())}
     top = spec.get("logprobs")
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0,
                             logprobs=int(top) if top else None)
     results = []
     for prompt in spec["prompts"]:
         started = time.perf_counter()
-        request: Any = {"prompt_token_ids": prompt}
-        output = llm.generate([request], params, use_tqdm=False)[0]
+        described = prompt if isinstance(prompt, dict) else {"ids": prompt}
+        request: Any = {"prompt_token_ids": described["ids"]}
+        if described.get("cache_salt"):
+            request["cache_salt"] = described["cache_salt"]
+        lora = lora_requests[described["lora"]] if described.get("lora") else None
+        output = llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
         seconds = time.perf_counter() - started
         stats = None
         if stats_file and os.path.exists(stats_file):

@@ -42,6 +42,7 @@ from tierkv.integrations.sglang.keys import PageKeySpace
 from tierkv.integrations.sglang.layout import PageLayout
 from tierkv.integrations.sglang.pages import PageIO, ViewSink, ViewSource
 from tierkv.keys import CacheKey
+from tierkv.revisions import directory_revision
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class TierKVStorage(HiCacheStorage):
         geometry = layout.geometry() + f":pp={config.pp_rank}/{config.pp_size}"
         if getattr(config, "attn_cp_size", 1) > 1:
             geometry += f":cp={config.attn_cp_rank}/{config.attn_cp_size}"
-        keyspace = PageKeySpace(self.model_name, self.world_size, self.rank, geometry)
+        keyspace = PageKeySpace(self.model_name, self.world_size, self.rank, geometry, self._revision())
         engine = Engine(self.settings.for_pages(layout.page_size, self.model_name),
                         EngineMetadata(self.model_name, self.world_size, self.rank, "vllm"))
         if self.engine is not None:
@@ -88,6 +89,16 @@ class TierKVStorage(HiCacheStorage):
         logger.info("tierkv: SGLang %s pages (%s layout, %s) of %r rank %d/%d in tiers %s", layout.kind,
                     layout.layout, layout.geometry(), self.model_name, self.rank, self.world_size,
                     [tier.name for tier in engine.tiers])
+
+    def _revision(self) -> str:
+        """The model revision in every page key: the tierkv config's ``model_revision``, else a
+        digest of the model directory (config and weights), else the model's name."""
+        configured = self.settings.config.model_revision
+        if configured:
+            return configured
+        if os.path.isdir(self.model_name):
+            return directory_revision(self.model_name)
+        return f"name:{self.model_name}"
 
     def _ready(self) -> tuple[PageIO, PageLayout, PageKeySpace]:
         if self.io is None or self.layout is None or self.keyspace is None:

@@ -5,14 +5,21 @@ pools add a suffix such as ``.mamba``). tierkv keys carry the model, the tensor-
 world size and rank, and a chunk hash. A page key here is in its own namespace
 (:data:`NAMESPACE`, as in :mod:`tierkv.namespaces`), so it never collides with the engine's
 prefix-chunk keys, and its hash also covers the page geometry (layers, heads, head size,
-page size, dtype, pipeline stage): caches of different models, shapes or TP layouts never mix,
-even in one shared tier.
+page size, dtype, pipeline stage), the model's revision and tierkv's key format: caches of
+different models, revisions, shapes or TP layouts never mix, even in one shared tier.
+
+What else a page's KV depends on is already in SGLang's page hash: SGLang 0.5.23 seeds it
+with the request's ``extra_key`` (its LoRA adapter id) and ``cache_salt``
+(``sglang.srt.mem_cache.utils.get_storage_hash_str``), so salted and LoRA pages never share
+a key here either (tested with a real SGLang in ``tests/hicache``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from tierkv.identity import KEY_FORMAT
 from tierkv.keys import CacheKey
 from tierkv.namespaces import named_key
 
@@ -22,12 +29,13 @@ NAMESPACE = "sglang-hicache"
 
 @dataclass(frozen=True)
 class PageKeySpace:
-    """Maps SGLang page hashes to tierkv keys for one (model, rank, geometry)."""
+    """Maps SGLang page hashes to tierkv keys for one (model, revision, rank, geometry)."""
 
     model_name: str
     world_size: int
     rank: int
     geometry: str
+    revision: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -36,14 +44,20 @@ class PageKeySpace:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
 
     def template(self) -> CacheKey:
-        return CacheKey("vllm", self.model_name, self.world_size, self.rank, "")
+        return CacheKey("vllm", self.model_name, self.world_size, self.rank, "", self.scope)
+
+    @functools.cached_property
+    def scope(self) -> str:
+        """The short digest of (key format, revision, geometry) every page key carries."""
+        return named_key(CacheKey("", "", 1, 0, ""), "", KEY_FORMAT, self.revision, self.geometry).chunk_hash[:16]
 
     def key(self, page_hash: str) -> CacheKey:
         """The tierkv key of one SGLang page."""
         if not isinstance(page_hash, str) or not page_hash:
             raise ValueError(f"an SGLang page key must be a non-empty string, got {page_hash!r}")
-        return named_key(self.template(), NAMESPACE, self.geometry, page_hash)
+        return named_key(self.template(), NAMESPACE, KEY_FORMAT, self.revision, self.geometry, page_hash)
 
     def keys(self, page_hashes: list[str]) -> list[CacheKey]:
         template = self.template()
-        return [named_key(template, NAMESPACE, self.geometry, page_hash) for page_hash in page_hashes]
+        return [named_key(template, NAMESPACE, KEY_FORMAT, self.revision, self.geometry, page_hash)
+                for page_hash in page_hashes]

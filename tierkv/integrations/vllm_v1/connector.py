@@ -33,6 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.backend import InPlaceTier
 from tierkv.engine import EngineBuilder
+from tierkv.identity import RequestIdentity
+from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
@@ -60,6 +62,7 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
+    unidentified: int = 0
 
 
 def _ranks() -> tuple[int, int]:
@@ -85,6 +88,20 @@ def _kv_shape(vllm_config: VllmConfig) -> tuple[int, int, int, torch.dtype] | No
                 model.dtype)
     except Exception:  # an exotic model config: learned from the first chunk instead
         return None
+
+
+def _engine_identity(vllm_config: VllmConfig, configured_revision: str | None
+                     ) -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
+    """(model revision, KV cache dtype unless the model's, further identity pairs) of this vLLM:
+    what every key binds besides the model name and ranks."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        geometry: tuple[int, int, int] | None = (int(model.get_num_layers(parallel)),
+                                                 int(model.get_num_kv_heads(parallel)), int(model.get_head_size()))
+    except Exception:  # an exotic model config: the chunk header still checks the shape on read
+        geometry = None
+    return engine_identity(str(model.model), str(model.dtype), geometry, str(vllm_config.cache_config.cache_dtype),
+                           getattr(model, "quantization", None), getattr(model, "revision", None), configured_revision)
 
 
 def _layer_index(name: str, position: int) -> int:
@@ -116,6 +133,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._instance = ""
         self._worker_id = 0
         self._stats_written: dict[str, int] = {}
+        self._identity_hook = load_hook(self._settings.identity_hook)
         if role == KVConnectorRole.SCHEDULER:
             if self._settings.load_failure_policy == "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # a cache miss is always safe to recompute
@@ -126,8 +144,9 @@ class TierKVConnector(KVConnectorBase_V1):
             worker_id, tp_rank = _ranks()
             self._worker_id = worker_id
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
-            engine = EngineBuilder.get_or_create(self._instance, self._settings.config,
-                                                 self._settings.metadata(worker_id, _kv_shape(vllm_config)))
+            revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
+            engine = EngineBuilder.get_or_create(self._instance, self._settings.config, self._settings.metadata(
+                worker_id, _kv_shape(vllm_config), revision, cache_dtype, identity))
             cpus = keep_off_compute_cores(engine)
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             transfers = self._transfers
@@ -135,11 +154,11 @@ class TierKVConnector(KVConnectorBase_V1):
                 memory = {tier.name for tier in engine.tiers if isinstance(tier, InPlaceTier)} | {"fill-queue"}
                 chunk = engine.core.chunk_size
 
-                def lookup(tokens: np.ndarray) -> LookupResult:
+                def lookup(tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
                     if transfers.disabled is not None:
                         return LookupResult(-1, 0)  # tierkv is off: the scheduler stops planning loads and saves
-                    plan = engine.plan(tokens)  # the cost-aware length: the prefix that pays to load
-                    names = engine.locate_prefix(tokens)[: -(-plan.planned_tokens // chunk)]
+                    plan = engine.plan(tokens, identity)  # the cost-aware length: the prefix that pays to load
+                    names = engine.locate_prefix(tokens, identity)[: -(-plan.planned_tokens // chunk)]
                     in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
                     return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
 
@@ -234,7 +253,10 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker = self._worker()
-        for load in self._metadata().loads:
+        metadata = self._metadata()
+        if metadata.unidentified:
+            worker.note_unidentified(metadata.unidentified)
+        for load in metadata.loads:
             if load.asynchronous:
                 worker.start_async_load(load)
             else:
@@ -293,14 +315,16 @@ class TierKVConnector(KVConnectorBase_V1):
         return self._planner
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens)
+        identity = request_identity(request, self._identity_hook)  # adapters' digests are remembered per path
+        return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens,
+                                                identity)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         plan = self._scheduler().build(scheduler_output)
-        return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted)
+        return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted, plan.unidentified)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().loads_failed(set(connector_output.invalid_block_ids or ()),

@@ -6,14 +6,17 @@ rank 0 answers "how much of this prompt is cached, and how much of that in memor
 Unix socket named after the vLLM instance, and the scheduler asks there. When both sides
 live in one process (vLLM's in-process executor) the answer is a direct call.
 
-Wire format (no pickle): request = uint32 token count + that many int32 ids (little
-endian); reply = int64 cached tokens + int64 of them in memory tiers. Any failure to ask
+Wire format (no pickle): request = uint32 token count + uint32 identity length + that many
+int32 ids (little endian) + the request's identity as UTF-8 JSON
+(:meth:`~tierkv.identity.RequestIdentity.to_wire`); reply = int64 cached tokens + int64 of
+them in memory tiers. Any failure to ask
 (worker not up yet, worker gone) is answered as "nothing cached": a lookup never fails a
 request, it only costs a recompute.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -24,14 +27,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tierkv.identity import RequestIdentity
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
 
 logger = logging.getLogger(__name__)
 
-_COUNT = struct.Struct("<I")
+_HEADER = struct.Struct("<II")
 _REPLY = struct.Struct("<qq")
 _MAX_TOKENS = 1 << 24
-_LOCAL: dict[str, Callable[[np.ndarray], LookupResult]] = {}
+_MAX_IDENTITY = 1 << 20
+Lookup = Callable[[np.ndarray, RequestIdentity], LookupResult]
+_LOCAL: dict[str, Lookup] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -53,7 +59,7 @@ def _receive(conn: socket.socket, nbytes: int) -> bytes:
 class LookupServer:
     """Serves lookups on ``path`` from threads (one per scheduler connection)."""
 
-    def __init__(self, path: str, lookup: Callable[[np.ndarray], LookupResult], cpus: set[int] | None = None) -> None:
+    def __init__(self, path: str, lookup: Lookup, cpus: set[int] | None = None) -> None:
         self.path = path
         self.lookup = lookup
         self.cpus = cpus  # where to run (the CPUs vLLM keeps free); None: wherever the process runs
@@ -85,12 +91,14 @@ class LookupServer:
         with conn:
             while not self._closed.is_set():
                 try:
-                    (count,) = _COUNT.unpack(_receive(conn, _COUNT.size))
-                    if count > _MAX_TOKENS:
-                        raise ValueError(f"lookup of {count} tokens (at most {_MAX_TOKENS})")
+                    count, identity_size = _HEADER.unpack(_receive(conn, _HEADER.size))
+                    if count > _MAX_TOKENS or identity_size > _MAX_IDENTITY:
+                        raise ValueError(f"lookup of {count} tokens (at most {_MAX_TOKENS}) and an identity of "
+                                         f"{identity_size} bytes (at most {_MAX_IDENTITY})")
                     tokens = np.frombuffer(_receive(conn, 4 * count), dtype="<i4")
+                    identity = RequestIdentity.from_wire(json.loads(_receive(conn, identity_size)))
                     try:
-                        result = self.lookup(tokens)
+                        result = self.lookup(tokens, identity)
                     except Exception as exc:  # a broken tier: nothing cached, the request recomputes
                         logger.warning("tierkv: lookup failed, answering 'not cached': %s: %s", type(exc).__name__, exc)
                         result = LookupResult(0, 0)
@@ -125,12 +133,14 @@ class LookupClient:
         self._lock = threading.Lock()
         self._warned = False
 
-    def __call__(self, tokens: np.ndarray) -> LookupResult:
+    def __call__(self, tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
         with _LOCAL_LOCK:
             local = _LOCAL.get(self.path)
         if local is not None:
-            return local(tokens)
-        payload = _COUNT.pack(len(tokens)) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+            return local(tokens, identity)
+        wire_identity = json.dumps(identity.to_wire(), separators=(",", ":")).encode()
+        payload = (_HEADER.pack(len(tokens), len(wire_identity)) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+                   + wire_identity)
         with self._lock:
             for attempt in range(2):  # a dropped connection is re-opened once
                 try:

@@ -13,7 +13,11 @@ Rules:
   prompt (so a stored partial last chunk matches) and the token range to write;
 - a request's prompt is saved in the step that completes its prefill, once; a request
   whose save was planned keeps its blocks after it finishes until the worker reports
-  the save done (``request_finished`` returns True).
+  the save done (``request_finished`` returns True);
+- every lookup, load and save carries the request's identity (LoRA adapter, cache salt,
+  media: :class:`~tierkv.identity.RequestIdentity`), recorded when vLLM first asks about the
+  request; a request without one (prompt embeddings, an adapter tierkv cannot read) is
+  neither loaded nor saved, and counted.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import as_token_array
 
 
@@ -37,6 +42,7 @@ class LoadSpec:
     start: int
     end: int
     asynchronous: bool = False
+    identity: RequestIdentity = PLAIN
 
 
 @dataclass(frozen=True)
@@ -46,15 +52,18 @@ class SaveSpec:
     req_id: str
     token_ids: np.ndarray
     block_ids: tuple[int, ...]
+    identity: RequestIdentity = PLAIN
 
 
 @dataclass
 class StepPlan:
-    """What the workers do around one forward pass."""
+    """What the workers do around one forward pass (``unidentified``: requests seen since the
+    last step that tierkv leaves alone because it cannot identify their KV)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
+    unidentified: int = 0
 
 
 @dataclass
@@ -62,6 +71,7 @@ class _Request:
     tokens: np.ndarray
     block_ids: list[int] = field(default_factory=list)
     save_planned: bool = False
+    identity: RequestIdentity | None = PLAIN
 
 
 @dataclass
@@ -83,14 +93,15 @@ class LookupResult:
 class SchedulerPlanner:
     """Answers vLLM's scheduler-side connector calls (see the module docstring).
 
-    ``lookup(tokens) -> LookupResult``; ``load``/``save``: whether this instance loads
+    ``lookup(tokens, identity) -> LookupResult``; ``load``/``save``: whether this instance loads
     (``kv_consumer``/``kv_both``) and saves (``kv_producer``/``kv_both``); ``load_async``:
     ``"never"``, ``"always"``, or ``"auto"`` (asynchronous when part of the prefix has to
     come from a tier below memory: the request then waits for its KV without holding up
     the batch).
     """
 
-    def __init__(self, lookup: Callable[[np.ndarray], LookupResult], *, load: bool = True, save: bool = True,
+    def __init__(self, lookup: Callable[[np.ndarray, RequestIdentity], LookupResult], *, load: bool = True,
+                 save: bool = True,
                  load_async: str = "auto") -> None:
         if load_async not in ("never", "always", "auto"):
             raise ValueError(f"load_async must be 'never', 'always' or 'auto', got {load_async!r}")
@@ -106,21 +117,28 @@ class SchedulerPlanner:
         self._no_load: set[str] = set()  # requests whose load failed: vLLM recomputes, tierkv does not retry
         self.tokens_planned_to_load = 0
         self.tokens_planned_to_save = 0
+        self.unidentified_requests = 0
+        self._unidentified_unreported = 0
 
     # -- vLLM: get_num_new_matched_tokens -------------------------------------------------
-    def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int
-                       ) -> tuple[int, bool]:
+    def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int,
+                       identity: RequestIdentity | None = PLAIN) -> tuple[int, bool]:
         """Tokens tierkv can load beyond ``num_computed_tokens``, and whether asynchronously.
 
-        Side-effect free apart from caching the prompt's token array (vLLM may ask again
-        for a request it could not schedule yet).
+        ``identity``: what else the request's KV depends on (None: tierkv cannot tell, and
+        neither loads nor saves it). Side-effect free apart from caching the prompt's token
+        array and identity (vLLM may ask again for a request it could not schedule yet).
         """
-        if not self.load or prompt_token_ids is None or req_id in self._no_load:
+        if prompt_token_ids is None:
             return 0, False
         request = self._request(req_id, prompt_token_ids)
-        if len(request.tokens) <= 1:
+        if request.identity is not None and identity is None:
+            self.unidentified_requests += 1
+            self._unidentified_unreported += 1
+        request.identity = identity
+        if not self.load or identity is None or req_id in self._no_load or len(request.tokens) <= 1:
             return 0, False
-        result = self._lookup(request.tokens)
+        result = self._lookup(request.tokens, identity)
         if result.cached_tokens < 0:  # the workers turned tierkv off: behave as no connector from now on
             self.load = self.save = False
             return 0, False
@@ -145,20 +163,22 @@ class SchedulerPlanner:
         external = min(num_external_tokens, match.external)
         request.block_ids = list(block_ids)
         self._pending_loads[req_id] = LoadSpec(req_id, request.tokens, tuple(block_ids), match.local,
-                                               match.local + external, match.asynchronous)
+                                               match.local + external, match.asynchronous,
+                                               request.identity or PLAIN)
 
     # -- vLLM: build_connector_meta ----------------------------------------------------------------
     def build(self, scheduler_output: Any) -> StepPlan:
         """The step's loads (every load planned since the last step) and saves (requests whose
         prefill this step completes)."""
-        plan = StepPlan(loads=list(self._pending_loads.values()))
+        plan = StepPlan(loads=list(self._pending_loads.values()), unidentified=self._unidentified_unreported)
+        self._unidentified_unreported = 0
         self._pending_loads.clear()
         self._loading.update((load.req_id, load.block_ids) for load in plan.loads)
         self.tokens_planned_to_load += sum(load.end - load.start for load in plan.loads)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if new.prompt_token_ids is None:
-                continue
+            if new.prompt_token_ids is None or new.req_id not in self._requests:
+                continue  # never asked about (matched_tokens): its identity is unknown, so it is not saved
             request = self._request(new.req_id, new.prompt_token_ids)
             request.block_ids = list(new.block_ids[0])
             self._plan_save(plan, new.req_id, request, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -179,11 +199,12 @@ class SchedulerPlanner:
         return plan
 
     def _plan_save(self, plan: StepPlan, req_id: str, request: _Request, computed_after_step: int) -> None:
-        if not self.save or request.save_planned or computed_after_step < len(request.tokens):
+        if (not self.save or request.save_planned or request.identity is None
+                or computed_after_step < len(request.tokens)):
             return
         request.save_planned = True
         self._saving.add(req_id)
-        plan.saves.append(SaveSpec(req_id, request.tokens, tuple(request.block_ids)))
+        plan.saves.append(SaveSpec(req_id, request.tokens, tuple(request.block_ids), request.identity))
         self.tokens_planned_to_save += len(request.tokens)
 
     # -- vLLM: update_connector_output -------------------------------------------------------------
@@ -215,5 +236,7 @@ class SchedulerPlanner:
     def _request(self, req_id: str, prompt_token_ids: Sequence[int]) -> _Request:
         request = self._requests.get(req_id)
         if request is None or len(request.tokens) != len(prompt_token_ids):
-            request = self._requests[req_id] = _Request(as_token_array(np.asarray(prompt_token_ids, dtype=np.int64)))
+            identity = PLAIN if request is None else request.identity
+            request = self._requests[req_id] = _Request(as_token_array(np.asarray(prompt_token_ids, dtype=np.int64)),
+                                                        identity=identity)
         return request

@@ -1,7 +1,8 @@
 """The connector's settings: vLLM's own config plus ``kv_connector_extra_config``.
 
-What keys chunks (model, world size, worker id) comes from vLLM, so a cache is never
-shared between models or tensor-parallel shapes by mistake; what the tiers are comes from
+What keys chunks (model and its revision, world size, worker id, KV dtype and geometry, and
+per request its LoRA adapter, cache salt and media) comes from vLLM, so a cache is never
+shared between models, revisions, tenants or tensor-parallel shapes by mistake; what the tiers are comes from
 the tierkv config named in the extra config (a YAML path, or the config inline), or from
 ``TIERKV_CONFIG``.
 
@@ -21,7 +22,11 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
 - ``layout_check``: ``true`` (default): at registration, write a pattern through vLLM's own
   cache-write op and read it back through tierkv's views; on any disagreement tierkv logs
   one error and stays off (no loads, no saves), so a vLLM that changed its layout runs as
-  if no connector were set instead of computing from misplaced K/V. ``false`` skips it.
+  if no connector were set instead of computing from misplaced K/V. ``false`` skips it;
+- ``identity_hook``: ``"package.module:function"`` called as ``function(request, identity)``
+  for every request: returns the :class:`~tierkv.identity.RequestIdentity` to key it with
+  (add ``extra`` parts, drop the salt to share across tenants knowingly) or None to leave
+  the request uncached.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from tierkv.config import EngineConfig, config_for_integration
 from tierkv.engine import EngineMetadata
 from tierkv.errors import ConfigError
 
-_KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check")
+_KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check",
+          "identity_hook")
 _LAYOUTS = ("auto", "cpu", "content", "kv_first", "blocks_first")
 _ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
 
@@ -55,11 +61,16 @@ class ConnectorSettings:
     stats_file: str | None
     layout: str = "auto"
     layout_check: bool = True
+    identity_hook: str | None = None
 
-    def metadata(self, worker_id: int, kv_shape: tuple[int, int, int, Any] | None = None) -> EngineMetadata:
+    def metadata(self, worker_id: int, kv_shape: tuple[int, int, int, Any] | None = None,
+                 model_revision: str | None = None, kv_cache_dtype: str | None = None,
+                 identity: tuple[tuple[str, str], ...] = ()) -> EngineMetadata:
         """The engine's metadata; ``kv_shape`` ``(layers, kv_heads, head_size, dtype)`` lets a fresh
-        process size chunks (plan by cost, bound the first retrieve) before it has read one."""
-        return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm", kv_shape=kv_shape)
+        process size chunks (plan by cost, bound the first retrieve) before it has read one; it,
+        the revision, the KV cache dtype and ``identity`` are in every key."""
+        return EngineMetadata(self.model_name, self.world_size, worker_id, "vllm", kv_shape=kv_shape,
+                              model_revision=model_revision, kv_cache_dtype=kv_cache_dtype, identity=identity)
 
 
 def _load_async(value: Any) -> str:
@@ -113,6 +124,10 @@ def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_na
     check = extra.get("layout_check", True)
     if not isinstance(check, bool):
         raise ConfigError(f"kv_connector_extra_config.layout_check: expected true or false, got {check!r}")
+    hook = extra.get("identity_hook")
+    if hook is not None and (not isinstance(hook, str) or ":" not in hook):
+        raise ConfigError(f"kv_connector_extra_config.identity_hook: expected 'package.module:function', got {hook!r}")
     load, save = _ROLES[role]
     return ConnectorSettings(config, model_name, world_size, load, save, _load_async(extra.get("load_async", "auto")),
-                             _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file, str(layout), check)
+                             _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file, str(layout), check,
+                             hook)

@@ -113,6 +113,12 @@ class WorkerTransfers:
         self.disabled = reason
         self.stats["disabled"] = 1
 
+    def note_unidentified(self, count: int) -> None:
+        """``count`` requests were left alone: tierkv cannot tell what their KV depends on."""
+        self.stats["requests_unidentified"] += count
+        for _ in range(count):
+            self.engine.note_unidentified()
+
     def _connector(self) -> PagedLayerConnector:
         if self.connector is None:
             raise RuntimeError("the KV caches were not registered (register_kv_caches) before a load or save")
@@ -132,7 +138,8 @@ class WorkerTransfers:
         mask[spec.start:] = True
         sink = _GuardedSink(connector, {"kvcaches": connector.views, "slot_mapping": slots}, spec.start)
         # plan=False: vLLM's scheduler already chose how much to load (from a cost-aware lookup)
-        return self.engine.submit(self.engine.core.retrieve_to(tokens, sink, mask, plan=False)), sink
+        return self.engine.submit(self.engine.core.retrieve_to(tokens, sink, mask, plan=False,
+                                                               identity=spec.identity)), sink
 
     def load(self, spec: LoadSpec) -> bool:
         """Load now (before the forward pass that reads it); False when some blocks were not filled."""
@@ -215,7 +222,8 @@ class WorkerTransfers:
         slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
         try:
             future = self.engine.submit(store_with_connector(
-                self.engine.core, connector, spec.token_ids, kvcaches=connector.views, slot_mapping=slots))
+                self.engine.core, connector, spec.token_ids, identity=spec.identity, kvcaches=connector.views,
+                slot_mapping=slots))
         except Exception as exc:
             self.stats["save_failures"] += 1
             logger.warning("tierkv: save of request %s not started: %s: %s", spec.req_id, type(exc).__name__, exc)

