@@ -172,3 +172,26 @@ def test_a_hub_cache_link_is_named_by_its_blob(tmp_path: Path, monkeypatch: pyte
     (snapshot / "model.safetensors").symlink_to(blob)
     directory_revision(snapshot)
     assert not (tmp_path / "cache.json").exists(), "nothing was hashed"
+
+
+def test_inspect_shows_occupancy_per_scope_without_keys_or_salts(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Two tenants' chunks in an lmdb tier, written by one process; ``tierkv inspect`` in
+    another look counts them per scope and names neither a key nor a salt."""
+    import yaml
+
+    from tierkv.cli import main
+
+    cfg = config(tmp_path, "lmdb")
+    with Engine(cfg) as engine:
+        for index, salt in enumerate(("tenant-secret-a", "tenant-secret-b")):
+            engine.store(TOKENS, kv(len(TOKENS), index), identity=RequestIdentity(salt=salt))
+        keys = [key.to_string() for key in engine.keys_for(TOKENS, RequestIdentity(salt="tenant-secret-a"))]
+    path = tmp_path / "tierkv.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["inspect", str(path)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed)
+    usage = report["occupancy"]["tiers"]["disk"]
+    assert sorted(entry["chunks"] for entry in usage.values()) == [5, 5], usage
+    assert "tenant-secret" not in printed and not any(key in printed for key in keys)

@@ -111,3 +111,18 @@ def test_a_model_rewritten_under_the_same_path_is_a_miss(tmp_path: Path) -> None
     assert loaded_per_prompt(second) == [0, 599], "the old weights' KV is a miss; the new weights' KV hits"
     assert second[0]["tokens"] != first[0]["tokens"], "guard: the new weights answer differently"
     assert_exact("rewritten", second[1], second[0])
+
+
+def test_prompt_embeds_are_neither_loaded_nor_saved(tmp_path: Path) -> None:
+    """A prompt given as embeddings has no token ids to key its KV by: vLLM serves it, tierkv
+    leaves it alone and counts it; a token prompt beside it is cached as usual."""
+    model = save_random_llama(tmp_path / "llama", initializer_range=0.15)
+    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
+    prompts = [{"embeds": [600, 1]}, {"embeds": [600, 1]}, {"ids": Q}, {"ids": Q}]
+    results = vllm({"model": str(model), "prompts": prompts, "max_tokens": MAX_TOKENS, "prompt_embeds": True,
+                    "tierkv": extra(tmp_path, host)}, tmp_path)
+    assert loaded_per_prompt(results) == [0, 0, 0, 599]
+    assert results[0]["tokens"] == results[1]["tokens"], "vLLM serves the embeddings the same both times"
+    stats = results[-1]["stats"] or {}
+    assert stats.get("requests_unidentified") == 2, stats
+    assert stats.get("requests_saved") == 2, f"only the token prompt's two requests were saved: {stats}"

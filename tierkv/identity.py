@@ -21,6 +21,7 @@ keys had no identity) is a miss, never a wrong hit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -70,9 +71,10 @@ class RequestIdentity:
     """
 
     adapter: str | None = None
-    salt: str | None = None
+    salt: str | None = field(default=None, repr=False)  # never in a log line or a traceback
     media: tuple[MediaSpan, ...] = ()
     extra: tuple[str, ...] = field(default=())
+    _scope_parts: tuple[tuple[str, str], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("adapter", "salt"):
@@ -87,17 +89,18 @@ class RequestIdentity:
         if not all(isinstance(part, str) for part in extra):
             raise ValueError("RequestIdentity.extra: expected strings")
         object.__setattr__(self, "extra", extra)
+        parts = []
+        if self.adapter:
+            parts.append(("adapter", self.adapter))
+        if self.salt:
+            parts.append(("salt", self.salt))
+        parts.extend(("extra", part) for part in extra)
+        object.__setattr__(self, "_scope_parts", tuple(parts))  # asked on every lookup: made once
 
     @property
     def scope_parts(self) -> tuple[tuple[str, str], ...]:
         """The parts that seed every chunk of the request (media are per chunk)."""
-        parts = []
-        if self.adapter:
-            parts.append(("adapter", self.adapter))
-        if self.salt is not None and self.salt != "":
-            parts.append(("salt", self.salt))
-        parts.extend(("extra", part) for part in self.extra)
-        return tuple(parts)
+        return self._scope_parts
 
     def describe(self) -> dict[str, object]:
         """What this identity binds, safe to show (the salt is never shown)."""
@@ -156,12 +159,18 @@ def make_scope(engine_parts: Sequence[tuple[str, str]], identity: RequestIdentit
     return Scope(seed, seed.hex()[:_SCOPE_HEX])
 
 
-def media_mixin(media: Sequence[MediaSpan], start: int, end: int) -> bytes:
-    """The bytes of the media overlapping tokens ``[start, end)`` (empty when none does)."""
-    overlapping = [span for span in media if span.offset < end and span.end > start]
-    if not overlapping:
-        return b""
-    return _encode((span.content_hash, f"{span.offset}:{span.length}") for span in overlapping)
+@functools.lru_cache(maxsize=1024)
+def media_mixins(media: tuple[MediaSpan, ...], chunk_size: int) -> dict[int, bytes]:
+    """For each chunk index some media input overlaps, the bytes of every media input
+    overlapping it (in offset order); chunks without media are absent. Remembered for the
+    last requests (a scheduler's lookup and the worker's load hash the same prompt); the
+    dict returned is shared: read it, never change it."""
+    overlapping: dict[int, list[MediaSpan]] = {}
+    for span in media:
+        for index in range(span.offset // chunk_size, (span.end - 1) // chunk_size + 1):
+            overlapping.setdefault(index, []).append(span)
+    return {index: _encode((span.content_hash, f"{span.offset}:{span.length}") for span in spans)
+            for index, spans in overlapping.items()}
 
 
 def fold_media(previous: bytes, mixin: bytes) -> bytes:

@@ -24,7 +24,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 import torch
 
-from tierkv.identity import PLAIN, RequestIdentity, Scope, fold_media, make_scope, media_mixin
+from tierkv.identity import PLAIN, RequestIdentity, Scope, fold_media, make_scope, media_mixins
 
 KV_FORMATS = ("vllm", "huggingface")
 
@@ -221,12 +221,11 @@ class ChunkHasher:
         step = self.chunk_size * _TOKEN_DTYPE.itemsize
         previous = seed
         sha256 = hashlib.sha256
-        media = identity.media
-        for start in range(0, len(data), step):
-            if media:
-                first_token = start // _TOKEN_DTYPE.itemsize
-                mixin = media_mixin(media, first_token, first_token + self.chunk_size)
-                if mixin:
+        mixins = media_mixins(identity.media, self.chunk_size) if identity.media else None
+        for index, start in enumerate(range(0, len(data), step)):
+            if mixins:
+                mixin = mixins.get(index)
+                if mixin is not None:
                     previous = fold_media(previous, mixin)
             digest = sha256(previous)
             digest.update(data[start : start + step])
@@ -265,6 +264,7 @@ class KeyMaker:
         if known is None:
             if len(self._scopes) >= 4096:  # one per adapter x salt seen; bounded like `recent`
                 self._scopes.clear()
+                self.scope_labels.clear()
             scope = make_scope(self._engine_parts, identity)
             known = self._scopes[parts] = (scope, namespace_prefix(*self._fields, scope.name))
             self.scope_labels.setdefault(scope.name, identity.describe())

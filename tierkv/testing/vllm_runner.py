@@ -12,7 +12,9 @@ it stood after the call. The spec::
      "loras": {NAME: ADAPTER_DIR, ...}}
 
 A prompt may also be ``{"ids": [...], "cache_salt": "tenant-a", "lora": NAME}`` (a tenant's
-salt, a LoRA adapter of ``loras``; vLLM runs with ``enable_lora`` when ``loras`` is given).
+salt, a LoRA adapter of ``loras``; vLLM runs with ``enable_lora`` when ``loras`` is given),
+or ``{"embeds": [tokens, seed]}``: random prompt embeddings of that many tokens (vLLM runs
+with ``enable_prompt_embeds`` when ``"prompt_embeds": true`` is in the spec).
 :func:`save_random_lora` makes an adapter for such a model with peft.
 
 :func:`save_random_llama` makes a model to serve: a Llama with random weights, saved with
@@ -124,6 +126,8 @@ def main(spec_path: str) -> int:
     loras = dict(spec.get("loras") or {})
     if loras:
         kwargs.update(enable_lora=True, max_lora_rank=int(spec.get("max_lora_rank", 8)), max_loras=len(loras))
+    if spec.get("prompt_embeds"):
+        kwargs["enable_prompt_embeds"] = True
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
               enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
               disable_log_stats=True, **kwargs)
@@ -139,7 +143,15 @@ def main(spec_path: str) -> int:
     for prompt in spec["prompts"]:
         started = time.perf_counter()
         described = prompt if isinstance(prompt, dict) else {"ids": prompt}
-        request: Any = {"prompt_token_ids": described["ids"]}
+        if "embeds" in described:
+            import torch
+
+            count, seed = described["embeds"]
+            hidden = llm.llm_engine.model_config.get_hidden_size()
+            embeds = torch.randn(count, hidden, generator=torch.Generator().manual_seed(seed)) * 0.15
+            request: Any = {"prompt_embeds": embeds.to(torch.bfloat16)}
+        else:
+            request = {"prompt_token_ids": described["ids"]}
         if described.get("cache_salt"):
             request["cache_salt"] = described["cache_salt"]
         lora = lora_requests[described["lora"]] if described.get("lora") else None

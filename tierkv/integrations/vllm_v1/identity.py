@@ -51,6 +51,8 @@ def load_hook(spec: str | None) -> IdentityHook | None:
 def _adapter(lora_request: Any) -> str | None:
     """The adapter's identity, or None when its files cannot be read."""
     path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", None)
+    if path and not os.path.isdir(path):
+        path = _hub_snapshot(path, None, "adapter_config.json")  # a hub id vLLM resolves from the hub cache
     if not path or not os.path.isdir(path):
         return None
     try:
@@ -122,12 +124,12 @@ def engine_identity(model: str, model_dtype: str, geometry: tuple[int, int, int]
             tuple(pairs))
 
 
-def _hub_snapshot(model: str, revision: str | None) -> str | None:
-    """The local Hugging Face hub snapshot directory of ``model``, if one is cached."""
+def _hub_snapshot(model: str, revision: str | None, marker: str = "config.json") -> str | None:
+    """The local Hugging Face hub snapshot directory of ``model`` (holding ``marker``), if cached."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(model, "config.json", revision=revision)
+        found = try_to_load_from_cache(model, marker, revision=revision)
     except Exception:  # no hub client, or a name it rejects
         return None
     return os.path.dirname(found) if isinstance(found, str) else None

@@ -119,6 +119,7 @@ class SchedulerPlanner:
         self.tokens_planned_to_save = 0
         self.unidentified_requests = 0
         self._unidentified_unreported = 0
+        self._unidentified: set[str] = set()  # requests counted as unidentified (once each)
 
     # -- vLLM: get_num_new_matched_tokens -------------------------------------------------
     def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int,
@@ -129,12 +130,13 @@ class SchedulerPlanner:
         neither loads nor saves it). Side-effect free apart from caching the prompt's token
         array and identity (vLLM may ask again for a request it could not schedule yet).
         """
+        if identity is None and req_id not in self._unidentified:
+            self._unidentified.add(req_id)
+            self.unidentified_requests += 1
+            self._unidentified_unreported += 1
         if prompt_token_ids is None:
             return 0, False
         request = self._request(req_id, prompt_token_ids)
-        if request.identity is not None and identity is None:
-            self.unidentified_requests += 1
-            self._unidentified_unreported += 1
         request.identity = identity
         if not self.load or identity is None or req_id in self._no_load or len(request.tokens) <= 1:
             return 0, False
@@ -228,6 +230,7 @@ class SchedulerPlanner:
         self._pending_loads.pop(req_id, None)
         self._loading.pop(req_id, None)
         self._no_load.discard(req_id)
+        self._unidentified.discard(req_id)
         if req_id in self._saving:
             self._saving.discard(req_id)
             return True
