@@ -95,11 +95,12 @@ def main() -> int:
         write_results(out, "core", core_rows, {**meta, "seconds": round(time.time() - started, 1)})
 
     if args.prompt:
+        from long_prompt import run_long_prompt
         from prompt import COLUMNS as PROMPT_COLUMNS
         from prompt import run_prompt, summarize_prompt, workload_text
 
         started = time.time()
-        prompt_rows = run_prompt(num_prompts=args.prompts)
+        prompt_rows = run_prompt(num_prompts=args.prompts) + run_long_prompt()
         print(f"\n== prompt level: {workload_text(args.prompts, 4096)} ==")
         print_table(prompt_rows, PROMPT_COLUMNS)
         summarize_prompt(prompt_rows)

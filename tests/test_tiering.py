@@ -80,13 +80,15 @@ def test_write_back_small_memory_tier_keeps_every_chunk_on_disk(tmp_path: Path) 
             assert mask.all() and torch.equal(out, kv_of(tokens))
 
 
-def test_write_back_writes_only_the_top_tier(tmp_path: Path) -> None:
+def test_write_back_writes_only_the_top_tier_until_flushed(tmp_path: Path) -> None:
     with Engine(config(tmp_path, policy="write_back")) as eng:
         tokens = prompt(0, 3)
         eng.store(tokens, kv_of(tokens))
-        eng.flush()
         assert eng.locate(tokens) == ["host"] * 3
-        assert not on_loop(eng, tier(eng, "disk").contains(eng.keys_for(tokens)[0]))
+        assert not on_loop(eng, tier(eng, "disk").contains(eng.keys_for(tokens)[0])), "a store writes the top only"
+        eng.flush()
+        assert eng.locate(tokens) == ["host"] * 3, "flushed chunks stay in the top tier, clean"
+        assert on_loop(eng, tier(eng, "disk").contains(eng.keys_for(tokens)[0])), "flush() wrote them down"
 
 
 def test_write_through_flush_then_sigkill_leaves_every_acked_chunk_on_disk(tmp_path: Path) -> None:

@@ -149,3 +149,34 @@ def test_cache_salt_and_the_identity_hook(engine: Engine) -> None:
         load_hook("no_colon")
     with pytest.raises(ConfigError, match="cannot load"):
         load_hook("identity_hooks:missing")
+
+
+def test_engine_identity_binds_revision_kv_cache_dtype_and_geometry(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the connector puts in every key from vLLM's config: fp8 and bf16 caches, other
+    geometries and other weights under one path never share a key."""
+    from tierkv import EngineMetadata
+    from tierkv.integrations.vllm_v1.identity import engine_identity
+
+    monkeypatch.setenv("TIERKV_REVISION_CACHE", str(tmp_path / "revisions.json"))
+    model = write_adapter(tmp_path / "model", b"\x03" * 4096)  # a config and a weight file
+    tokens = prompt()
+
+    def first_key(*args: Any, **kwargs: Any) -> Any:
+        revision, cache_dtype, pairs = engine_identity(str(model), *args, **kwargs)
+        metadata = EngineMetadata(str(model), model_revision=revision, kv_cache_dtype=cache_dtype, identity=pairs)
+        with Engine({"model": str(model), "chunk_size": CHUNK, "tiers": [{"name": "h", "backend": "cpu",
+                                                                         "capacity": "1MiB"}]}, metadata) as eng:
+            return eng.keys_for(tokens)[0]
+
+    base = first_key("bfloat16", (2, 2, 64))
+    assert first_key("bfloat16", (2, 2, 64)) == base, "stable"
+    assert first_key("bfloat16", (2, 2, 64), cache_dtype="fp8_e4m3") != base
+    assert first_key("float16", (2, 2, 64)) != base
+    assert first_key("bfloat16", (2, 4, 64)) != base
+    assert first_key("bfloat16", (2, 2, 64), quantization="awq") != base
+    assert first_key("bfloat16", (2, 2, 64), configured_revision="v7") != base
+    (model / "adapter_model.safetensors").write_bytes(b"\x04" * 4096)  # new weights, same path and size
+    assert first_key("bfloat16", (2, 2, 64)) != base
+    revision, _, _ = engine_identity("org/not-a-local-model", "bfloat16", None, revision="abc123")
+    assert revision == "name:org/not-a-local-model@abc123", "a hub name not in a local directory"

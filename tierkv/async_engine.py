@@ -34,7 +34,7 @@ from tierkv.errors import ConfigError
 from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
-from tierkv.metadata import EngineMetadata, KVShape
+from tierkv.metadata import EngineMetadata, KVShape, check_capacities
 from tierkv.planner import PrefixPlan
 from tierkv.prefix_plans import PrefixPlans
 from tierkv.pressure import MemoryProbe
@@ -82,6 +82,7 @@ class AsyncEngine:
         if self.metadata.fmt not in KV_FORMATS:
             raise ConfigError(f"kv_format: expected one of {list(KV_FORMATS)}, got {self.metadata.fmt!r}")
         self.chunk_size = self.config.chunk_size
+        check_capacities(self.config, self.metadata)
         meta = self.metadata
         self.key_maker = KeyMaker(meta.fmt, meta.model_name, meta.world_size, meta.worker_id, self.chunk_size,
                                   engine_parts=meta.identity_parts())
@@ -128,12 +129,15 @@ class AsyncEngine:
         return await self.router.locate(keys)
 
     async def flush(self) -> None:
-        """Wait until every background operation (fills, prefetches, demotions) has landed."""
+        """Wait until every background operation (fills, prefetches, demotions) has landed;
+        under write-back, also write every chunk a memory tier holds alone to the tier below
+        (returns once they have landed: a persistent tier there keeps them across a crash)."""
         await self.router.flush()
 
-    async def close(self) -> None:
-        """Flush, then close every tier. Idempotent."""
-        await self.router.close()
+    async def close(self, flush: bool = True) -> None:
+        """Flush, then close every tier. Idempotent. ``flush=False``: close without writing
+        write-back's dirty chunks down (what only memory tiers hold is then lost)."""
+        await self.router.close(flush)
 
     # -- prompts ------------------------------------------------------------------------------
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:

@@ -1,4 +1,8 @@
-"""The ``tierkv`` command: what is installed, and a quick look at a configured engine."""
+"""The ``tierkv`` command: what is installed, and a quick look at a configured engine.
+
+A mistake (a missing file, malformed YAML, an unknown backend, a tier that cannot start) is
+one line on stderr, ``tierkv: error: ...``, and exit status 1; ``--debug`` shows the
+traceback instead."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from tierkv import registry
+from tierkv.errors import TierKVError
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -82,8 +87,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="prefix reuse and CacheBlend on a small random-weight Llama (CPU)")
     _add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (one line without)")
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (TierKVError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        print(f"tierkv: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (YAML and backend messages may span several)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 if __name__ == "__main__":

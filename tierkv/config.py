@@ -191,6 +191,9 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
     if not isinstance(backend_name, str):
         raise ConfigError(f"{path}.backend: expected a backend name such as 'cpu' or 'lmdb', got {backend_name!r}")
     capacity = parse_size(raw["capacity"], f"{path}.capacity") if raw.get("capacity") is not None else None
+    if capacity == 0:
+        raise ConfigError(f"{path}.capacity: a tier of capacity 0 can hold no chunk; give a size such as 4GiB, "
+                          f"or leave the tier out")
     backend_cls = registry.load(backend_name, where=f"{path}.backend")
     if backend_cls.requires_capacity and capacity is None:
         raise ConfigError(f"{path}.capacity: backend {backend_name!r} needs a capacity such as 4GiB")
@@ -206,9 +209,11 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
 
 
 def _section(raw: Mapping[str, Any], name: str, spec: Mapping[str, Option]) -> dict[str, Any]:
-    section = raw.get(name) or {}
+    section = raw.get(name)
+    if section is None:  # absent, or `name:` with nothing under it: the defaults
+        section = {}
     if not isinstance(section, Mapping):
-        raise ConfigError(f"{name}: expected a mapping, got {section!r}")
+        raise ConfigError(f"{name}: expected a mapping of {', '.join(spec)}, got {section!r}")
     return parse_options(spec, section, name)
 
 
@@ -308,7 +313,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
     return config_from_mapping(document or {}, source=str(path))
 
 
@@ -326,7 +331,7 @@ def config_for_integration(source: Any, model_name: str, where: str) -> EngineCo
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read {str(path)!r}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
     if not isinstance(document, Mapping):
         raise ConfigError(f"{path}: expected a mapping of tierkv settings, got {type(document).__name__}")
     return config_from_mapping({"model": model_name, **document}, source=str(path))

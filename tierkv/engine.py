@@ -41,7 +41,16 @@ __all__ = ["AsyncEngine", "Engine", "EngineBuilder", "EngineMetadata", "TierPres
 
 
 class Engine:
-    """Blocking facade over :class:`AsyncEngine`, running it on a private event-loop thread."""
+    """Blocking facade over :class:`AsyncEngine`, running it on a private event-loop thread.
+
+    Safe to share between threads, :meth:`close` included: a call that races ``close()``
+    either completes or raises :class:`BackendClosedError`; no caller waits on a loop that is
+    gone. Calls already running when ``close()`` starts get up to ``close_grace_s`` to end
+    (a tier closed under them ends them with ``BackendClosedError``); any still running then
+    are cancelled and raise ``BackendClosedError``.
+    """
+
+    close_grace_s: ClassVar[float] = 10.0
 
     def __init__(
         self,
@@ -51,6 +60,10 @@ class Engine:
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierkv-engine", daemon=True)
+        self._lock = threading.Lock()  # guards _closing and _calls: no call is scheduled once close starts
+        self._closing = False
+        self._closed = threading.Event()
+        self._calls: set[concurrent.futures.Future[Any]] = set()
         self._thread.start()
         try:
             self._core: AsyncEngine = self._run(self._create(config, metadata, probes))
@@ -68,16 +81,31 @@ class Engine:
         return cls(load_config(path), metadata)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coro).result()
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError as exc:
+            if self._closing:
+                raise BackendClosedError("engine closed while the call was running") from exc
+            raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine of :attr:`core` on the engine's loop; returns at once with a future
         (an integration that overlaps tierkv work with its own, e.g. a save during the next
-        forward pass)."""
-        if not self._thread.is_alive():
-            coro.close()
-            raise BackendClosedError("engine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        forward pass). Raises BackendClosedError once :meth:`close` has started; a future of a
+        call that :meth:`close` had to cancel raises ``CancelledError``."""
+        with self._lock:
+            if self._closing or not self._thread.is_alive():
+                coro.close()
+                raise BackendClosedError("engine is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._calls.add(future)
+        future.add_done_callback(self._call_done)
+        return future
+
+    def _call_done(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._calls.discard(future)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of :attr:`core` on the engine's loop and wait for its result."""
@@ -180,14 +208,40 @@ class Engine:
     async def _occupancy(self) -> dict[str, Any]:
         return self._core.occupancy()
 
-    def close(self) -> None:
-        """Flush background work, close every tier and stop the loop thread. Idempotent."""
-        if not self._thread.is_alive():
+    def close(self, flush: bool = True) -> None:
+        """Flush background work (under write-back, dirty chunks too, unless ``flush=False``),
+        close every tier and stop the loop thread. Idempotent and safe from any thread: a
+        second caller waits for the first's close to end."""
+        with self._lock:
+            closing, self._closing = self._closing, True
+            if not closing:
+                if not self._thread.is_alive():
+                    self._closed.set()
+                    return
+                closed = asyncio.run_coroutine_threadsafe(self._core.close(flush), self._loop)
+        if closing:
+            self._closed.wait()
             return
         try:
-            self._run(self._core.close())
+            closed.result()
         finally:
-            self._stop_loop()
+            try:
+                self._end_calls()
+            finally:
+                self._stop_loop()
+                self._closed.set()
+
+    def _end_calls(self) -> None:
+        """Let the calls still running end (closed tiers end them), then cancel the rest."""
+        with self._lock:
+            running = list(self._calls)
+        _, stuck = concurrent.futures.wait(running, timeout=self.close_grace_s)
+        for future in stuck:
+            future.cancel()
+        if stuck:
+            logger.warning("tierkv: %d call(s) still running %.0f s after close() were cancelled", len(stuck),
+                           self.close_grace_s)
+            concurrent.futures.wait(stuck, timeout=self.close_grace_s)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

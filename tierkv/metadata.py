@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.config import EngineConfig
+from tierkv.errors import ConfigError
+from tierkv.options import format_size
 
 KVShape = tuple[int, int, int, torch.dtype]
 """``(num_layers, num_kv_heads, head_size, dtype)`` of the KV a worker caches."""
@@ -93,3 +95,18 @@ def geometry_part(kv_shape: KVShape) -> tuple[str, str]:
     cache of another geometry or dtype is a miss."""
     layers, heads, head_size, dtype = kv_shape
     return ("geometry", f"{layers}x{heads}x{head_size}:{str(dtype).removeprefix('torch.')}")
+
+
+def check_capacities(config: EngineConfig, metadata: EngineMetadata) -> None:
+    """ConfigError naming the tier when its capacity cannot hold one chunk of this worker's
+    KV (known from ``kv_shape``): such a tier would start and then refuse every store."""
+    if metadata.kv_shape is None:
+        return
+    layers, heads, head_size, dtype = metadata.kv_shape
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    chunk_bytes = layers * 2 * config.chunk_size * heads * head_size * itemsize
+    for tier in config.tiers:
+        if tier.capacity is not None and tier.capacity < chunk_bytes:
+            raise ConfigError(f"{tier.path}.capacity: {format_size(tier.capacity)} cannot hold one chunk of "
+                              f"{config.chunk_size} tokens ({format_size(chunk_bytes)} of KV with {layers} layers, "
+                              f"{heads} KV heads of {head_size}, {str(dtype).removeprefix('torch.')})")

@@ -59,7 +59,7 @@ class Histogram:
         return out
 
 
-TIER_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "puts", "errors", "promotions", "demotions",
+TIER_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "puts", "errors", "promotions", "demotions", "flushed",
                  "dropped_fills", "corrupt_chunks", "skipped_unhealthy", "skipped_pressure", "deadline_misses")
 
 

@@ -34,11 +34,13 @@ from tierkv.pressure import MemoryProbe
 from tierkv.reads import Reader
 from tierkv.tier import Layouts, Tier, Writer, nbytes_of, rejection, release_all
 from tierkv.tier_pressure import nvml_status, watch
+from tierkv.write_back import DirtyChunks
 
 logger = logging.getLogger("tierkv.engine")
 
 FILL_QUEUE = "fill-queue"
 """Where a chunk is that was acknowledged but not yet written to the tiers below (level -1)."""
+_FLUSH_BATCH = 64  # dirty chunks read and written down together by a write-back flush
 
 
 def build_tiers(config: EngineConfig) -> list[StorageBackend]:
@@ -99,6 +101,7 @@ class TierRouter:
         self._nvml_state = nvml_status()
         self._started = False
         self._closed = False
+        self._dirty: DirtyChunks | None = DirtyChunks() if self.write_policy == "write_back" else None
         if self.write_policy == "write_back":
             for level, backend in enumerate(self.tiers[:-1]):
                 if isinstance(backend, SupportsDemotion):
@@ -131,17 +134,58 @@ class TierRouter:
             logger.warning("background operation failed: %r", task.exception())
 
     async def flush(self) -> None:
-        """Wait until every background operation (fills, prefetches, demotions) has landed."""
+        """Wait until every background operation (fills, prefetches, demotions) has landed;
+        under write-back, then write every chunk a memory tier holds alone to the tier below
+        (returns once they have landed there)."""
+        await self._join_background()
+        if self._dirty is not None:
+            await self._write_dirty()
+
+    async def _join_background(self) -> None:
         await self._fill.join()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self._fill.join()
 
-    async def close(self) -> None:
-        """Flush, then close every tier. Idempotent."""
+    async def _write_dirty(self) -> None:
+        """Write-back's flush: the dirty chunks of each memory tier, top first, written down in
+        batches (a chunk the tier has evicted since was demoted then, or dropped). Chunks no
+        tier below takes stay dirty (a later flush tries again), and TierUnavailableError
+        says how many once every batch was tried."""
+        assert self._dirty is not None
+        unwritten: dict[str, int] = {}
+        for level in self._dirty.levels():
+            pending = self._dirty.pending(level)
+            tier = self._tiers[level]
+            for start in range(0, len(pending), _FLUSH_BATCH):
+                batch = pending[start : start + _FLUSH_BATCH]
+                chunks = await tier.timed(tier.backend.batched_get(batch))
+                held = [(key, chunk) for key, chunk in zip(batch, chunks) if chunk is not None]
+                if held:
+                    try:
+                        await self._write_down(level, [key for key, _ in held], [chunk for _, chunk in held],
+                                               "flushed")
+                    except TierUnavailableError:
+                        unwritten[tier.name] = unwritten.get(tier.name, 0) + len(held)
+                        continue
+                self._dirty.clean(level, batch)
+        if unwritten:
+            counts = ", ".join(f"{count} of tier {name!r}" for name, count in unwritten.items())
+            raise TierUnavailableError(f"flush: no tier below took {counts} dirty chunk(s); they stay in memory "
+                                       "and a later flush tries again")
+
+    async def close(self, flush: bool = True) -> None:
+        """Flush (``flush=False``: without writing write-back's dirty chunks down; they are
+        lost with the memory tiers), then close every tier. Idempotent."""
         if self._closed:
             return
-        await self.flush()
+        if flush:
+            try:
+                await self.flush()
+            except TierUnavailableError as exc:  # close anyway: what no tier below takes is lost
+                logger.warning("tierkv: closing with chunks only in memory: %s", exc)
+        else:
+            await self._join_background()
         self._closed = True
         if self._fill_worker is not None:
             self._fill_worker.cancel()
@@ -253,6 +297,7 @@ class TierRouter:
         holds: list[Any] | None = [] if tier.in_place and self._fills.fills_below(tier.level) else None
         try:
             stored = await tier.put(keys, chunks, layouts=layouts, write=write, fill_holds=holds)
+            self._mark_dirty(tier.level, keys)
             await self._fills.add(tier.level, keys, chunks or [], owned or [], holds, cancelled=cancelled)
         except BaseException:
             release_all(holds or [])
@@ -267,6 +312,8 @@ class TierRouter:
         """
         self.ensure_open()
         await self._fill.join()
+        if self._dirty is not None:
+            self._dirty.discard(keys)
         removed = 0
         for tier in self._tiers:
             if not tier.available():
@@ -352,11 +399,22 @@ class TierRouter:
                     continue  # counted by Tier.put; the hit is still served
                 tier.metrics.add("promotions", len(keys))
 
-    async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
-        """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them.
+    def _mark_dirty(self, level: int, keys: Sequence[CacheKey]) -> None:
+        """Write-back: chunks just stored in a memory tier with tiers below are dirty there."""
+        if (self._dirty is not None and level < len(self._tiers) - 1
+                and not self._tiers[level].backend.persistent):
+            self._dirty.mark(level, keys)
 
-        Only dirty chunks are written: a chunk promoted from the target is still there
-        (keys name content, so the copy there is the same bytes).
+    async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+        """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them."""
+        await self._write_down(level, keys, chunks, "demotions")
+        if self._dirty is not None:
+            self._dirty.clean(level, keys)
+
+    async def _write_down(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], metric: str) -> None:
+        """Write chunks of tier ``level`` to the next tier below that takes them (counted as
+        ``metric`` at ``level``). Only chunks not there yet are written: a chunk promoted from
+        the target is still there (keys name content, so the copy there is the same bytes).
         """
         for tier in self._tiers[level + 1:]:
             if not tier.admits():
@@ -372,9 +430,11 @@ class TierRouter:
                     await tier.put([keys[i] for i in dirty], [chunks[i] for i in dirty])
                 except Exception:
                     continue
-            self._tiers[level].metrics.add("demotions", len(keys))  # moved below (clean ones were there)
+                self._mark_dirty(tier.level, [keys[i] for i in dirty])  # a memory tier in the middle
+            self._tiers[level].metrics.add(metric, len(keys))  # moved below (clean ones were there)
             return
-        raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} demoted chunk(s)")
+        raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} "
+                                   f"{'demoted' if metric == 'demotions' else 'flushed'} chunk(s)")
 
     # -- what it cost -------------------------------------------------------------------------
     def speeds(self) -> Mapping[str, TierSpeed]:

@@ -198,12 +198,13 @@ class MemoryTier(StorageBackend):
                 raise CapacityError(f"tier {self.name!r}: memory pressure leaves {format_size(self.capacity_limit)}, "
                                     f"too little for a {format_size(size)} chunk")
         need = sum(sizes.values()) - sum(self._index.size_of(k) or 0 for k in latest)
-        await self._make_room(need, protect=latest.keys())
+        protected = frozenset(latest)  # one set for the whole batch: a store of n chunks stays O(n)
+        await self._make_room(need, protect=protected)
         reservations: list[Reservation] = []
         try:
             for key, (shape, dtype) in latest.items():
                 # may evict (and demote, in write-back) to make room: a cancellation can land here
-                slab = await self._allocate(sizes[key], protect=latest.keys())
+                slab = await self._allocate(sizes[key], protect=protected)
                 if slab is None:
                     raise CapacityError(f"tier {self.name!r}: memory for a {format_size(sizes[key])} chunk is "
                                         "exhausted (the rest is held by readers or background fills)")
@@ -229,11 +230,11 @@ class MemoryTier(StorageBackend):
             self._reserved -= reservation.resident.slab.numel()
             self._slabs.release(reservation.resident.slab)
 
-    async def _allocate(self, size: int, protect: Iterable[CacheKey]) -> torch.Tensor | None:
+    async def _allocate(self, size: int, protect: frozenset[CacheKey]) -> torch.Tensor | None:
         """A slab, evicting further least-recently-used chunks while the pool is fragmented,
         and waiting (bounded) for slabs of evicted chunks that are still held (a background
-        fill reading them) to come back."""
-        protected = set(protect)
+        fill reading them) to come back. ``protect``: keys never evicted for it (the batch's)."""
+        protected = protect
         deadline = asyncio.get_running_loop().time() + _HELD_WAIT_S
         while True:
             if self._slab_freed is not None:
