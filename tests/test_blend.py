@@ -179,3 +179,21 @@ def test_executor_rejects_bad_settings() -> None:
         CacheBlendExecutor(cos_sin).blend(0, None, None, torch.ones(2, dtype=torch.bool), torch.zeros(2),
                                           torch.randn(2, 1, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8),
                                           torch.arange(2), torch.tensor([0, 2]), 2)
+
+
+def test_segments_are_reused_only_under_their_identity(tmp_path: Path) -> None:
+    """A document stored for one tenant and adapter is blended only into that identity's
+    prompts: another salt, another adapter or no identity finds none of it."""
+    from tierkv import RequestIdentity
+
+    doc = torch.arange(30)
+    tenant = RequestIdentity(adapter="adapter:1", salt="tenant-a")
+    with _engine(tmp_path) as engine:
+        assert store_segments(engine, [doc], [_segment_kv(30, "vllm", 3)], identity=tenant) == 1
+        own = SegmentBlendRetriever(engine, identity=tenant).new_request([doc], [[]]).result(0)
+        assert own.valid_mask.all()
+        for other in (RequestIdentity(), RequestIdentity(salt="tenant-b"), RequestIdentity(adapter="adapter:2",
+                                                                                          salt="tenant-a")):
+            result = SegmentBlendRetriever(engine, identity=other).new_request([doc], [[]]).result(0)
+            assert not result.valid_mask.any(), other.describe()
+        assert store_segments(engine, [doc], [_segment_kv(30, "vllm", 3)], identity=tenant) == 0, "already stored"
