@@ -47,7 +47,9 @@ class Engine:
     either completes or raises :class:`BackendClosedError`; no caller waits on a loop that is
     gone. Calls already running when ``close()`` starts get up to ``close_grace_s`` to end
     (a tier closed under them ends them with ``BackendClosedError``); any still running then
-    are cancelled and raise ``BackendClosedError``.
+    are cancelled on the loop, and their callers get ``BackendClosedError`` only once the
+    cancelled work has ended (a copy into the caller's memory finishes before the call
+    returns, as for any cancellation: :mod:`tierkv.ownership`).
     """
 
     close_grace_s: ClassVar[float] = 10.0
@@ -64,6 +66,7 @@ class Engine:
         self._closing = False
         self._closed = threading.Event()
         self._calls: set[concurrent.futures.Future[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # the calls' tasks, touched on the loop only
         self._thread.start()
         try:
             self._core: AsyncEngine = self._run(self._create(config, metadata, probes))
@@ -98,10 +101,20 @@ class Engine:
             if self._closing or not self._thread.is_alive():
                 coro.close()
                 raise BackendClosedError("engine is closed")
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            future = asyncio.run_coroutine_threadsafe(self._tracked(coro), self._loop)
             self._calls.add(future)
         future.add_done_callback(self._call_done)
         return future
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, its task known to :meth:`close` (which may have to cancel it)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._tasks.discard(task)
 
     def _call_done(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
@@ -232,16 +245,26 @@ class Engine:
                 self._closed.set()
 
     def _end_calls(self) -> None:
-        """Let the calls still running end (closed tiers end them), then cancel the rest."""
+        """Let the calls still running end (closed tiers end them), then cancel the rest on
+        the loop and wait until their tasks have ended (their callers are answered then)."""
         with self._lock:
             running = list(self._calls)
         _, stuck = concurrent.futures.wait(running, timeout=self.close_grace_s)
-        for future in stuck:
-            future.cancel()
-        if stuck:
-            logger.warning("tierkv: %d call(s) still running %.0f s after close() were cancelled", len(stuck),
+        if not stuck:
+            return
+        logger.warning("tierkv: cancelling %d call(s) still running %.0f s after close()", len(stuck),
+                       self.close_grace_s)
+        try:
+            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self._loop).result(timeout=self.close_grace_s)
+        except concurrent.futures.TimeoutError:
+            logger.warning("tierkv: cancelled calls still unwinding after %.0f s; stopping the loop",
                            self.close_grace_s)
-            concurrent.futures.wait(stuck, timeout=self.close_grace_s)
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [task for task in self._tasks if not task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -254,10 +254,6 @@ class KeyMaker:
         self.recent: dict[str, CacheKey] = {}
         self.recent_max = recent_max
 
-    def scope_of(self, identity: RequestIdentity = PLAIN) -> Scope:
-        """The scope (seed and short name) of ``identity``'s chunks under this engine."""
-        return self._scope(identity)[0]
-
     def _scope(self, identity: RequestIdentity) -> tuple[Scope, str]:
         parts = identity.scope_parts
         known = self._scopes.get(parts)

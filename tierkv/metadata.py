@@ -103,8 +103,7 @@ def check_capacities(config: EngineConfig, metadata: EngineMetadata) -> None:
     if metadata.kv_shape is None:
         return
     layers, heads, head_size, dtype = metadata.kv_shape
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    chunk_bytes = layers * 2 * config.chunk_size * heads * head_size * itemsize
+    chunk_bytes = layers * 2 * config.chunk_size * heads * head_size * dtype.itemsize
     for tier in config.tiers:
         if tier.capacity is not None and tier.capacity < chunk_bytes:
             raise ConfigError(f"{tier.path}.capacity: {format_size(tier.capacity)} cannot hold one chunk of "

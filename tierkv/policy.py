@@ -37,6 +37,10 @@ class LRUIndex(Generic[K]):
     def size_of(self, key: K) -> int | None:
         return self._sizes.get(key)
 
+    def sized_items(self) -> list[tuple[K, int]]:
+        """Every resident key with its size (in no particular order)."""
+        return list(self._sizes.items())
+
     def add(self, key: K, nbytes: int) -> None:
         """Record ``key`` as resident and most recently used (replacing any old size)."""
         self.used_bytes += nbytes - self._sizes.pop(key, 0)

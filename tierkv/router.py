@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tierkv import copies, locate, ownership, policy, registry, transfer
-from tierkv.backend import StorageBackend, SupportsDemotion, check_batch
+from tierkv.backend import InPlaceTier, StorageBackend, SupportsDemotion, check_batch
 from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
@@ -149,9 +149,10 @@ class TierRouter:
 
     async def _write_dirty(self) -> None:
         """Write-back's flush: the dirty chunks of each memory tier, top first, written down in
-        batches (a chunk the tier has evicted since was demoted then, or dropped). Chunks no
-        tier below takes stay dirty (a later flush tries again), and TierUnavailableError
-        says how many once every batch was tried."""
+        batches straight from the tier's memory, held (pinned) until the write is over (a
+        chunk the tier has evicted since was demoted then, or dropped). Chunks no tier below
+        takes stay dirty (a later flush tries again), and TierUnavailableError says how many
+        once every batch was tried."""
         assert self._dirty is not None
         unwritten: dict[str, int] = {}
         for level in self._dirty.levels():
@@ -159,15 +160,22 @@ class TierRouter:
             tier = self._tiers[level]
             for start in range(0, len(pending), _FLUSH_BATCH):
                 batch = pending[start : start + _FLUSH_BATCH]
-                chunks = await tier.timed(tier.backend.batched_get(batch))
-                held = [(key, chunk) for key, chunk in zip(batch, chunks) if chunk is not None]
-                if held:
-                    try:
+                holds = tier.backend.hold(batch) if isinstance(tier.backend, InPlaceTier) else None
+                held: list[tuple[CacheKey, torch.Tensor]] = []
+                try:
+                    if holds is not None:
+                        chunks = [None if hold is None else hold.chunk for hold in holds]
+                    else:
+                        chunks = await tier.timed(tier.backend.batched_get(batch))
+                    held = [(key, chunk) for key, chunk in zip(batch, chunks) if chunk is not None]
+                    if held:
                         await self._write_down(level, [key for key, _ in held], [chunk for _, chunk in held],
                                                "flushed")
-                    except TierUnavailableError:
-                        unwritten[tier.name] = unwritten.get(tier.name, 0) + len(held)
-                        continue
+                except TierUnavailableError:
+                    unwritten[tier.name] = unwritten.get(tier.name, 0) + len(held)
+                    continue
+                finally:
+                    release_all(holds or [])
                 self._dirty.clean(level, batch)
         if unwritten:
             counts = ", ".join(f"{count} of tier {name!r}" for name, count in unwritten.items())

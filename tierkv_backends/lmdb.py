@@ -416,8 +416,7 @@ class LMDBBackend(StorageBackend):
             self._env.close()
 
     def scope_usage(self) -> dict[str, dict[str, int]]:
-        index = self._index
-        return count_by_scope((key, index.size_of(key) or 0) for key in list(index.keys()))
+        return count_by_scope(self._index.sized_items())
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "chunks": len(self._index), "path": self.path}

@@ -204,7 +204,7 @@ class MemoryTier(StorageBackend):
         try:
             for key, (shape, dtype) in latest.items():
                 # may evict (and demote, in write-back) to make room: a cancellation can land here
-                slab = await self._allocate(sizes[key], protect=protected)
+                slab = await self._allocate(sizes[key], protected)
                 if slab is None:
                     raise CapacityError(f"tier {self.name!r}: memory for a {format_size(sizes[key])} chunk is "
                                         "exhausted (the rest is held by readers or background fills)")
@@ -230,11 +230,10 @@ class MemoryTier(StorageBackend):
             self._reserved -= reservation.resident.slab.numel()
             self._slabs.release(reservation.resident.slab)
 
-    async def _allocate(self, size: int, protect: frozenset[CacheKey]) -> torch.Tensor | None:
+    async def _allocate(self, size: int, protected: frozenset[CacheKey]) -> torch.Tensor | None:
         """A slab, evicting further least-recently-used chunks while the pool is fragmented,
         and waiting (bounded) for slabs of evicted chunks that are still held (a background
-        fill reading them) to come back. ``protect``: keys never evicted for it (the batch's)."""
-        protected = protect
+        fill reading them) to come back. ``protected``: keys never evicted for it (the batch's)."""
         deadline = asyncio.get_running_loop().time() + _HELD_WAIT_S
         while True:
             if self._slab_freed is not None:
@@ -419,8 +418,7 @@ class MemoryTier(StorageBackend):
         return [key in resident for key in keys]
 
     def scope_usage(self) -> dict[str, dict[str, int]]:
-        index = self._index
-        return count_by_scope((key, index.size_of(key) or 0) for key in list(index.keys()))
+        return count_by_scope(self._index.sized_items())
 
     def resident_keys(self) -> list[CacheKey]:
         """Keys held now, first to be evicted first."""

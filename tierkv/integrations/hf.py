@@ -81,16 +81,18 @@ def _active_adapters(model: Any) -> str | None:
     return ",".join(sorted([names] if isinstance(names, str) else names))
 
 
-def model_identity(model: Any, revision: str | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
+def model_identity(model: Any, revision: str | None = None, kv_shape: KVShape | None = None
+                   ) -> tuple[str, tuple[tuple[str, str], ...]]:
     """(revision, identity pairs) of a transformers model, peft-wrapped or not.
 
     The revision is ``revision`` when given (the config's ``model_revision``), else a digest
     of the weights in memory (:func:`weights_digest`: a peft adapter's weights are
     parameters of the wrapped model, so base and adapter never share a key). The pairs bind
-    the KV geometry and dtype and the active adapters."""
+    the KV geometry and dtype (``kv_shape``, read from the model when not given) and the
+    active adapters."""
     if revision is None:
         revision = "weights:" + weights_digest(model)
-    pairs = [geometry_part(kv_shape_of(model))]
+    pairs = [geometry_part(kv_shape or kv_shape_of(model))]
     adapters = _active_adapters(model)
     if adapters is not None:
         pairs.append(("adapters", adapters))
@@ -104,8 +106,9 @@ def metadata_for(model: Any, config: EngineConfig | Any, model_name: str | None 
     (:func:`model_identity`; the config's ``model_revision`` skips the pass over the weights,
     and then names the weights *and* any adapter: give each its own)."""
     base = EngineMetadata.from_config(load_config(config))
-    revision, identity = model_identity(model, base.model_revision)
-    return replace(base, model_name=model_name or base.model_name, kv_shape=kv_shape_of(model),
+    kv_shape = kv_shape_of(model)
+    revision, identity = model_identity(model, base.model_revision, kv_shape)
+    return replace(base, model_name=model_name or base.model_name, kv_shape=kv_shape,
                    model_revision=revision, identity=identity)
 
 

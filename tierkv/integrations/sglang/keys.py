@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tierkv.identity import KEY_FORMAT
+from tierkv.identity import KEY_FORMAT, PLAIN, make_scope
 from tierkv.keys import CacheKey
 from tierkv.namespaces import named_key
 
@@ -49,7 +49,7 @@ class PageKeySpace:
     @functools.cached_property
     def scope(self) -> str:
         """The short digest of (key format, revision, geometry) every page key carries."""
-        return named_key(CacheKey("", "", 1, 0, ""), "", KEY_FORMAT, self.revision, self.geometry).chunk_hash[:16]
+        return make_scope((("revision", self.revision), ("geometry", self.geometry)), PLAIN).name
 
     def key(self, page_hash: str) -> CacheKey:
         """The tierkv key of one SGLang page."""
