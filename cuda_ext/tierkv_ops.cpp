@@ -11,6 +11,7 @@
 #include <emmintrin.h>
 #endif
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "tierkv_checks.h"
@@ -402,6 +403,123 @@ void paged_copy_strided_cpu(at::TensorList caches_list, const at::Tensor& slot_m
   }
 }
 
+struct AnyWidth {};  // a run wider than 8 bytes: moved with a sized memcpy
+
+// One part (K or V) of every layer: token i's run j of `unit_bytes` bytes moves between the chunk row and
+// page offset map[t * runs + j] (elements). A run of 1, 2, 4 or 8 bytes is one load and one store; a
+// wider one (vLLM's vec V: a whole row) one memcpy.
+template <typename U, bool kGather>
+void mapped_part(const std::vector<at::Tensor>& layers, int64_t part, const int32_t* map, int64_t runs,
+                 int64_t unit_bytes, const int64_t* slots, int64_t tokens, int64_t block_size, int64_t heads,
+                 int64_t row_bytes, char* chunk) {
+  const int64_t count = static_cast<int64_t>(layers.size());
+  const int64_t element = layers[0].element_size();
+  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t layer = item / heads, head = item % heads;
+      const at::Tensor& cache = layers[layer];
+      char* base = static_cast<char*>(cache.data_ptr()) + head * cache.stride(1) * element;
+      const int64_t block_bytes = cache.stride(0) * element;
+      char* rows = chunk + ((layer * 2 + part) * tokens * heads + head) * row_bytes;
+      for (int64_t i = 0; i < tokens; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        char* page = base + (slot / block_size) * block_bytes;
+        const int32_t* offsets = map + (slot % block_size) * runs;
+        char* row = rows + i * heads * row_bytes;
+        for (int64_t j = 0; j < runs; ++j) {
+          char* cell = page + static_cast<int64_t>(offsets[j]) * element;
+          char* mine = row + j * unit_bytes;
+          if constexpr (std::is_same_v<U, AnyWidth>) {
+            if (kGather) std::memcpy(mine, cell, unit_bytes); else std::memcpy(cell, mine, unit_bytes);
+          } else if (kGather) {
+            std::memcpy(mine, cell, sizeof(U));
+          } else {
+            std::memcpy(cell, mine, sizeof(U));
+          }
+        }
+      }
+    }
+  });
+}
+
+template <bool kGather>
+void mapped_part_any(const std::vector<at::Tensor>& layers, int64_t part, const at::Tensor& map, int64_t unit,
+                     const int64_t* slots, int64_t tokens, int64_t block_size, int64_t heads, int64_t row_bytes,
+                     char* chunk) {
+  const int64_t unit_bytes = unit * layers[0].element_size();
+  const int32_t* offsets = map.data_ptr<int32_t>();
+  const int64_t runs = map.size(1);
+  switch (unit_bytes) {
+    case 1: mapped_part<uint8_t, kGather>(layers, part, offsets, runs, 1, slots, tokens, block_size, heads, row_bytes, chunk); break;
+    case 2: mapped_part<uint16_t, kGather>(layers, part, offsets, runs, 2, slots, tokens, block_size, heads, row_bytes, chunk); break;
+    case 4: mapped_part<uint32_t, kGather>(layers, part, offsets, runs, 4, slots, tokens, block_size, heads, row_bytes, chunk); break;
+    case 8: mapped_part<uint64_t, kGather>(layers, part, offsets, runs, 8, slots, tokens, block_size, heads, row_bytes, chunk); break;
+    default: mapped_part<AnyWidth, kGather>(layers, part, offsets, runs, unit_bytes, slots, tokens, block_size, heads, row_bytes, chunk);
+  }
+}
+
+void paged_copy_mapped_cpu(at::TensorList layers_list, const at::Tensor& key_map, const at::Tensor& value_map,
+                           int64_t key_unit, int64_t value_unit, int64_t block_size, const at::Tensor& slot_mapping,
+                           const at::Tensor& chunk, bool gather) {
+  const std::vector<at::Tensor> layers = layers_list.vec();
+  TORCH_CHECK(!layers.empty(), "tierkv: layers must hold one paged cache tensor per layer, got none");
+  const at::Tensor& first = layers[0];
+  TORCH_CHECK(first.dim() >= 3, "tierkv: layers[0] must be [num_blocks, heads, ...], got ", shape_of(first));
+  const int64_t page = first[0][0].numel();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layers[i].sizes() == first.sizes() && layers[i].strides() == first.strides() &&
+                    layers[i].scalar_type() == first.scalar_type() && layers[i].device().is_cpu() &&
+                    layers[i][0][0].is_contiguous(),
+                "tierkv: layers[", i, "] must be a CPU ", first.scalar_type(), " tensor of shape ", shape_of(first),
+                " with the first's strides and contiguous pages, got ", layers[i].scalar_type(), " ",
+                shape_of(layers[i]));
+  }
+  for (const at::Tensor* map : {&key_map, &value_map}) {
+    TORCH_CHECK(map->dim() == 2 && map->scalar_type() == at::kInt && map->is_contiguous() && map->size(0) == block_size,
+                "tierkv: key_map / value_map must be contiguous int32 [", block_size, ", runs], got ",
+                map->scalar_type(), " ", shape_of(*map));
+  }
+  const int64_t head_size = key_map.size(1) * key_unit;
+  TORCH_CHECK(key_unit > 0 && value_unit > 0 && value_map.size(1) * value_unit == head_size,
+              "tierkv: key and value maps must cover the same head size");
+  const int64_t heads = first.size(1);
+  const int32_t* maps[2] = {key_map.data_ptr<int32_t>(), value_map.data_ptr<int32_t>()};
+  const int64_t units[2] = {key_unit, value_unit};
+  for (int part = 0; part < 2; ++part) {
+    const at::Tensor& map = part == 0 ? key_map : value_map;
+    for (int64_t k = 0; k < map.numel(); ++k) {
+      TORCH_CHECK(maps[part][k] >= 0 && maps[part][k] + units[part] <= page,
+                  "tierkv: a page offset of the ", part == 0 ? "key" : "value", " map falls outside the ", page,
+                  "-element page: ", maps[part][k]);
+    }
+  }
+  TORCH_CHECK(first.size(0) == 1 || first.stride(0) >= page, "tierkv: blocks overlap");
+  TORCH_CHECK(heads == 1 || first.stride(1) >= page, "tierkv: pages of one block overlap");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
+                  slot_mapping.is_contiguous(),
+              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
+              shape_of(slot_mapping));
+  const int64_t tokens = slot_mapping.size(0);
+  const int64_t count = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == first.scalar_type() &&
+                  chunk.sizes() == at::IntArrayRef({count, 2, tokens, heads, head_size}),
+              "tierkv: chunk must be a contiguous CPU ", first.scalar_type(), " tensor [", count, ", 2, ", tokens,
+              ", ", heads, ", ", head_size, "], got ", chunk.scalar_type(), " ", shape_of(chunk));
+  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, first.size(0) * block_size);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* data = static_cast<char*>(chunk.data_ptr());
+  const int64_t row_bytes = head_size * first.element_size();
+  for (int64_t part = 0; part < 2; ++part) {
+    const at::Tensor& map = part == 0 ? key_map : value_map;
+    if (gather) {
+      mapped_part_any<true>(layers, part, map, units[part], slots, tokens, block_size, heads, row_bytes, data);
+    } else {
+      mapped_part_any<false>(layers, part, map, units[part], slots, tokens, block_size, heads, row_bytes, data);
+    }
+  }
+}
+
 // Meta (shape-only) kernels, so torch.compile / FakeTensor tracing and opcheck work.
 void paged_gather_meta(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&, bool) {}
 void paged_scatter_meta(const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, bool) {}
@@ -412,6 +530,8 @@ at::Tensor kv_deviation_meta(const at::Tensor& retrieved_k, const at::Tensor& fr
 void blend_scatter_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
 void rope_rerotate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {}
 void paged_copy_strided_meta(at::TensorList, const at::Tensor&, const at::Tensor&, bool) {}
+void paged_copy_mapped_meta(at::TensorList, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                            const at::Tensor&, const at::Tensor&, bool) {}
 
 }  // namespace
 }  // namespace tierkv
@@ -429,6 +549,9 @@ TORCH_LIBRARY(tierkv, m) {
       "rope_rerotate(Tensor(a!) k, Tensor old_positions, Tensor new_positions, Tensor cos_sin_cache, "
       "bool is_neox) -> ()");
   m.def("paged_copy_strided(Tensor(a!)[] caches, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
+  m.def(
+      "paged_copy_mapped(Tensor(a!)[] layers, Tensor key_map, Tensor value_map, int key_unit, int value_unit, "
+      "int block_size, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
@@ -438,6 +561,7 @@ TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
   m.impl("blend_scatter", &tierkv::blend_scatter_cpu);
   m.impl("rope_rerotate", &tierkv::rope_rerotate_cpu);
   m.impl("paged_copy_strided", &tierkv::paged_copy_strided_cpu);
+  m.impl("paged_copy_mapped", &tierkv::paged_copy_mapped_cpu);
 }
 
 TORCH_LIBRARY_IMPL(tierkv, Meta, m) {
@@ -447,4 +571,5 @@ TORCH_LIBRARY_IMPL(tierkv, Meta, m) {
   m.impl("blend_scatter", &tierkv::blend_scatter_meta);
   m.impl("rope_rerotate", &tierkv::rope_rerotate_meta);
   m.impl("paged_copy_strided", &tierkv::paged_copy_strided_meta);
+  m.impl("paged_copy_mapped", &tierkv::paged_copy_mapped_meta);
 }

@@ -195,3 +195,23 @@ def test_a_wrong_layout_is_refused_and_vllm_stays_exact(model_dir: Path, referen
     stats = results[-1]["stats"] or {}
     assert stats.get("disabled") == 1, f"the connector did not turn itself off: {stats}"
     assert stats.get("tokens_loaded", 0) == 0 and stats.get("chunks_saved", 0) == 0
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="vLLM keeps an fp8 KV cache on CPUs with AVX-512 "
+                    "or AMX only")
+def test_an_fp8_cache_hits_exactly(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM with ``kv_cache_dtype="fp8_e5m2"``: tierkv stores the cache's fp8 bytes as they
+    are (uint8 chunks, keys that bind the cache dtype) and a hit computes what vLLM computes
+    alone with the same fp8 cache."""
+    name = "partial_600"
+    alone = vllm({**spec(model_dir, [PROMPTS[name]], None), "kv_cache_dtype": "fp8_e5m2"}, tmp_path / "alone")[0]
+    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
+    workdir = tmp_path / "tierkv"
+    workdir.mkdir()
+    results = vllm({**spec(model_dir, [PROMPTS[name]] * 2, extra(workdir, host)), "kv_cache_dtype": "fp8_e5m2"},
+                   workdir)
+    stats = results[-1]["stats"] or {}
+    assert not stats.get("disabled"), f"the connector turned itself off on an fp8 cache: {stats}"
+    assert loaded_per_prompt(results) == [0, len(PROMPTS[name]) - 1], "the second pass is not a tierkv hit"
+    for result in results:
+        assert_exact(name, result, alone)

@@ -2,7 +2,9 @@
 
 For vLLM's CPU attention the writer is the installed vLLM's own op,
 ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (ISAs ``vec`` and ``vec16``, the ones vLLM
-picks on a CPU without AMX; block and head sizes it allows): a known pattern written by the
+picks on a CPU without AMX, and ``amx``, whose cache write is plain packing and runs on any
+x86 CPU; bf16/fp16/fp32 caches and fp8 ones (``fp8_e4m3``, ``fp8_e5m2``, where the CPU has
+AVX-512); block and head sizes it allows): a known pattern written by the
 op must read back exactly through tierkv's views, token by token, and tierkv writing tokens
 into a partly filled block (87 of 128 slots) must leave the cache byte for byte as vLLM's op
 leaves it. The CUDA backends' writer (``reshape_and_cache_flash``) cannot run on CPU; for
@@ -24,8 +26,8 @@ import torch
 from test_ops import build_extension_for_tests
 
 from tierkv import ops
-from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
-from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mapping, split_layers
+from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, cached_pattern, verify_layout
+from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping, split_layers
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -48,16 +50,25 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def cpu_writer(isa: str) -> Writer:
+def cpu_writer(isa: str, kv_cache_dtype: str = "auto") -> Writer:
     """vLLM's CPU cache-write op, called as its CPU backend calls it (cpu_attn.py, do_kv_cache_update)."""
     from vllm import _custom_ops as ops
 
     def write(layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         blocks, heads, block_size, _ = layer.shape
         key_cache, value_cache = layer.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_cache_dtype)
 
     return write
+
+
+def has_avx512() -> bool:
+    return bool(torch.cpu._is_avx512_supported())
+
+
+def fp8_kind(kind: str) -> str:
+    """``"amx:fp8_e5m2"`` -> ``"fp8_e5m2"``; ``"vec"`` -> ``"auto"``."""
+    return kind.split(":")[1] if ":" in kind else "auto"
 
 
 def flash_writer(layout: str) -> Writer:
@@ -80,19 +91,36 @@ def flash_writer(layout: str) -> Writer:
 
 
 def new_layer(layout: str, blocks: int, block_size: int, head_size: int, dtype: torch.dtype) -> torch.Tensor:
-    if layout in ("cpu", "content"):
+    if layout in ("cpu", "cpu_amx", "content"):
         return torch.zeros(blocks, HEADS, block_size, 2 * head_size, dtype=dtype)
     if layout == "kv_first":
         return torch.zeros(2, blocks, block_size, HEADS, head_size, dtype=dtype)
     return torch.zeros(blocks, 2, block_size, HEADS, head_size, dtype=dtype)
 
 
-def pattern(tokens: int, head_size: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct values for every (token, head, dim), exact in ``dtype`` (up to 256 in bf16)."""
+def pattern(tokens: int, head_size: int, dtype: torch.dtype, seed: int, bound: int = 256
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values for every (token, head, dim), exact in ``dtype`` (up to 256 in bf16; ``bound`` 8
+    keeps them exact in fp8)."""
     generator = torch.Generator().manual_seed(seed)
-    key = torch.randint(-256, 256, (tokens, HEADS, head_size), generator=generator).to(dtype)
-    value = torch.randint(-256, 256, (tokens, HEADS, head_size), generator=generator).to(dtype)
+    key = torch.randint(-bound, bound, (tokens, HEADS, head_size), generator=generator).to(dtype)
+    value = torch.randint(-bound, bound, (tokens, HEADS, head_size), generator=generator).to(dtype)
     return key, value
+
+
+def written(kind: str, tokens: int, head_size: int, dtype: torch.dtype, seed: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key, value) to hand vLLM's op and (key, value) as the cache then holds them (fp8 bytes
+    for an fp8 cache)."""
+    kv_cache_dtype = fp8_kind(kind)
+    key, value = pattern(tokens, head_size, dtype, seed, bound=8 if kv_cache_dtype != "auto" else 256)
+    cache_dtype = dtype if kv_cache_dtype == "auto" else torch.uint8
+    return key, value, cached_pattern(key, cache_dtype, kv_cache_dtype), cached_pattern(value, cache_dtype,
+                                                                                        kv_cache_dtype)
+
+
+def cache_dtype_of(kind: str, dtype: torch.dtype) -> torch.dtype:
+    return dtype if fp8_kind(kind) == "auto" else torch.uint8
 
 
 def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -104,16 +132,24 @@ CASES = [  # (layout, writer, block_size, head_size, dtype)
       (torch.bfloat16, torch.float16, torch.float32)],
     *[("cpu", "vec16", bs, hs, dt) for bs, hs in ((16, 80), (128, 112), (32, 128)) for dt in
       (torch.bfloat16, torch.float32)],
+    *[("cpu_amx", "amx", bs, hs, dt) for bs, hs in ((128, 128), (32, 64), (64, 256), (256, 96)) for dt in
+      (torch.bfloat16, torch.float16)],
+    *[(layout, f"{isa}:{fp8}", bs, hs, torch.bfloat16) for layout, isa in (("cpu", "vec"), ("cpu_amx", "amx"))
+      for fp8 in ("fp8_e4m3", "fp8_e5m2") for bs, hs in ((128, 128), (32, 64))],
     *[(layout, "flash", 16, 64, torch.bfloat16) for layout in ("content", "kv_first", "blocks_first")],
 ]
 
 
 def writer_for(layout: str, kind: str) -> Writer:
-    return cpu_writer(kind) if layout == "cpu" else flash_writer(layout)
+    return cpu_writer(kind.split(":")[0], fp8_kind(kind)) if layout.startswith("cpu") else flash_writer(layout)
+
+
+needs_avx512 = pytest.mark.skipif(not has_avx512(), reason="vLLM writes fp8 CPU caches only on CPUs with AVX-512 or AMX")
 
 
 def params(cases: list[tuple]) -> list:
-    marks = lambda case: [needs_vllm] if case[0] == "cpu" else []  # noqa: E731
+    marks = lambda case: ([needs_vllm] if case[0].startswith("cpu") else []) + (  # noqa: E731
+        [needs_avx512] if ":fp8" in case[1] else [])
     return [pytest.param(*case, marks=marks(case), id=f"{case[0]}-{case[1]}-b{case[2]}-h{case[3]}-{case[4]}".replace(
         "torch.", "")) for case in cases]
 
@@ -125,14 +161,15 @@ def test_views_read_exactly_what_the_kernel_wrote(layout: str, kind: str, block_
     cache) read back through tierkv's views, K and V, every head and dimension."""
     write = writer_for(layout, kind)
     num_tokens = 2 * block_size + block_size * 2 // 3 + 1
-    layers = [new_layer(layout, 6, block_size, head_size, dtype) for _ in range(LAYERS)]
+    stored = cache_dtype_of(kind, dtype)
+    layers = [new_layer(layout, 6, block_size, head_size, stored) for _ in range(LAYERS)]
     slots = slot_mapping([4, 1, 3], block_size, num_tokens)
-    chunk_want = torch.empty(LAYERS, 2, num_tokens, HEADS, head_size, dtype=dtype)
+    chunk_want = torch.empty(LAYERS, 2, num_tokens, HEADS, head_size, dtype=stored)
     for index, layer in enumerate(layers):
-        key, value = pattern(num_tokens, head_size, dtype, seed=index)
+        key, value, cached_key, cached_value = written(kind, num_tokens, head_size, dtype, seed=index)
         write(layer, key, value, torch.as_tensor(slots))
-        chunk_want[index, 0], chunk_want[index, 1] = key, value
-    connector = PagedLayerConnector(split_layers(layers, layout, HEADS, head_size, block_size), block_size)
+        chunk_want[index, 0], chunk_want[index, 1] = cached_key, cached_value
+    connector = connector_for(layers, layout, HEADS, head_size, block_size)
     got = torch.empty_like(chunk_want)
     connector.from_gpu(got, 0, num_tokens, slot_mapping=slots)
     assert byte_equal(got, chunk_want), f"{layout}/{kind}: tierkv reads other K/V than vLLM's kernel wrote"
@@ -140,7 +177,9 @@ def test_views_read_exactly_what_the_kernel_wrote(layout: str, kind: str, block_
 
 @pytest.mark.parametrize(("layout", "kind", "block_size", "head_size", "dtype"), params(
     [("cpu", "vec", 128, 128, torch.bfloat16), ("cpu", "vec16", 128, 80, torch.float16),
-     ("cpu", "vec", 32, 64, torch.float32), *[c for c in CASES if c[0] != "cpu"]]))
+     ("cpu", "vec", 32, 64, torch.float32), ("cpu_amx", "amx", 128, 128, torch.bfloat16),
+     ("cpu_amx", "amx", 64, 96, torch.bfloat16), ("cpu_amx", "amx:fp8_e4m3", 128, 128, torch.bfloat16),
+     ("cpu", "vec:fp8_e5m2", 128, 64, torch.bfloat16), *[c for c in CASES if not c[0].startswith("cpu")]]))
 def test_partial_block_load_leaves_the_cache_as_vllm_would(layout: str, kind: str, block_size: int, head_size: int,
                                                            dtype: torch.dtype, copy_path: str) -> None:
     """A block already holding other tokens gets 87 of 128 slots (2/3 of a block) from tierkv:
@@ -150,20 +189,21 @@ def test_partial_block_load_leaves_the_cache_as_vllm_would(layout: str, kind: st
     write = writer_for(layout, kind)
     filled = block_size * 87 // 128
     old_tokens = 3 * block_size
-    before = [new_layer(layout, 5, block_size, head_size, dtype) for _ in range(LAYERS)]
+    stored = cache_dtype_of(kind, dtype)
+    before = [new_layer(layout, 5, block_size, head_size, stored) for _ in range(LAYERS)]
     for index, layer in enumerate(before):
-        write(layer, *pattern(old_tokens, head_size, dtype, seed=10 + index),
+        write(layer, *written(kind, old_tokens, head_size, dtype, seed=10 + index)[:2],
               torch.as_tensor(slot_mapping([0, 2, 4], block_size, old_tokens)))
     num_tokens = block_size + filled
     slots = slot_mapping([3, 2], block_size, num_tokens)  # a fresh block, then 87/128 of a used one
     by_vllm = [layer.clone() for layer in before]
-    chunk = torch.empty(LAYERS, 2, num_tokens, HEADS, head_size, dtype=dtype)
+    chunk = torch.empty(LAYERS, 2, num_tokens, HEADS, head_size, dtype=stored)
     for index, layer in enumerate(by_vllm):
-        key, value = pattern(num_tokens, head_size, dtype, seed=20 + index)
+        key, value, cached_key, cached_value = written(kind, num_tokens, head_size, dtype, seed=20 + index)
         write(layer, key, value, torch.as_tensor(slots))
-        chunk[index, 0], chunk[index, 1] = key, value
+        chunk[index, 0], chunk[index, 1] = cached_key, cached_value
     by_tierkv = [layer.clone() for layer in before]
-    connector = PagedLayerConnector(split_layers(by_tierkv, layout, HEADS, head_size, block_size), block_size)
+    connector = connector_for(by_tierkv, layout, HEADS, head_size, block_size)
     connector.to_gpu(chunk, 0, num_tokens, slot_mapping=slots)
     for index in range(LAYERS):
         assert byte_equal(by_tierkv[index], by_vllm[index]), f"layer {index}: tierkv's load differs from vLLM's write"
@@ -189,13 +229,43 @@ def vllm_layer_writer(layers: list[torch.Tensor], write: Writer) -> Callable[[in
 
 
 @needs_vllm
-@pytest.mark.parametrize("isa", ["vec", "vec16"])
-def test_self_check_passes_on_vllms_cpu_kernel(isa: str, copy_path: str) -> None:
+@pytest.mark.parametrize(("isa", "layout"), [("vec", "cpu"), ("vec16", "cpu"), ("amx", "cpu_amx")])
+def test_self_check_passes_on_vllms_cpu_kernel(isa: str, layout: str, copy_path: str) -> None:
     layers = [torch.randn(8, HEADS, 128, 256).to(torch.bfloat16) for _ in range(LAYERS)]
     before = [layer.clone() for layer in layers]
-    connector = PagedLayerConnector(split_layers(layers, "cpu", HEADS, 128, 128), 128)
+    connector = connector_for(layers, layout, HEADS, 128, 128)
     verify_layout(layers, connector, vllm_layer_writer(layers, cpu_writer(isa)), torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(layers, before)), "the check restores the blocks it used"
+
+
+@needs_vllm
+@needs_avx512
+@pytest.mark.parametrize(("isa", "layout", "fp8"), [("vec", "cpu", "fp8_e4m3"), ("amx", "cpu_amx", "fp8_e5m2")])
+def test_self_check_passes_on_an_fp8_cache_with_scales(isa: str, layout: str, fp8: str) -> None:
+    """An fp8 cache (uint8 bytes) with scales other than 1: the check expects what vLLM's
+    quantizer stores (divided by the scale, rounded toward zero) and finds it."""
+    layers = [torch.randint(0, 255, (6, HEADS, 64, 128), dtype=torch.uint8) for _ in range(LAYERS)]
+    connector = connector_for(layers, layout, HEADS, 64, 64)
+
+    def write(index: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        blocks, heads, block_size, _ = layers[index].shape
+        key_cache, value_cache = layers[index].view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        from vllm import _custom_ops as vllm_ops
+        vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=0.37,
+                                            v_scale=3.0, kv_cache_dtype=fp8)
+
+    verify_layout(layers, connector, write, torch.bfloat16, kv_cache_dtype=fp8, scales=(0.37, 3.0))
+    with pytest.raises(LayoutMismatchError):  # told the wrong scale, it refuses
+        verify_layout(layers, connector, write, torch.bfloat16, kv_cache_dtype=fp8, scales=(1.0, 1.0))
+
+
+@needs_vllm
+def test_self_check_refuses_the_vec_order_on_an_amx_cache() -> None:
+    """vLLM's amx op writes tiles: tierkv's vec views read them wrong, and the check says so."""
+    layers = [torch.zeros(4, HEADS, 32, 128, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    connector = connector_for(layers, "cpu", HEADS, 64, 32)
+    with pytest.raises(LayoutMismatchError):
+        verify_layout(layers, connector, vllm_layer_writer(layers, cpu_writer("amx")), torch.bfloat16)
 
 
 @needs_vllm
@@ -227,16 +297,20 @@ def test_self_check_refuses_views_of_another_layout(layout: str) -> None:
 
 
 @needs_vllm
-def test_vllm_picks_the_isas_tested_here_on_this_cpu() -> None:
-    """The ISA vLLM's CPU backend picks (cpu_attn._get_attn_isa) for bf16 caches; ``amx`` (Intel
-    AMX CPUs) packs K and V in tiles that tierkv does not read: the self-check refuses it."""
+def test_every_isa_vllm_picks_here_has_a_layout() -> None:
+    """The ISA vLLM's CPU backend picks (cpu_attn._get_attn_isa) on this CPU, for each dtype and
+    for block sizes it allows, maps to a tierkv layout (amx on AMX CPUs, vec elsewhere)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for block_size, head_size in ((128, 128), (32, 80), (16, 64)):
+            isa = _get_attn_isa(dtype, block_size, head_size)
+            want = "cpu_amx" if isa == "amx" else "cpu"
+            assert layouts_for_isa(isa, dtype)[-1 if dtype != torch.bfloat16 else 0] in (want, "cpu_bfmmla")
     if torch.cpu._is_amx_tile_supported():
-        pytest.skip("this CPU has AMX: vLLM picks 'amx', whose layout tierkv refuses at registration")
-    assert _get_attn_isa(torch.bfloat16, 128, 128) in ("vec", "neon", "vsx", "vxe", "rvv")
-    assert _get_attn_isa(torch.bfloat16, 128, 80) == "vec16"
-    assert _get_attn_isa(torch.bfloat16, 16, 128) in ("vec16", "neon")
+        assert _get_attn_isa(torch.bfloat16, 128, 128) == "amx"
 
 
 def test_slot_mapping_marks_partial_ranges() -> None:

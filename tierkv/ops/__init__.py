@@ -45,6 +45,7 @@ from tierkv.ops.extension import _dispatch, build_extension, extension_status, s
 from tierkv.ops.reference import (
     blend_scatter_reference,
     kv_deviation_reference,
+    paged_copy_mapped_reference,
     paged_copy_strided_reference,
     paged_gather_reference,
     paged_scatter_reference,
@@ -53,7 +54,8 @@ from tierkv.ops.reference import (
 
 __all__ = [
     "PagedKVCache", "blend_scatter", "blend_scatter_reference", "build_extension", "extension_status",
-    "kv_deviation", "kv_deviation_reference", "make_cos_sin_cache", "paged_copy_strided", "paged_copy_strided_available",
+    "kv_deviation", "kv_deviation_reference", "make_cos_sin_cache", "paged_copy_mapped",
+    "paged_copy_mapped_reference", "paged_copy_strided", "paged_copy_strided_available",
     "paged_copy_strided_reference", "paged_gather", "paged_gather_reference",
     "paged_scatter", "paged_scatter_reference", "rope_rerotate", "rope_rerotate_reference", "source_dir",
     "split_paged_cache",
@@ -217,3 +219,42 @@ def paged_copy_strided(views: Sequence[tuple[Tensor, Tensor]], slot_mapping: Ten
         torch.ops.tierkv.paged_copy_strided([t for pair in pairs for t in pair], slots, chunk, gather)
         return
     paged_copy_strided_reference(pairs, slot_mapping, chunk, gather)
+
+
+def paged_copy_mapped(layers: Sequence[Tensor], key_map: Tensor, value_map: Tensor, key_unit: int, value_unit: int,
+                      block_size: int, slot_mapping: Tensor, chunk: Tensor, gather: bool) -> None:
+    """Move tokens between paged caches whose pages have their own element order and a
+    contiguous ``vllm``-order chunk (vLLM's ``amx`` CPU cache: tiles no strided view addresses).
+
+    ``layers``: per layer ``[num_blocks, heads, ...]``, each (block, head) page contiguous.
+    ``key_map`` / ``value_map``: int32 ``[block_size, head_size // unit]``, the page offset of
+    each run of ``unit`` consecutive dimensions of a token's K / V (V's counted from the page
+    start). ``chunk``: contiguous ``[layers, 2, tokens, heads, head_size]`` of the layers' dtype;
+    ``slot_mapping``: ``[tokens]`` int64, ``-1`` = skip; ``gather``: cache -> chunk, else back.
+    The C++ kernel moves each run as one element of ``unit`` times the width; CPU only.
+    """
+    if not layers:
+        raise ValueError("layers must hold one paged cache tensor per layer, got none")
+    first = layers[0]
+    if any(layer.shape != first.shape or layer.stride() != first.stride() or layer.dtype != first.dtype
+           for layer in layers):
+        raise ValueError("every layer must have the first layer's shape, strides and dtype")
+    page = first[0, 0]
+    if first.dim() < 3 or not page.is_contiguous() or first.stride(1) < page.numel():
+        raise ValueError(f"each (block, head) page must be contiguous, got shape {tuple(first.shape)} strides "
+                         f"{first.stride()}")
+    head_size = key_map.shape[1] * key_unit
+    want = (len(layers), 2, slot_mapping.numel(), first.shape[1], head_size)
+    if tuple(chunk.shape) != want or not chunk.is_contiguous() or chunk.dtype != first.dtype:
+        raise ValueError(f"chunk must be a contiguous {first.dtype} tensor {want}, got {chunk.dtype} {tuple(chunk.shape)}")
+    if (key_map.shape[0] != block_size or value_map.shape[0] != block_size
+            or value_map.shape[1] * value_unit != head_size):
+        raise ValueError(f"key_map and value_map must be [{block_size}, head_size // unit], got "
+                         f"{tuple(key_map.shape)} and {tuple(value_map.shape)}")
+    if paged_copy_strided_available(chunk) and all(layer.device.type == "cpu" for layer in layers):
+        torch.ops.tierkv.paged_copy_mapped(list(layers), key_map.to(torch.int32).contiguous(),
+                                           value_map.to(torch.int32).contiguous(), key_unit, value_unit, block_size,
+                                           slot_mapping.to(torch.int64).contiguous(), chunk, gather)
+        return
+    paged_copy_mapped_reference(list(layers), key_map, value_map, key_unit, value_unit, block_size, slot_mapping,
+                                chunk, gather)

@@ -149,3 +149,27 @@ def paged_copy_strided_reference(views: list[tuple[Tensor, Tensor]], slot_mappin
                 chunk[layer, part, valid] = cache[blocks, offsets]
             else:
                 cache[blocks, offsets] = chunk[layer, part, valid]
+
+
+def paged_copy_mapped_reference(layers: list[Tensor], key_map: Tensor, value_map: Tensor, key_unit: int,
+                                value_unit: int, block_size: int, slot_mapping: Tensor, chunk: Tensor,
+                                gather: bool) -> None:
+    """Reference for :func:`paged_copy_mapped` (element indices built from the maps, then
+    ``take`` / ``index_put_`` on each layer's storage)."""
+    slots = slot_mapping.to(torch.int64)
+    valid = torch.nonzero(slots >= 0).flatten()
+    if valid.numel() == 0:
+        return
+    blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
+    heads = layers[0].shape[1]
+    for index, layer in enumerate(layers):
+        page_starts = (blocks * layer.stride(0))[:, None] + (torch.arange(heads) * layer.stride(1))[None, :]
+        span = int((layer.shape[0] - 1) * layer.stride(0) + (heads - 1) * layer.stride(1) + layer[0, 0].numel())
+        flat = layer.as_strided((span,), (1,), layer.storage_offset())
+        for part, (table, unit) in enumerate(((key_map, key_unit), (value_map, value_unit))):
+            within = (table.to(torch.int64)[offsets][..., None] + torch.arange(unit)).flatten(1)  # [tokens, head_size]
+            where = page_starts[..., None] + within[:, None, :]  # [tokens, heads, head_size]
+            if gather:
+                chunk[index, part, valid] = flat[where]
+            else:
+                flat[where] = chunk[index, part, valid]

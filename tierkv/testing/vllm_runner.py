@@ -128,6 +128,8 @@ def main(spec_path: str) -> int:
         kwargs.update(enable_lora=True, max_lora_rank=int(spec.get("max_lora_rank", 8)), max_loras=len(loras))
     if spec.get("prompt_embeds"):
         kwargs["enable_prompt_embeds"] = True
+    if spec.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
               enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
               disable_log_stats=True, **kwargs)

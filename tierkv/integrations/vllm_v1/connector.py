@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tierkv.backend import InPlaceTier
 from tierkv.engine import EngineBuilder
 from tierkv.identity import RequestIdentity
+from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
 from tierkv.integrations.vllm_v1.layouts import detect_layout
@@ -189,32 +190,57 @@ class TierKVConnector(KVConnectorBase_V1):
         heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         head_size = model.get_head_size()
         backend = self._backend_name(names[0])
+        isa = getattr(self._attention_layer(names[0]), "isa", None)
         worker = self._worker()
         try:
-            layout, kernel_block = detect_layout(backend, layers[0], heads, head_size)
+            layout, kernel_block = detect_layout(backend, layers[0], heads, head_size, isa)
+            candidates = layouts_for_isa(isa, layers[0].dtype) if layout.startswith("cpu") else (layout,)
             if self._settings.layout != "auto":
-                layout = self._settings.layout
-            worker.register(layers, layout, heads, head_size, kernel_block, self._block_size)
+                candidates = (self._settings.layout,)
             declared = getattr(worker.engine.metadata, "kv_shape", None)
             found = (len(layers), heads, head_size, layers[0].dtype)
             if declared is not None and tuple(declared) != found:
                 raise LayoutMismatchError(f"the KV caches vLLM registered are (layers, heads, head_size, dtype) "
                                           f"{found}, the engine was told {tuple(declared)}")
-            if self._settings.layout_check:
-                verify_layout(layers, worker._connector(), self._cache_writer(names, layers),
-                              model.dtype if isinstance(model.dtype, torch.dtype) else layers[0].dtype,
-                              block_dim=1 if layout == "kv_first" else 0)
+            layout = self._register_first_that_reads(worker, layers, names, candidates, heads, head_size,
+                                                     kernel_block, model)
         except (LayoutMismatchError, ValueError, RuntimeError, NotImplementedError) as exc:
-            isa = getattr(self._attention_layer(names[0]), "isa", None)
             logger.error("tierkv: OFF for this vLLM (no loads, no saves, as if no KV connector were set): its KV cache "
                          "(backend %s%s, shape %s, %s) is not laid out as tierkv reads it: %s", backend,
                          f", isa {isa}" if isa else "", tuple(layers[0].shape), layers[0].dtype, exc)
             worker.disable(str(exc))
             self._write_stats()
             return
-        logger.info("tierkv: %d layers, %s layout (backend %s), block %d, %d KV heads x %d%s", len(layers), layout,
-                    backend, kernel_block, heads, head_size,
+        logger.info("tierkv: %d layers, %s layout (backend %s%s), block %d, %d KV heads x %d %s%s", len(layers), layout,
+                    backend, f", isa {isa}" if isa else "", kernel_block, heads, head_size, layers[0].dtype,
                     "; checked against vLLM's cache-write op" if self._settings.layout_check else "")
+
+    def _register_first_that_reads(self, worker: WorkerTransfers, layers: list[torch.Tensor], names: list[str],
+                                   candidates: tuple[str, ...], heads: int, head_size: int, kernel_block: int,
+                                   model: Any) -> str:
+        """Bind the first of ``candidates`` whose views read what vLLM's cache-write op writes
+        (the self-check; unchecked, the first). Raises the last candidate's mismatch."""
+        failure: Exception | None = None
+        for layout in candidates:
+            try:
+                worker.register(layers, layout, heads, head_size, kernel_block, self._block_size)
+                if self._settings.layout_check:
+                    verify_layout(layers, worker._connector(), self._cache_writer(names, layers),
+                                  model.dtype if isinstance(model.dtype, torch.dtype) else layers[0].dtype,
+                                  block_dim=1 if layout == "kv_first" else 0,
+                                  kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
+                                  scales=self._kv_scales(names[0]))
+                return layout
+            except LayoutMismatchError as exc:
+                failure = exc
+                logger.info("tierkv: the %s layout does not read this cache: %s", layout, exc)
+        assert failure is not None
+        raise failure
+
+    def _kv_scales(self, layer_name: str) -> tuple[float, float]:
+        """The layer's (k_scale, v_scale): what vLLM divides by before writing an fp8 cache."""
+        layer = self._attention_layer(layer_name)
+        return (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
 
     def _attention_layer(self, layer_name: str) -> Any:
         return self._vllm_config.compilation_config.static_forward_context.get(layer_name)

@@ -120,6 +120,7 @@ def engine_identity(model: str, model_dtype: str, geometry: tuple[int, int, int]
     if geometry is not None:
         layers, heads, head_size = geometry
         pairs.append(("geometry", f"{layers}x{heads}x{head_size}"))
+    cache_dtype = {"fp8": "fp8_e4m3"}.get(cache_dtype, cache_dtype)  # vLLM's "fp8" is e4m3: one format, one key
     return (model_revision(model, revision, configured_revision), None if cache_dtype == "auto" else cache_dtype,
             tuple(pairs))
 

@@ -6,9 +6,11 @@ sit inside it depends on the attention backend and the vLLM version:
 - ``cpu``: vLLM's CPU backend, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``:
   each (block, head) page holds the block's K *transposed* (``[head_size, block_size]``,
   as ``cpu_attn_reshape_and_cache`` writes it for the ``vec`` / ``vec16`` ISAs), then its V
-  row by row (``[block_size, head_size]``). vLLM's ``amx`` ISA packs both differently and is
-  not supported (the registration self-check, :mod:`~tierkv.integrations.vllm_v1.layout_check`,
-  refuses it);
+  row by row (``[block_size, head_size]``); the same order for the ``vec16``, ``neon``,
+  ``vsx``, ``vxe`` and ``rvv`` ISAs;
+- ``cpu_amx``: the same tensor as vLLM's ``amx`` ISA packs it (tiles of token and dimension
+  pairs, :mod:`~tierkv.integrations.vllm_v1.cpu_pages`): no strided view addresses it, so it
+  has its own connector (:class:`~tierkv.integrations.vllm_v1.cpu_pages.MappedPageConnector`);
 - ``content``: the generic per-layer view of vLLM 0.32+ CUDA backends (FlashAttention and
   others), ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` in any physical stride
   order, each token's content being its K then its V;
@@ -39,9 +41,10 @@ import torch
 
 from tierkv import ops
 from tierkv.connectors import GPUConnector
+from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS, MappedPageConnector, layouts_for_isa
 from tierkv.memory import copy_into
 
-LAYOUTS = ("cpu", "content", "kv_first", "blocks_first")
+LAYOUTS = ("cpu", "cpu_amx", "cpu_bfmmla", "content", "kv_first", "blocks_first")
 
 KVViews = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -96,16 +99,17 @@ _SPLITTERS: dict[str, Callable[[torch.Tensor, int, int, int], tuple[torch.Tensor
 }
 
 
-def detect_layout(backend_name: str | None, layer: torch.Tensor, num_kv_heads: int, head_size: int
-                  ) -> tuple[str, int]:
+def detect_layout(backend_name: str | None, layer: torch.Tensor, num_kv_heads: int, head_size: int,
+                  isa: str | None = None) -> tuple[str, int]:
     """The layout of ``layer`` for the attention backend named ``backend_name`` (vLLM's
-    ``get_name()``, e.g. ``CPU_ATTN``, ``FLASH_ATTN``, ``FLASHINFER``), checked against its
-    shape, and the block size the tensor is cut in (vLLM may split its blocks into smaller
+    ``get_name()``, e.g. ``CPU_ATTN``, ``FLASH_ATTN``, ``FLASHINFER``) and, on CPU, the ISA
+    its attention layers write with (``layer.isa``: ``vec``, ``amx``, ...), checked against
+    its shape, and the block size the tensor is cut in (vLLM may split its blocks into smaller
     kernel blocks; slots address both the same way)."""
     shape = tuple(layer.shape)
     if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
         cpu = (backend_name or "").upper().startswith("CPU") or (backend_name is None and layer.device.type == "cpu")
-        return ("cpu" if cpu else "content"), shape[2]
+        return (layouts_for_isa(isa, layer.dtype)[0] if cpu else "content"), shape[2]
     if len(shape) == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_size):
         return "kv_first", shape[2]
     if len(shape) == 5 and shape[1] == 2 and shape[3:] == (num_kv_heads, head_size):
@@ -119,9 +123,10 @@ def detect_layout(backend_name: str | None, layer: torch.Tensor, num_kv_heads: i
 
 def split_layers(layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
                  block_size: int) -> KVViews:
-    """Per layer, the K and V views ``[num_blocks, block_size, heads, head_size]`` of ``layout``."""
+    """Per layer, the K and V views ``[num_blocks, block_size, heads, head_size]`` of ``layout``
+    (every layout but ``cpu_amx``, which no strided view addresses)."""
     if layout not in _SPLITTERS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"layout must be one of {tuple(_SPLITTERS)} to be cut in strided views, got {layout!r}")
     return [_SPLITTERS[layout](layer, num_kv_heads, head_size, block_size) for layer in layers]
 
 
@@ -234,3 +239,12 @@ class PagedLayerConnector(GPUConnector):
             for layer, (keys, values) in enumerate(self.views):
                 copy_into(keys[block, offset : offset + count], source[layer, 0, first:last])
                 copy_into(values[block, offset : offset + count], source[layer, 1, first:last])
+
+
+def connector_for(layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
+                  block_size: int) -> PagedLayerConnector | MappedPageConnector:
+    """The connector that moves tokens between ``layers`` (vLLM's per-layer cache tensors,
+    laid out as ``layout``) and tierkv's chunks."""
+    if layout in PAGE_ORDERS and layout != "cpu":
+        return MappedPageConnector(layers, layout, num_kv_heads, head_size, block_size)
+    return PagedLayerConnector(split_layers(layers, layout, num_kv_heads, head_size, block_size), block_size)

@@ -28,7 +28,8 @@ import torch
 
 from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine import Engine
-from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, slot_mapping, split_layers
+from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
+from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
 from tierkv.ownership import WriteGrant
 
@@ -65,7 +66,7 @@ class _GuardedSink(ConnectorSink):
     chunk is written any more, and ``abandon`` returns only after a chunk being written has
     landed, so the blocks can go back to vLLM."""
 
-    def __init__(self, connector: PagedLayerConnector, kwargs: dict[str, Any], offset: int) -> None:
+    def __init__(self, connector: PagedLayerConnector | MappedPageConnector, kwargs: dict[str, Any], offset: int) -> None:
         super().__init__(connector, kwargs, offset)
         self.grant = WriteGrant()
 
@@ -86,7 +87,7 @@ class WorkerTransfers:
     def __init__(self, engine: Engine, load_timeout_s: float | None = 30.0) -> None:
         self.engine = engine
         self.load_timeout_s = load_timeout_s
-        self.connector: PagedLayerConnector | None = None
+        self.connector: PagedLayerConnector | MappedPageConnector | None = None
         self.block_size = 0
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -103,8 +104,7 @@ class WorkerTransfers:
         ``kernel_block_size``; the scheduler's block ids count blocks of ``block_size``)."""
         if block_size % kernel_block_size:
             raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
-        views = split_layers(layers, layout, num_kv_heads, head_size, kernel_block_size)
-        self.connector = PagedLayerConnector(views, kernel_block_size)
+        self.connector = connector_for(layers, layout, num_kv_heads, head_size, kernel_block_size)
         self.block_size = block_size
 
     def disable(self, reason: str) -> None:
@@ -119,7 +119,7 @@ class WorkerTransfers:
         for _ in range(count):
             self.engine.note_unidentified()
 
-    def _connector(self) -> PagedLayerConnector:
+    def _connector(self) -> PagedLayerConnector | MappedPageConnector:
         if self.connector is None:
             raise RuntimeError("the KV caches were not registered (register_kv_caches) before a load or save")
         return self.connector
