@@ -74,8 +74,8 @@ def test_unknown_isa_and_bad_sizes_are_refused() -> None:
 
 @pytest.mark.parametrize("layout", MAPPED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float32])
-def test_mapped_copy_puts_each_token_where_the_formula_says(layout: str, dtype: torch.dtype,
-                                                             copy_path: str) -> None:
+@pytest.mark.usefixtures("copy_path")
+def test_mapped_copy_puts_each_token_where_the_formula_says(layout: str, dtype: torch.dtype) -> None:
     """Gather from pages filled by the formula (each element's value names its token and
     dimension), scatter back into a zeroed cache: byte for byte, -1 slots untouched."""
     block_size, head_size, blocks, tokens = 32, 64, 5, 70
