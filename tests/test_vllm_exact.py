@@ -90,8 +90,8 @@ def cpu_run(model_dir: Path, disks: dict[str, dict[str, Any]], tmp_path_factory:
     """Each prompt twice in one vLLM: stored through cpu -> lmdb -> fs, then hit from the cpu tier."""
     workdir = tmp_path_factory.mktemp("cpu")
     host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
-    return vllm(spec(model_dir, [PROMPTS[n] for n in NAMES * 2], extra(workdir, host, disks["lmdb"], disks["fs"])),
-                    workdir)
+    return vllm({**spec(model_dir, [PROMPTS[n] for n in NAMES * 2], extra(workdir, host, disks["lmdb"], disks["fs"])),
+                 "metrics": True}, workdir)
 
 
 def assert_exact(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -125,6 +125,21 @@ def test_cpu_tier_hits_are_exact(cpu_run: list[dict[str, Any]], reference: dict[
     assert loaded[len(NAMES):] == [len(PROMPTS[n]) - 1 for n in NAMES], "the second pass loads all but the last token"
     for name, result in zip(NAMES * 2, cpu_run):
         assert_exact(name, result, reference[name])
+
+
+def test_vllms_metrics_count_what_tierkv_did(cpu_run: list[dict[str, Any]]) -> None:
+    """vLLM's Prometheus registry (what ``vllm serve`` shows on ``/metrics``) carries tierkv's
+    counters, equal to the connector's own after each request: the stores of the first pass,
+    the loads of the second, and one load-time observation per load. (A counter not yet
+    moved is absent from the registry: read as 0.)"""
+    for result in cpu_run:
+        metrics, stats = result["metrics"] or {}, result["stats"] or {}
+        assert metrics.get("vllm:tierkv_tokens_loaded", 0) == stats.get("tokens_loaded", 0), metrics
+        assert metrics.get("vllm:tierkv_load_failures", 0) == stats.get("load_failures", 0), metrics
+    last = cpu_run[-1]["metrics"]
+    assert last["vllm:tierkv_tokens_loaded"] == sum(len(PROMPTS[n]) - 1 for n in NAMES)
+    assert last["vllm:tierkv_tokens_saved"] >= sum(len(PROMPTS[n]) for n in NAMES) - len(NAMES) * CHUNK
+    assert last["vllm:tierkv_load_seconds"] == len(NAMES), "one observation per synchronous load"
 
 
 @pytest.mark.parametrize("tier", ["lmdb", "fs"])

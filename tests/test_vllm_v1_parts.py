@@ -383,3 +383,27 @@ def test_a_disabled_worker_neither_loads_nor_saves_and_frees_blocks_at_once(tmp_
     planner = SchedulerPlanner(lambda tokens, identity=None: LookupResult(-1, 0))
     assert planner.matched_tokens("r", list(range(300)), 0) == (0, False)
     assert not planner.load and not planner.save, "a worker that is off turns the scheduler side off too"
+
+
+def test_stats_intervals_hand_vllm_only_what_is_new() -> None:
+    """get_kv_connector_stats: each interval carries the counters' growth since the last one
+    and the load times taken since; vLLM's logger sums intervals (and the reduce says so)."""
+    from collections import Counter
+
+    from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVStats
+
+    interval, stats, seconds = StatsInterval(), Counter({"tokens_loaded": 512, "chunks_saved": 2}), [0.01, 0.03]
+    first = interval.take(stats, seconds)
+    assert first is not None and first.data == {"tokens_loaded": 512, "load_seconds": [0.01, 0.03]}
+    assert seconds == [], "the load times are handed over once"
+    assert interval.take(stats, seconds) is None, "nothing new: no stats"
+    stats["tokens_loaded"] += 88
+    stats["load_failures"] += 1
+    second = interval.take(stats, [0.02])
+    assert second is not None and second.data == {"tokens_loaded": 88, "load_failures": 1, "load_seconds": [0.02]}
+    total = TierKVStats(data={}).aggregate(first).aggregate(second)
+    assert isinstance(total, TierKVStats)
+    summary = total.reduce()
+    assert (summary["tokens_loaded"], summary["load_failures"], summary["loads"]) == (600, 1, 3)
+    assert summary["load_ms_avg"] == 20.0
+    assert TierKVStats(data={}).is_empty() and not total.is_empty()

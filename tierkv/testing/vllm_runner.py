@@ -132,7 +132,7 @@ def main(spec_path: str) -> int:
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
               enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
-              disable_log_stats=True, **kwargs)
+              disable_log_stats=not spec.get("metrics"), **kwargs)
     lora_requests = {}
     if loras:
         from vllm.lora.request import LoRARequest
@@ -167,10 +167,20 @@ def main(spec_path: str) -> int:
         logprobs = [{str(token): float(entry.logprob) for token, entry in step.items()}
                     for step in (completion.logprobs or [])]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs, "seconds": seconds,
-                        "stats": stats})
+                        "stats": stats, "metrics": _tierkv_metrics(llm) if spec.get("metrics") else None})
     del llm
     print("TIERKV-RESULT " + json.dumps(results), flush=True)
     return 0
+
+
+def _tierkv_metrics(llm: Any) -> dict[str, float]:
+    """tierkv's series in vLLM's Prometheus registry (what ``vllm serve`` shows on ``/metrics``):
+    counters by name, a histogram by its count."""
+    found: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:tierkv_"):
+            found[metric.name] = float(getattr(metric, "value", getattr(metric, "count", 0)))
+    return found
 
 
 if __name__ == "__main__":

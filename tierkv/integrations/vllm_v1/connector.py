@@ -41,10 +41,12 @@ from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec, SchedulerPlanner
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
+from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm_v1.worker import WorkerTransfers, keep_off_compute_cores
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -134,6 +136,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._instance = ""
         self._worker_id = 0
         self._stats_written: dict[str, int] = {}
+        self._stats_interval = StatsInterval()
         self._identity_hook = load_hook(self._settings.identity_hook)
         if role == KVConnectorRole.SCHEDULER:
             if self._settings.load_failure_policy == "recompute":
@@ -311,6 +314,22 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_errors()
+
+    # -- what vLLM's metrics show ------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This worker's transfers since vLLM last asked (vLLM's logger and ``/metrics``)."""
+        if self._transfers is None:
+            return None
+        return self._stats_interval.take(self._transfers.stats, self._transfers.load_seconds)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _write_stats(self) -> None:
         path = self._settings.stats_file

@@ -90,6 +90,7 @@ class WorkerTransfers:
         self.connector: PagedLayerConnector | MappedPageConnector | None = None
         self.block_size = 0
         self.stats: Counter[str] = Counter()
+        self.load_seconds: list[float] = []  # each synchronous load, until vLLM's next stats interval takes them
         self._lock = threading.Lock()
         self._saves: dict[str, list[concurrent.futures.Future[int]]] = defaultdict(list)
         self._owed: set[str] = set()  # finished requests whose save completion is still to be reported
@@ -151,7 +152,9 @@ class WorkerTransfers:
         try:
             return self._settle(spec, future, sink, self.load_timeout_s)
         finally:
-            self.stats["sync_load_ms"] += round((time.perf_counter() - started) * 1000)
+            elapsed = time.perf_counter() - started
+            self.stats["sync_load_ms"] += round(elapsed * 1000)
+            self.load_seconds.append(elapsed)
 
     def start_async_load(self, spec: LoadSpec) -> None:
         """Start a load that vLLM waits for between steps (reported by :meth:`finished`)."""
