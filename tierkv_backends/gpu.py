@@ -100,5 +100,16 @@ class GPUBackend(MemoryTier):
         await ownership.finish(wait_for_event(event))
         del staged
 
+    async def shrink_to_limit(self) -> int:
+        """Demote and free chunks down to the limit, then hand the freed device memory back to
+        the driver: torch's caching allocator would otherwise keep it, NVML would still count it
+        as used, and the serving engine whose pressure started the shrink would not get it."""
+        freed = await super().shrink_to_limit()
+        if freed and self._stream is not None:
+            self._stream.synchronize()  # no copy of ours still reads the freed slabs
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
+        return freed
+
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "cuda_stream": self._stream is not None}
