@@ -448,7 +448,9 @@ def test_gpu_tier_on_cuda_round_trips_through_streams_and_pinned_staging(tmp_pat
     cfg["tiers"][0]["device"] = "cuda:0"
     with Engine(cfg) as eng:
         gpu = tier(eng, "gpu")
-        assert gpu.pinned and gpu.device.type == "cuda"
+        # device memory (pinned is a host-memory property); its copies run on its own stream,
+        # from pageable sources through pinned staging
+        assert gpu.device.type == "cuda" and not gpu.pinned and gpu.stats()["cuda_stream"]
         tokens = prompt(0, 2)
         eng.store(tokens, kv_of(tokens))
         assert eng.locate(tokens) == ["gpu", "gpu"]
