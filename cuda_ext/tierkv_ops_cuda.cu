@@ -34,27 +34,45 @@ __device__ __forceinline__ uint8_t* layer_base(const LayerPointers& p, const Pag
   return reinterpret_cast<uint8_t*>(address);
 }
 
-// One thread block per (token, layer*2+kv): every layer in one launch.
+// Every layer in one launch: grid.y walks (layer, K/V); along x, each thread moves kItems
+// vectors of the (token, segment, vector) items of that plane, loading all of them before
+// storing any (several loads in flight per thread), and each block covers kItems * blockDim.x
+// items (many tokens), so the grid is not hundreds of thousands of tiny blocks.
+constexpr int kItems = 4;
+constexpr int kThreads = 256;
+
 template <typename VecT, typename index_t, bool kGather>
-__global__ void paged_copy_kernel(const __grid_constant__ PagedGeometry g, const __grid_constant__ LayerPointers p,
-                                  const index_t* __restrict__ slots, uint8_t* __restrict__ chunk) {
-  const int64_t token = blockIdx.x;
+__global__ void __launch_bounds__(kThreads) paged_copy_kernel(const __grid_constant__ PagedGeometry g,
+                                                              const __grid_constant__ LayerPointers p,
+                                                              const index_t* __restrict__ slots,
+                                                              uint8_t* __restrict__ chunk) {
   const int64_t lkv = blockIdx.y;
-  const int64_t slot = static_cast<int64_t>(slots[token]);
-  if (!slot_valid(g, slot)) return;
   uint8_t* cache = layer_base(p, g, lkv);
   const int64_t seg_vecs = segment_bytes(g) / static_cast<int64_t>(sizeof(VecT));
-  const int64_t total = seg_vecs * segments_per_token(g);
-  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const int64_t seg = i / seg_vecs;
-    const int64_t v = i - seg * seg_vecs;
+  const int64_t token_vecs = seg_vecs * segments_per_token(g);
+  const int64_t total = token_vecs * g.num_tokens;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kItems * kThreads + threadIdx.x;
+  VecT held[kItems];
+  VecT* targets[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    targets[k] = nullptr;
+    const int64_t i = first + static_cast<int64_t>(k) * kThreads;
+    if (i >= total) continue;
+    const int64_t token = i / token_vecs;
+    const int64_t within = i - token * token_vecs;
+    const int64_t seg = within / seg_vecs;
+    const int64_t v = within - seg * seg_vecs;
+    const int64_t slot = static_cast<int64_t>(slots[token]);
+    if (!slot_valid(g, slot)) continue;
     VecT* paged = reinterpret_cast<VecT*>(cache + cache_offset(g, slot, seg)) + v;
     VecT* flat = reinterpret_cast<VecT*>(chunk + chunk_offset(g, lkv / 2, lkv % 2, token, seg)) + v;
-    if (kGather) {
-      *flat = *paged;
-    } else {
-      *paged = *flat;
-    }
+    held[k] = kGather ? *paged : *flat;
+    targets[k] = kGather ? flat : paged;
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    if (targets[k] != nullptr) *targets[k] = held[k];
   }
 }
 
@@ -75,8 +93,11 @@ int threads_for(int64_t work) {
 template <typename index_t, bool kGather>
 void launch_paged_copy(const PagedGeometry& g, const LayerPointers& p, const index_t* slots, uint8_t* chunk,
                        int width, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(g.num_tokens), static_cast<unsigned>(g.num_layers * 2));
-  const int threads = threads_for(segment_bytes(g) * segments_per_token(g) / width);
+  const int64_t items = segment_bytes(g) * segments_per_token(g) / width * g.num_tokens;
+  const int64_t blocks = (items + kItems * kThreads - 1) / (kItems * kThreads);
+  TORCH_CHECK(blocks <= 2147483647LL, "tierkv: ", g.num_tokens, " tokens are too many for one launch");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(g.num_layers * 2));
+  const int threads = kThreads;
   switch (width) {
     case 16:
       paged_copy_kernel<uint4, index_t, kGather><<<grid, threads, 0, stream>>>(g, p, slots, chunk);

@@ -48,10 +48,8 @@ def source_writer(source: transfer.ChunkSource, keys: list[CacheKey], ranges: li
     where = dict(zip(keys, ranges))
 
     async def write(views: dict[CacheKey, torch.Tensor]) -> None:
-        def write_all() -> None:
-            for key, view in views.items():
-                source.write_into(view, *where[key])
-        await off_loop(write_all, sum(view.nbytes for view in views.values()))
+        work = [(view, *where[key]) for key, view in views.items()]
+        await off_loop(lambda: transfer.write_all(source, work), sum(view.nbytes for view in views.values()))
     return write
 
 

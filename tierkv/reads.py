@@ -176,6 +176,6 @@ class Reader:
 
 
 def _read_all(sink: transfer.ChunkSink, work: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
-    """Copy each whole chunk into the sink at its token range."""
-    for chunk, (start, end) in work:
-        sink.read_from(chunk, start, end)
+    """Copy each whole chunk into the sink at its token range (done when this returns: the
+    chunks' holds are released next)."""
+    transfer.read_all(sink, [(chunk, start, end) for chunk, (start, end) in work])

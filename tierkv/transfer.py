@@ -53,6 +53,29 @@ class ChunkSink(Protocol):
         """Copy a whole chunk (tokens ``[start, end)``) into place."""
 
 
+def write_all(source: ChunkSource, work: list[tuple[torch.Tensor, int, int]]) -> None:
+    """Fill each ``(dest, start, end)`` from ``source``, returning once all are filled. A source
+    that can queue its copies and wait once (a GPU connector: ``write_many``) does, so the
+    host's per-chunk work overlaps the device's copies instead of waiting for each."""
+    many = getattr(source, "write_many", None)
+    if many is not None:
+        many(work)
+        return
+    for dest, start, end in work:
+        source.write_into(dest, start, end)
+
+
+def read_all(sink: ChunkSink, work: list[tuple[torch.Tensor, int, int]]) -> None:
+    """Copy each ``(chunk, start, end)`` into ``sink``, returning once every chunk was read (so
+    the caller may release it); through ``read_many`` where the sink has it (see :func:`write_all`)."""
+    many = getattr(sink, "read_many", None)
+    if many is not None:
+        many(work)
+        return
+    for chunk, start, end in work:
+        sink.read_from(chunk, start, end)
+
+
 class BlobSource:
     """A KV blob covering stored tokens from ``offset`` on."""
 

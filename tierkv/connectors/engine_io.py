@@ -53,6 +53,17 @@ class ConnectorSource:
             self.connector.from_gpu(dest, start, end, **self.kwargs)
         copies.count(dest.nbytes)
 
+    def write_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Gather and copy out every chunk, then wait once: the copies queue on the stream
+        back to back while the host prepares the next (see :func:`tierkv.transfer.write_all`)."""
+        queued = {**self.kwargs, "sync": False}
+        events = []
+        with _on_stream(self._stream):
+            for dest, start, end in work:
+                events.append(self.connector.from_gpu(dest, start, end, **queued))
+                copies.count(dest.nbytes)
+        _wait_all(events)
+
 
 class ConnectorSink:
     """A retrieve's chunks scattered by ``connector.to_gpu`` straight out of the tier's memory
@@ -79,6 +90,28 @@ class ConnectorSink:
         with _on_stream(self._stream):
             self.connector.to_gpu(chunk, start + skip, end, **self.kwargs)
         copies.count(chunk.nbytes)
+
+    def read_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Copy in and scatter every chunk, then wait once for the copies out of the chunks
+        (the scatters stay queued on the serving engine's stream, ahead of its compute)."""
+        queued = {**self.kwargs, "sync": False}
+        events, keep = [], []
+        with _on_stream(self._stream):
+            for chunk, start, end in work:
+                skip = max(0, self.offset - start)
+                if skip:
+                    chunk = chunk.narrow(kvlayout.token_dim(self.connector.fmt), skip, end - start - skip).contiguous()
+                    keep.append(chunk)  # alive until its copy is done
+                events.append(self.connector.to_gpu(chunk, start + skip, end, **queued))
+                copies.count(chunk.nbytes)
+        _wait_all(events)
+
+
+def _wait_all(events: list[Any]) -> None:
+    """Wait for every copy a connector left in flight (None: it finished before returning)."""
+    for event in events:
+        if event is not None:
+            event.synchronize()
 
 
 def _current_stream(kwargs: dict[str, Any]) -> torch.cuda.Stream | None:

@@ -52,6 +52,14 @@ def _copy_between_devices(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Ev
     return event
 
 
+def _zero_unless_all_valid(chunk: torch.Tensor, slots: torch.Tensor) -> None:
+    """Zero ``chunk`` when some slot may be -1 (its rows are left as they were). On a GPU it
+    is zeroed unconditionally: a memset on the stream costs less than reading the slots back,
+    which would stall the host until every queued kernel ran."""
+    if slots.device.type != "cpu" or bool((slots < 0).any()):
+        chunk.zero_()
+
+
 def _finish(event: torch.cuda.Event | None, sync: bool) -> torch.cuda.Event | None:
     if event is not None and sync:
         event.synchronize()
@@ -203,14 +211,12 @@ class PagedConnector(GPUConnector):
         kvcaches, slot_mapping = self._paged(kwargs, end)
         slots = slot_mapping[start:end]
         if slots.device == blob.device:
-            if bool((slots < 0).any()):
-                blob.zero_()  # -1 slots leave rows untouched: keep them deterministic
+            _zero_unless_all_valid(blob, slots)  # -1 slots leave rows untouched: keep them deterministic
             ops.paged_gather(kvcaches, slots, out=blob, order=self.fmt)
             return None
         with self._lock_staging():
             staging = self._staging(blob.shape, blob.dtype, slots.device)
-            if bool((slots < 0).any()):
-                staging.zero_()  # -1 slots leave rows untouched: keep them deterministic
+            _zero_unless_all_valid(staging, slots)
             ops.paged_gather(kvcaches, slots, out=staging, order=self.fmt)
             event = _copy_between_devices(blob, staging)
             self._release_staging(event)
