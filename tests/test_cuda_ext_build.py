@@ -64,3 +64,30 @@ def test_info_command_lists_kernels() -> None:
     assert result.returncode == 0, result.stderr
     kernels = json.loads(result.stdout)["kernels"]
     assert set(kernels) >= {"loaded", "reason", "cuda_kernels"}
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler on PATH")
+def test_serving_start_builds_the_kernels_in_the_background(tmp_path: Path) -> None:
+    """What a serving integration calls at start (no manual `python -m tierkv.ops build`): in a
+    fresh process with an empty build cache the extension is not there, a background build
+    starts, lands, and the ops use it; with TIERKV_BUILD_EXT=0 nothing starts."""
+    script = (
+        "import json, torch\n"
+        "from tierkv import ops\n"
+        "before = ops.extension_status()['loaded']\n"
+        "done = []\n"
+        "thread = ops.build_in_background(done.append)\n"
+        "started = thread is not None\n"
+        "thread and thread.join(600)\n"
+        "print(json.dumps({'before': before, 'started': started, 'done': done,\n"
+        "                  'in_use': ops.paged_copy_strided_available(torch.empty(1))}))\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
+    env.pop("TIERKV_NO_EXT", None)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"before": False, "started": True, "done": [True],
+                                                                  "in_use": True}
+    off = subprocess.run([sys.executable, "-c", "from tierkv import ops; print(ops.build_in_background() is None)"],
+                         capture_output=True, text=True, env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path / "other"),
+                                                              "TIERKV_BUILD_EXT": "0"}, timeout=300)
+    assert off.stdout.strip() == "True", off.stderr[-2000:]

@@ -407,3 +407,46 @@ def test_stats_intervals_hand_vllm_only_what_is_new() -> None:
     assert (summary["tokens_loaded"], summary["load_failures"], summary["loads"]) == (600, 1, 3)
     assert summary["load_ms_avg"] == 20.0
     assert TierKVStats(data={}).is_empty() and not total.is_empty()
+
+
+def test_caller_runs_hands_copies_to_the_waiting_thread() -> None:
+    """A synchronous load's copies run on the thread that waits for the load (vLLM's, with its
+    compute cores); an error comes back to the handing thread; once the waiting thread stops
+    (done or timed out) later work runs where it is handed over, so nothing hangs."""
+    import concurrent.futures
+    import threading
+
+    from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
+
+    runner, ran_on, errors = CallerRuns(), [], []
+    finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def tierkv_thread() -> None:
+        runner.run(lambda: ran_on.append(threading.current_thread().name))
+        try:
+            runner.run(lambda: 1 / 0)
+        except ZeroDivisionError as exc:
+            errors.append(exc)
+        finished.set_result(None)
+
+    threading.Thread(target=tierkv_thread, name="tierkv").start()
+    runner.serve(finished, timeout=10)
+    assert ran_on == [threading.current_thread().name] and len(errors) == 1
+    runner.run(lambda: ran_on.append(threading.current_thread().name))  # nobody serves: runs here
+    assert len(ran_on) == 2
+
+    stuck = CallerRuns()
+    never: concurrent.futures.Future[None] = concurrent.futures.Future()
+    late: list[str] = []
+    handed = threading.Event()
+
+    def slow_tierkv_thread() -> None:
+        handed.wait(5)
+        stuck.run(lambda: late.append(threading.current_thread().name))
+
+    worker = threading.Thread(target=slow_tierkv_thread, name="late")
+    worker.start()
+    stuck.serve(never, timeout=0.1)  # times out with nothing handed over
+    handed.set()
+    worker.join(5)
+    assert not worker.is_alive() and late == ["late"], "work handed over after the wait ran on its own thread"

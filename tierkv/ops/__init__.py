@@ -41,7 +41,7 @@ from tierkv.ops.checks import (
     _chunk_shape,
     split_paged_cache,
 )
-from tierkv.ops.extension import _dispatch, build_extension, extension_status, source_dir
+from tierkv.ops.extension import _dispatch, build_extension, build_in_background, extension_status, source_dir
 from tierkv.ops.reference import (
     blend_scatter_reference,
     kv_deviation_reference,
@@ -53,7 +53,8 @@ from tierkv.ops.reference import (
 )
 
 __all__ = [
-    "PagedKVCache", "blend_scatter", "blend_scatter_reference", "build_extension", "extension_status",
+    "PagedKVCache", "blend_scatter", "blend_scatter_reference", "build_extension", "build_in_background",
+    "extension_status",
     "kv_deviation", "kv_deviation_reference", "make_cos_sin_cache", "paged_copy_mapped",
     "paged_copy_mapped_reference", "paged_copy_strided", "paged_copy_strided_available",
     "paged_copy_strided_reference", "paged_gather", "paged_gather_reference",

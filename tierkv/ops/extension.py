@@ -3,7 +3,9 @@ one, deciding per call whether it runs, and reporting what was loaded and why no
 
 Never built implicitly on import (it takes ~30 s): ``python -m tierkv.ops build`` (or
 :func:`build_extension`) builds it once per source hash and torch version; later processes
-load the cached library. ``TIERKV_NO_EXT=1`` forces the reference.
+load the cached library. A serving integration calls :func:`build_in_background` when it
+starts, so a user gets the kernels without a manual step (the pure-torch paths serve until
+the build lands; ``TIERKV_BUILD_EXT=0`` turns that off). ``TIERKV_NO_EXT=1`` forces the reference.
 """
 
 from __future__ import annotations
@@ -185,6 +187,23 @@ def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: b
         if not with_cuda:
             _state["cuda_reason"] = why_cuda
     return True
+
+
+def build_in_background(on_done: Any = None) -> threading.Thread | None:
+    """Load the extension if it was built, else build it on a daemon thread (cached for every
+    later process) and call ``on_done(loaded: bool)`` when that ends; None when nothing is
+    started (already loaded, disabled, or ``TIERKV_BUILD_EXT=0``)."""
+    if _try_load_prebuilt() or _disabled() or os.environ.get("TIERKV_BUILD_EXT", "1").strip() in ("0", "false", "no"):
+        return None
+
+    def build() -> None:
+        loaded = build_extension()
+        if on_done is not None:
+            on_done(loaded)
+
+    thread = threading.Thread(target=build, name="tierkv-build-ext", daemon=True)
+    thread.start()
+    return thread
 
 
 def extension_status() -> dict[str, Any]:

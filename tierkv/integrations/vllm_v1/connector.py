@@ -107,6 +107,26 @@ def _engine_identity(vllm_config: VllmConfig, configured_revision: str | None
                            getattr(model, "quantization", None), getattr(model, "revision", None), configured_revision)
 
 
+def _kernels_or_build() -> None:
+    """Use tierkv's C++ kernels: load them if built for this torch, else build them in the
+    background (cached for every later process) and say so; until then copies run in torch."""
+    from tierkv import ops
+
+    def built(loaded: bool) -> None:
+        if loaded:
+            logger.info("tierkv: C++ kernels built and loaded: loads and saves use them from now on")
+        else:
+            logger.warning("tierkv: building the C++ kernels failed (%s): loads and saves stay on torch's slower "
+                           "copies", ops.extension_status()["reason"])
+
+    if ops.build_in_background(built) is not None:
+        logger.warning("tierkv: C++ kernels not built for this torch and these sources: building them in the "
+                       "background (about 30 s, once; cached); loads and saves use torch's slower copies until then")
+    elif not ops.extension_status()["in_use"]:
+        logger.warning("tierkv: C++ kernels not in use (%s): loads and saves use torch's slower copies",
+                       ops.extension_status()["reason"])
+
+
 def _layer_index(name: str, position: int) -> int:
     try:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -152,6 +172,7 @@ class TierKVConnector(KVConnectorBase_V1):
             engine = EngineBuilder.get_or_create(self._instance, self._settings.config, self._settings.metadata(
                 worker_id, _kv_shape(vllm_config), revision, cache_dtype, identity))
             cpus = keep_off_compute_cores(engine)
+            _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             transfers = self._transfers
             if worker_id == 0:

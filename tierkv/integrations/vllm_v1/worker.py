@@ -28,6 +28,7 @@ import torch
 
 from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine import Engine
+from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
@@ -66,12 +67,21 @@ class _GuardedSink(ConnectorSink):
     chunk is written any more, and ``abandon`` returns only after a chunk being written has
     landed, so the blocks can go back to vLLM."""
 
-    def __init__(self, connector: PagedLayerConnector | MappedPageConnector, kwargs: dict[str, Any], offset: int) -> None:
+    def __init__(self, connector: PagedLayerConnector | MappedPageConnector, kwargs: dict[str, Any], offset: int,
+                 runner: CallerRuns | None = None) -> None:
         super().__init__(connector, kwargs, offset)
         self.grant = WriteGrant()
+        self.runner = runner  # a synchronous load: the copies run on the thread waiting for it
 
     def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
-        self.grant.write(functools.partial(ConnectorSink.read_from, self, chunk, start, end))
+        self._write(functools.partial(ConnectorSink.read_from, self, chunk, start, end))
+
+    def read_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
+        self._write(functools.partial(ConnectorSink.read_many, self, work))
+
+    def _write(self, copy: Any) -> None:
+        runner = self.runner
+        self.grant.write(copy if runner is None else functools.partial(runner.run, copy))
 
     def abandon(self) -> None:
         self.grant.revoke()
@@ -126,7 +136,8 @@ class WorkerTransfers:
         return self.connector
 
     # -- loads -----------------------------------------------------------------------------------
-    def _start_load(self, spec: LoadSpec) -> tuple[concurrent.futures.Future[torch.Tensor], _GuardedSink]:
+    def _start_load(self, spec: LoadSpec, runner: CallerRuns | None = None
+                    ) -> tuple[concurrent.futures.Future[torch.Tensor], _GuardedSink]:
         if self.disabled is not None:
             raise RuntimeError(f"tierkv is off for this vLLM: {self.disabled}")
         connector = self._connector()
@@ -137,7 +148,7 @@ class WorkerTransfers:
         slots = slot_mapping(spec.block_ids, self.block_size, limit, first=spec.start, last=spec.end)
         mask = torch.zeros(limit, dtype=torch.bool)
         mask[spec.start:] = True
-        sink = _GuardedSink(connector, {"kvcaches": connector.views, "slot_mapping": slots}, spec.start)
+        sink = _GuardedSink(connector, {"kvcaches": connector.views, "slot_mapping": slots}, spec.start, runner)
         # plan=False: vLLM's scheduler already chose how much to load (from a cost-aware lookup)
         return self.engine.submit(self.engine.core.retrieve_to(tokens, sink, mask, plan=False,
                                                                identity=spec.identity)), sink
@@ -146,7 +157,7 @@ class WorkerTransfers:
         """Load now (before the forward pass that reads it); False when some blocks were not filled."""
         started = time.perf_counter()
         try:
-            future, sink = self._start_load(spec)
+            future, sink = self._start_load(spec, CallerRuns())  # vLLM's compute threads wait: they copy
         except Exception as exc:
             return self._load_failed(spec, spec.start, exc)
         try:
@@ -171,6 +182,9 @@ class WorkerTransfers:
 
     def _settle(self, spec: LoadSpec, future: concurrent.futures.Future[torch.Tensor], sink: _GuardedSink,
                 timeout: float | None) -> bool:
+        if sink.runner is not None:  # run the copies handed over until the load is done or the time is up
+            sink.runner.serve(future, timeout)
+            timeout = 0
         try:
             ret_mask = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:

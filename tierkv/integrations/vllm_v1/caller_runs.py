@@ -1,0 +1,75 @@
+"""Copies of a synchronous load, run by the thread that waits for it.
+
+A synchronous load holds up vLLM's forward pass: while it runs, vLLM's worker thread and its
+OpenMP team (bound to the compute cores) sit idle. tierkv's own threads live on the core vLLM
+keeps free (:func:`~tierkv.integrations.vllm_v1.worker.keep_off_compute_cores`), so a copy
+they made would run on one core while the compute cores wait. Instead, the tierkv thread that
+has a chunk ready hands the copy into vLLM's blocks to the waiting thread (:meth:`CallerRuns.run`),
+which runs it with every compute core (:meth:`CallerRuns.serve`). Reading the tiers stays on
+tierkv's threads. Once the waiting thread stops serving (the load finished or timed out), what
+is handed over afterwards runs on the handing thread, so nothing waits for a thread that left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class CallerRuns:
+    """Work handed from tierkv's threads to the one thread serving it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], concurrent.futures.Future[None]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._serving = True
+
+    def run(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the serving thread and return when it ran (its exception re-raised
+        here); on this thread when nobody serves any more."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            handed = self._serving
+            if handed:
+                self._queue.put((work, done))
+        if not handed:
+            work()
+            return
+        done.result()
+
+    def serve(self, until: concurrent.futures.Future[Any], timeout: float | None) -> None:
+        """Run what is handed over until ``until`` is done or ``timeout`` seconds passed, then
+        stop serving (running what was handed over meanwhile)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not until.done():
+                wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                try:
+                    item = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    continue
+                _run(*item)
+        finally:
+            with self._lock:
+                self._serving = False
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                _run(*item)
+
+
+def _run(work: Callable[[], None], done: concurrent.futures.Future[None]) -> None:
+    try:
+        work()
+    except BaseException as exc:  # handed back to the thread that handed the work over
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
