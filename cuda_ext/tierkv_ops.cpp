@@ -520,6 +520,186 @@ void paged_copy_mapped_cpu(at::TensorList layers_list, const at::Tensor& key_map
   }
 }
 
+// vLLM's amx CPU page order (tierkv/integrations/vllm_v1/cpu_pages.py): K as [t/16][d/2][t%16][d%2]
+// (16-token tiles of dimension pairs), V as [d/16][t/2][d%16][t%2] (16-dimension tiles of token
+// pairs), for 1- and 2-byte elements (fp8, bf16/fp16). One token at a time: a K pair moves as one
+// element twice as wide; a run of 16 tokens aligned to a tile goes through register transposes
+// (4-byte pairs) and its V pairs are interleaved / split 16 dimensions at a time.
+template <typename E, bool kGather>
+inline void amx_token(E* page, E* krow, E* vrow, int64_t t, int64_t block_size, int64_t head_size) {
+  using P = std::conditional_t<sizeof(E) == 2, uint32_t, uint16_t>;
+  const int64_t pairs = head_size / 2;
+  P* kp = reinterpret_cast<P*>(page) + (t / 16) * 16 * pairs + (t % 16);
+  P* rp = reinterpret_cast<P*>(krow);
+  for (int64_t j = 0; j < pairs; ++j) {
+    if (kGather) std::memcpy(rp + j, kp + j * 16, sizeof(P)); else std::memcpy(kp + j * 16, rp + j, sizeof(P));
+  }
+  E* vp = page + block_size * head_size + (t / 2) * 32 + (t % 2);
+  for (int64_t g = 0; g < head_size / 16; ++g) {
+    E* cell = vp + g * block_size * 16;
+    E* mine = vrow + g * 16;
+    for (int64_t k = 0; k < 16; ++k) {
+      if (kGather) mine[k] = cell[2 * k]; else cell[2 * k] = mine[k];
+    }
+  }
+}
+
+#if defined(__SSE2__)
+// 16 dimensions of two tokens a, b <-> the 32 elements [a0 b0 a1 b1 ...] of an amx V tile row.
+inline void interleave16(const uint16_t* a, const uint16_t* b, uint16_t* cell) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + h * 8));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + h * 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cell + h * 16), _mm_unpacklo_epi16(x, y));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cell + h * 16 + 8), _mm_unpackhi_epi16(x, y));
+  }
+}
+
+inline __m128i evens_then_odds_u16(__m128i x) {  // [a0 b0 a1 b1 a2 b2 a3 b3] -> [a0 a1 a2 a3 b0 b1 b2 b3]
+  x = _mm_shufflelo_epi16(x, _MM_SHUFFLE(3, 1, 2, 0));
+  x = _mm_shufflehi_epi16(x, _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm_shuffle_epi32(x, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+inline void deinterleave16(const uint16_t* cell, uint16_t* a, uint16_t* b) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i x = evens_then_odds_u16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cell + h * 16)));
+    const __m128i y = evens_then_odds_u16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cell + h * 16 + 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + h * 8), _mm_unpacklo_epi64(x, y));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + h * 8), _mm_unpackhi_epi64(x, y));
+  }
+}
+
+inline void interleave16(const uint8_t* a, const uint8_t* b, uint8_t* cell) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(cell), _mm_unpacklo_epi8(x, y));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(cell + 16), _mm_unpackhi_epi8(x, y));
+}
+
+inline void deinterleave16(const uint8_t* cell, uint8_t* a, uint8_t* b) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cell));
+  const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cell + 16));
+  const __m128i low = _mm_set1_epi16(0x00FF);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm_packus_epi16(_mm_and_si128(x, low), _mm_and_si128(y, low)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(b), _mm_packus_epi16(_mm_srli_epi16(x, 8), _mm_srli_epi16(y, 8)));
+}
+#endif
+
+template <typename E, bool kGather>
+inline void amx_tile(E* page, E* const* krows, E* const* vrows, int64_t t0, int64_t block_size, int64_t head_size) {
+#if defined(__SSE2__)
+  using P = std::conditional_t<sizeof(E) == 2, uint32_t, uint16_t>;
+  constexpr int64_t kSide = sizeof(P) == 4 ? 4 : 8;  // register transposes of kSide x kSide pairs
+  const int64_t pairs = head_size / 2;
+  // K: the tile is [pairs][16 tokens] of pairs; each chunk row is [pairs] of them
+  P* tile = reinterpret_cast<P*>(page) + (t0 / 16) * 16 * pairs;
+  P block[kSide][kSide];
+  for (int64_t j = 0; j < pairs; j += kSide) {
+    for (int64_t i = 0; i < 16; i += kSide) {
+      P* c = tile + j * 16 + i;
+      if (kGather) {
+        if constexpr (kSide == 4) transpose4x4_u32(c, 16, &block[0][0], 4); else transpose8x8_u16(c, 16, &block[0][0], 8);
+        for (int64_t r = 0; r < kSide; ++r) std::memcpy(reinterpret_cast<P*>(krows[i + r]) + j, block[r], sizeof(block[r]));
+      } else {
+        for (int64_t r = 0; r < kSide; ++r) std::memcpy(block[r], reinterpret_cast<P*>(krows[i + r]) + j, sizeof(block[r]));
+        if constexpr (kSide == 4) transpose4x4_u32(&block[0][0], 4, c, 16); else transpose8x8_u16(&block[0][0], 8, c, 16);
+      }
+    }
+  }
+  // V: per token pair and 16 dimensions, 32 interleaved elements
+  using U = std::conditional_t<sizeof(E) == 2, uint16_t, uint8_t>;
+  E* v = page + block_size * head_size + (t0 / 2) * 32;
+  for (int64_t p = 0; p < 8; ++p) {
+    U* a = reinterpret_cast<U*>(vrows[2 * p]);
+    U* b = reinterpret_cast<U*>(vrows[2 * p + 1]);
+    for (int64_t g = 0; g < head_size / 16; ++g) {
+      U* cell = reinterpret_cast<U*>(v + g * block_size * 16 + p * 32);
+      if (kGather) deinterleave16(cell, a + g * 16, b + g * 16); else interleave16(a + g * 16, b + g * 16, cell);
+    }
+  }
+#else
+  for (int64_t i = 0; i < 16; ++i) amx_token<E, kGather>(page, krows[i], vrows[i], t0 + i, block_size, head_size);
+#endif
+}
+
+template <typename E, bool kGather>
+void amx_copy(const std::vector<at::Tensor>& layers, const int64_t* slots, int64_t tokens, int64_t block_size,
+              int64_t head_size, char* chunk) {
+  const int64_t count = static_cast<int64_t>(layers.size());
+  const int64_t heads = layers[0].size(1);
+  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+    E* krows[16];
+    E* vrows[16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t layer = item / heads, head = item % heads;
+      const at::Tensor& cache = layers[layer];
+      E* base = static_cast<E*>(cache.data_ptr()) + head * cache.stride(1);
+      E* kplane = reinterpret_cast<E*>(chunk) + ((layer * 2) * tokens * heads + head) * head_size;
+      E* vplane = kplane + tokens * heads * head_size;
+      const int64_t row = heads * head_size;
+      int64_t i = 0;
+      while (i < tokens) {
+        const int64_t slot = slots[i];
+        if (slot < 0) { ++i; continue; }
+        const int64_t t = slot % block_size;
+        E* page = base + (slot / block_size) * cache.stride(0);
+        if (t % 16 == 0 && i + 16 <= tokens && slots[i + 15] == slot + 15) {
+          bool run = true;
+          for (int64_t k = 1; k < 16 && run; ++k) run = slots[i + k] == slot + k;
+          if (run) {
+            for (int64_t k = 0; k < 16; ++k) { krows[k] = kplane + (i + k) * row; vrows[k] = vplane + (i + k) * row; }
+            amx_tile<E, kGather>(page, krows, vrows, t, block_size, head_size);
+            i += 16;
+            continue;
+          }
+        }
+        amx_token<E, kGather>(page, kplane + i * row, vplane + i * row, t, block_size, head_size);
+        ++i;
+      }
+    }
+  });
+}
+
+void paged_copy_amx_cpu(at::TensorList layers_list, int64_t block_size, const at::Tensor& slot_mapping,
+                        const at::Tensor& chunk, bool gather) {
+  const std::vector<at::Tensor> layers = layers_list.vec();
+  TORCH_CHECK(!layers.empty(), "tierkv: layers must hold one paged cache tensor per layer, got none");
+  const at::Tensor& first = layers[0];
+  TORCH_CHECK(first.dim() == 4 && first.size(2) == block_size && first.size(3) % 32 == 0 && block_size % 16 == 0,
+              "tierkv: amx layers must be [num_blocks, heads, block_size, 2 * head_size] with block_size a multiple "
+              "of 16 and head_size of 16, got ", shape_of(first), " and block size ", block_size);
+  TORCH_CHECK(first.element_size() == 1 || first.element_size() == 2,
+              "tierkv: the amx order holds 1- or 2-byte elements, got ", first.scalar_type());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layers[i].sizes() == first.sizes() && layers[i].strides() == first.strides() &&
+                    layers[i].scalar_type() == first.scalar_type() && layers[i].device().is_cpu() &&
+                    layers[i][0][0].is_contiguous() && layers[i].stride(1) == layers[i][0][0].numel(),
+                "tierkv: layers[", i, "] must be a CPU ", first.scalar_type(), " tensor of shape ", shape_of(first),
+                " with contiguous pages like layers[0]");
+  }
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
+                  slot_mapping.is_contiguous(),
+              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
+              shape_of(slot_mapping));
+  const int64_t tokens = slot_mapping.size(0), heads = first.size(1), head_size = first.size(3) / 2;
+  const int64_t count = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == first.scalar_type() &&
+                  chunk.sizes() == at::IntArrayRef({count, 2, tokens, heads, head_size}),
+              "tierkv: chunk must be a contiguous CPU ", first.scalar_type(), " tensor [", count, ", 2, ", tokens,
+              ", ", heads, ", ", head_size, "], got ", chunk.scalar_type(), " ", shape_of(chunk));
+  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, first.size(0) * block_size);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* data = static_cast<char*>(chunk.data_ptr());
+  if (first.element_size() == 2) {
+    if (gather) amx_copy<uint16_t, true>(layers, slots, tokens, block_size, head_size, data);
+    else amx_copy<uint16_t, false>(layers, slots, tokens, block_size, head_size, data);
+  } else {
+    if (gather) amx_copy<uint8_t, true>(layers, slots, tokens, block_size, head_size, data);
+    else amx_copy<uint8_t, false>(layers, slots, tokens, block_size, head_size, data);
+  }
+}
+
 // Meta (shape-only) kernels, so torch.compile / FakeTensor tracing and opcheck work.
 void paged_gather_meta(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&, bool) {}
 void paged_scatter_meta(const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, bool) {}
@@ -530,6 +710,7 @@ at::Tensor kv_deviation_meta(const at::Tensor& retrieved_k, const at::Tensor& fr
 void blend_scatter_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
 void rope_rerotate_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {}
 void paged_copy_strided_meta(at::TensorList, const at::Tensor&, const at::Tensor&, bool) {}
+void paged_copy_amx_meta(at::TensorList, int64_t, const at::Tensor&, const at::Tensor&, bool) {}
 void paged_copy_mapped_meta(at::TensorList, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                             const at::Tensor&, const at::Tensor&, bool) {}
 
@@ -552,6 +733,7 @@ TORCH_LIBRARY(tierkv, m) {
   m.def(
       "paged_copy_mapped(Tensor(a!)[] layers, Tensor key_map, Tensor value_map, int key_unit, int value_unit, "
       "int block_size, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
+  m.def("paged_copy_amx(Tensor(a!)[] layers, int block_size, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
@@ -562,6 +744,7 @@ TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
   m.impl("rope_rerotate", &tierkv::rope_rerotate_cpu);
   m.impl("paged_copy_strided", &tierkv::paged_copy_strided_cpu);
   m.impl("paged_copy_mapped", &tierkv::paged_copy_mapped_cpu);
+  m.impl("paged_copy_amx", &tierkv::paged_copy_amx_cpu);
 }
 
 TORCH_LIBRARY_IMPL(tierkv, Meta, m) {
@@ -572,4 +755,5 @@ TORCH_LIBRARY_IMPL(tierkv, Meta, m) {
   m.impl("rope_rerotate", &tierkv::rope_rerotate_meta);
   m.impl("paged_copy_strided", &tierkv::paged_copy_strided_meta);
   m.impl("paged_copy_mapped", &tierkv::paged_copy_mapped_meta);
+  m.impl("paged_copy_amx", &tierkv::paged_copy_amx_meta);
 }

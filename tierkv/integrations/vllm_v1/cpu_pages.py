@@ -193,6 +193,7 @@ class MappedPageConnector(GPUConnector):
         self.views = [(half[:, :, 0], half[:, :, 1]) for half in halves]
         self._key_map = torch.from_numpy(self.map.key)
         self._value_map = torch.from_numpy(self.map.value)
+        self._tiles_kernel = layout == "cpu_amx" and layers[0].element_size() in (1, 2)
 
     def dtype_of(self, **kwargs: Any) -> torch.dtype:
         return self.layers[0].dtype
@@ -207,6 +208,10 @@ class MappedPageConnector(GPUConnector):
         return slots[start:end].to(torch.int64)
 
     def _copy(self, chunk: torch.Tensor, slots: torch.Tensor, gather: bool) -> None:
+        if self._tiles_kernel and ops.paged_copy_strided_available(chunk):
+            # the extension's own amx kernel: register transposes per 16-token tile
+            torch.ops.tierkv.paged_copy_amx(self.layers, self.block_size, slots.contiguous(), chunk, gather)
+            return
         ops.paged_copy_mapped(self.layers, self._key_map, self._value_map, self.map.key_unit, self.map.value_unit,
                               self.block_size, slots, chunk, gather)
 
