@@ -73,6 +73,7 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
 
     first_tokens: dict[str, list[int]] = {}
     load_ms: dict[str, list[int]] = {}  # per timed prompt: milliseconds tierkv spent in synchronous loads
+    loaded: dict[str, list[int]] = {}  # per timed prompt: tokens tierkv loaded
 
     def timed(name: str, extra: dict[str, Any] | None, passes: int) -> list[list[float]]:
         """Per pass over the prompt sets, the median TTFT per length (and each prompt's first token)."""
@@ -83,8 +84,13 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
         results = run_vllm(spec, workdir / name, timeout=3600, kv_cache_gib=kv_gib, env=SAME_CORES)
         seconds = [r["seconds"] for r in results[len(warm):]]
         first_tokens[name] = [r["tokens"][0] if r["tokens"] else -1 for r in results[len(warm):]]
+        if extra is not None and any((r["stats"] or {}).get("disabled") for r in results):
+            raise SystemExit(f"vLLM TTFT: tierkv turned itself off in the {name!r} run (see its log: the layout "
+                             "self-check refused this vLLM's cache); the figures would be a table of misses")
         loads = [(r["stats"] or {}).get("sync_load_ms", 0) for r in results]
         load_ms[name] = [after - before for before, after in zip(loads[len(warm) - 1:], loads[len(warm):])]
+        counts = [(r["stats"] or {}).get("tokens_loaded", 0) for r in results]
+        loaded[name] = [after - before for before, after in zip(counts[len(warm) - 1:], counts[len(warm):])]
         per_pass = len(lengths) * SAMPLES
         medians = []
         for number in range(passes):
@@ -102,17 +108,34 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
         print(f"{name}: {differ} of {len(got)} first tokens differ from vLLM without tierkv", file=sys.stderr)
     per_pass = len(lengths) * SAMPLES
     hits = load_ms.get("cpu-lmdb-fs", [])[per_pass:]
+    for name, counts in loaded.items():
+        hit_counts = counts[per_pass:] if name == "cpu-lmdb-fs" else counts
+        if name != "baseline" and not all(hit_counts):
+            raise SystemExit(f"vLLM TTFT: {name!r}: {hit_counts.count(0)} of {len(hit_counts)} hit runs loaded no "
+                             "token from tierkv; the figures would not be hits")
+    import torch
+    from load_outside import outside_load
+
+    inside_outside = {}
     for index, length in enumerate(lengths):
         if hits:
-            print(f"cpu-tier hit at {length} tokens: tierkv's load {statistics.median(hits[index::len(lengths)]):.0f} ms "
-                  f"of TTFT {cpu_hit[index] * 1000:.0f} ms (median)", file=sys.stderr)
+            inside = statistics.median(hits[index::len(lengths)])
+            outside = outside_load(length, layers, kv_heads, hidden // heads, getattr(torch, dtype))
+            inside_outside[length] = {"inside_ms": inside, **outside}
+            print(f"cpu-tier hit at {length} tokens: tierkv's load {inside:.0f} ms of TTFT {cpu_hit[index] * 1000:.0f} ms "
+                  f"(median); the same load outside vLLM {outside['load_ms']:.0f} ms ({outside['layout']} layout; "
+                  f"inside/outside {inside / outside['load_ms']:.2f}x); memcpy of its {outside['bytes'] / 2**20:.0f} MiB "
+                  f"{outside['memcpy_ms']:.0f} ms (load vs memcpy: inside {outside['memcpy_ms'] / max(inside, 1e-9):.2f}x, "
+                  f"outside {outside['memcpy_ms'] / outside['load_ms']:.2f}x)", file=sys.stderr)
     rows = []
     for index, length in enumerate(lengths):
         base = baseline[index]
         rows.append({"tokens": length, "no_tierkv_s": base, "storing_pass_s": storing[index],
                      "cpu_hit_s": cpu_hit[index], "lmdb_hit_s": disk_hit[index], "fs_hit_s": fs_hit[index],
                      "storing_ratio": storing[index] / base, "cpu_hit_ratio": cpu_hit[index] / base,
-                     "lmdb_hit_ratio": disk_hit[index] / base, "fs_hit_ratio": fs_hit[index] / base})
+                     "lmdb_hit_ratio": disk_hit[index] / base, "fs_hit_ratio": fs_hit[index] / base,
+                     **({f"load_{k}": v for k, v in inside_outside[length].items() if k.endswith("_ms")}
+                        if length in inside_outside else {})})
     return rows
 
 

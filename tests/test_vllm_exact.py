@@ -140,16 +140,23 @@ def test_vllms_metrics_count_what_tierkv_did(cpu_run: list[dict[str, Any]]) -> N
     assert last["vllm:tierkv_tokens_loaded"] == sum(len(PROMPTS[n]) - 1 for n in NAMES)
     assert last["vllm:tierkv_tokens_saved"] >= sum(len(PROMPTS[n]) for n in NAMES) - len(NAMES) * CHUNK
     assert last["vllm:tierkv_load_seconds"] == len(NAMES), "one observation per synchronous load"
+    # vLLM's own per-tier hit accounting: every hit of the second pass came from the cpu tier (host)
+    assert last["vllm:prompt_tokens_cached_by_source:host"] == last["vllm:tierkv_tokens_loaded"]
+    assert last.get("vllm:prompt_tokens_cached_by_source:disk", 0) == 0
 
 
 @pytest.mark.parametrize("tier", ["lmdb", "fs"])
 def test_disk_tier_hits_in_a_new_process_are_exact(tier: str, cpu_run: list[dict[str, Any]], model_dir: Path,
                                                    disks: dict[str, dict[str, Any]],
                                                    reference: dict[str, dict[str, Any]], tmp_path: Path) -> None:
-    results = vllm(spec(model_dir, [PROMPTS[n] for n in NAMES], extra(tmp_path, disks[tier])), tmp_path)
+    results = vllm({**spec(model_dir, [PROMPTS[n] for n in NAMES], extra(tmp_path, disks[tier])), "metrics": True},
+                   tmp_path)
     assert loaded_per_prompt(results) == [len(PROMPTS[n]) - 1 for n in NAMES], f"every prompt is a {tier} hit"
     for name, result in zip(NAMES, results):
         assert_exact(f"{tier}:{name}", result, reference[name])
+    by_source = results[-1]["metrics"]  # vLLM's per-tier hit accounting: a local disk tier is "disk"
+    assert by_source["vllm:prompt_tokens_cached_by_source:disk"] == sum(len(PROMPTS[n]) - 1 for n in NAMES)
+    assert by_source.get("vllm:prompt_tokens_cached_by_source:host", 0) == 0
 
 
 def test_stored_chunks_are_the_kv_hf_transformers_computes(cpu_run: list[dict[str, Any]], model_dir: Path,

@@ -130,8 +130,13 @@ def main(spec_path: str) -> int:
         kwargs["enable_prompt_embeds"] = True
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("kv_events"):  # vLLM's KV event publisher (ZMQ) on this endpoint
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=spec["kv_events"], topic="kv")
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
-              enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=max_len,
+              enable_prefix_caching=bool(spec.get("prefix_caching", False)), max_model_len=max_len, max_num_batched_tokens=max_len,
               disable_log_stats=not spec.get("metrics"), **kwargs)
     lora_requests = {}
     if loras:
@@ -180,6 +185,8 @@ def _tierkv_metrics(llm: Any) -> dict[str, float]:
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:tierkv_"):
             found[metric.name] = float(getattr(metric, "value", getattr(metric, "count", 0)))
+        elif metric.name == "vllm:prompt_tokens_cached_by_source":  # vLLM's per-tier hit accounting
+            found[f"{metric.name}:{metric.labels.get('source')}"] = float(getattr(metric, "value", 0))
     return found
 
 

@@ -36,6 +36,7 @@ from tierkv.engine import EngineBuilder
 from tierkv.identity import RequestIdentity
 from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
+from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
@@ -45,7 +46,10 @@ from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMe
 from tierkv.integrations.vllm_v1.worker import WorkerTransfers, keep_off_compute_cores
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -56,6 +60,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+_MEMORY_BACKENDS = frozenset({"cpu", "gpu"})
+_LOCAL_DISK_BACKENDS = frozenset({"lmdb", "fs"})
 
 
 @dataclass
@@ -105,6 +112,11 @@ def _engine_identity(vllm_config: VllmConfig, configured_revision: str | None
         geometry = None
     return engine_identity(str(model.model), str(model.dtype), geometry, str(vllm_config.cache_config.cache_dtype),
                            getattr(model, "quantization", None), getattr(model, "revision", None), configured_revision)
+
+
+def _kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and getattr(config, "enable_kv_cache_events", False))
 
 
 def _kernels_or_build() -> None:
@@ -157,13 +169,14 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker_id = 0
         self._stats_written: dict[str, int] = {}
         self._stats_interval = StatsInterval()
+        self._kv_events: TierKVEvents | None = None
         self._identity_hook = load_hook(self._settings.identity_hook)
         if role == KVConnectorRole.SCHEDULER:
             if self._settings.load_failure_policy == "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # a cache miss is always safe to recompute
             self._client = LookupClient(self._socket)
             self._planner = SchedulerPlanner(self._client, load=self._settings.load, save=self._settings.save,
-                                             load_async=self._settings.load_async)
+                                             load_async=self._settings.load_async, block_size=self._block_size)
         else:
             worker_id, tp_rank = _ranks()
             self._worker_id = worker_id
@@ -174,6 +187,8 @@ class TierKVConnector(KVConnectorBase_V1):
             cpus = keep_off_compute_cores(engine)
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
+            if _kv_events_enabled(vllm_config):
+                self._transfers.record_events(self._block_size)
             transfers = self._transfers
             if worker_id == 0:
                 memory = {tier.name for tier in engine.tiers if isinstance(tier, InPlaceTier)} | {"fill-queue"}
@@ -382,11 +397,25 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         identity = request_identity(request, self._identity_hook)  # adapters' digests are remembered per path
+        lora = getattr(request, "lora_request", None)
         return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens,
-                                                identity)
+                                                identity, getattr(request, "block_hashes", ()),
+                                                getattr(lora, "lora_name", None))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's per-tier hit accounting: the tokens of a planned load from tierkv's memory tiers
+        (host) and from the tiers below (disk when every one is a local disk, else unspecified)."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens <= 0:
+            return {}
+        memory, below = self._scheduler().hit_split(request.request_id, num_external_tokens)
+        local = all(tier.backend in _MEMORY_BACKENDS | _LOCAL_DISK_BACKENDS for tier in self._settings.config.tiers)
+        split = {CacheHitSource.HOST: memory, CacheHitSource.DISK if local else CacheHitSource.EXTERNAL_UNSPECIFIED: below}
+        return {source: count for source, count in split.items() if count}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         plan = self._scheduler().build(scheduler_output)
@@ -395,6 +424,24 @@ class TierKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().loads_failed(set(connector_output.invalid_block_ids or ()),
                                        set(connector_output.failed_recving or ()))
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, TierKVEvents):  # the workers' events of this step, for vLLM's publisher
+            if self._kv_events is None:
+                self._kv_events = events
+            else:
+                self._kv_events.add_events(events.get_all_events())
+                self._kv_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """tierkv's BlockStored / BlockRemoved events since the last call (see ``kv_events.py``)."""
+        if self._kv_events is None:
+            return ()
+        gathered, self._kv_events = self._kv_events, None  # each step's workers are counted afresh
+        return gathered.aggregate().get_all_events()
+
+    def get_kv_connector_kv_cache_events(self) -> TierKVEvents | None:
+        """Worker side: the events this worker recorded since vLLM last asked."""
+        return self._transfers.take_events() if self._transfers is not None else None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request.request_id), None

@@ -53,6 +53,8 @@ class SaveSpec:
     token_ids: np.ndarray
     block_ids: tuple[int, ...]
     identity: RequestIdentity = PLAIN
+    block_hashes: tuple[Any, ...] = ()  # vLLM's hashes of the prompt's full blocks (for KV events)
+    lora_name: str | None = None
 
 
 @dataclass
@@ -72,6 +74,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     save_planned: bool = False
     identity: RequestIdentity | None = PLAIN
+    block_hashes: Sequence[Any] = ()  # vLLM's own list (it grows in place as blocks fill)
+    lora_name: str | None = None
 
 
 @dataclass
@@ -79,6 +83,7 @@ class _Match:
     local: int
     external: int
     asynchronous: bool
+    in_memory: int = 0  # of the external tokens, how many a memory tier holds
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,11 @@ class SchedulerPlanner:
 
     def __init__(self, lookup: Callable[[np.ndarray, RequestIdentity], LookupResult], *, load: bool = True,
                  save: bool = True,
-                 load_async: str = "auto") -> None:
+                 load_async: str = "auto", block_size: int = 0) -> None:
         if load_async not in ("never", "always", "auto"):
             raise ValueError(f"load_async must be 'never', 'always' or 'auto', got {load_async!r}")
         self._lookup = lookup
+        self.block_size = block_size  # vLLM's (the block hashes' granularity)
         self.load = load
         self.save = save
         self.load_async = load_async
@@ -115,6 +121,7 @@ class SchedulerPlanner:
         self._saving: set[str] = set()
         self._loading: dict[str, tuple[int, ...]] = {}  # blocks of each load not yet known to have landed
         self._no_load: set[str] = set()  # requests whose load failed: vLLM recomputes, tierkv does not retry
+        self._hit_split: dict[str, tuple[int, int]] = {}  # a planned load: (tokens in memory tiers, below them)
         self.tokens_planned_to_load = 0
         self.tokens_planned_to_save = 0
         self.unidentified_requests = 0
@@ -123,7 +130,8 @@ class SchedulerPlanner:
 
     # -- vLLM: get_num_new_matched_tokens -------------------------------------------------
     def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int,
-                       identity: RequestIdentity | None = PLAIN) -> tuple[int, bool]:
+                       identity: RequestIdentity | None = PLAIN, block_hashes: Sequence[Any] = (),
+                       lora_name: str | None = None) -> tuple[int, bool]:
         """Tokens tierkv can load beyond ``num_computed_tokens``, and whether asynchronously.
 
         ``identity``: what else the request's KV depends on (None: tierkv cannot tell, and
@@ -138,6 +146,7 @@ class SchedulerPlanner:
             return 0, False
         request = self._request(req_id, prompt_token_ids)
         request.identity = identity
+        request.block_hashes, request.lora_name = block_hashes, lora_name
         if not self.load or identity is None or req_id in self._no_load or len(request.tokens) <= 1:
             return 0, False
         result = self._lookup(request.tokens, identity)
@@ -150,7 +159,8 @@ class SchedulerPlanner:
             self._matches.pop(req_id, None)
             return 0, False
         asynchronous = self.load_async == "always" or (self.load_async == "auto" and result.in_memory_tokens < usable)
-        self._matches[req_id] = _Match(num_computed_tokens, external, asynchronous)
+        in_memory = max(0, min(result.in_memory_tokens, usable) - num_computed_tokens)
+        self._matches[req_id] = _Match(num_computed_tokens, external, asynchronous, in_memory)
         return external, asynchronous
 
     # -- vLLM: update_state_after_alloc --------------------------------------------------------
@@ -163,10 +173,18 @@ class SchedulerPlanner:
         if match is None or request is None:
             return
         external = min(num_external_tokens, match.external)
+        self._hit_split[req_id] = (min(match.in_memory, external), external - min(match.in_memory, external))
         request.block_ids = list(block_ids)
         self._pending_loads[req_id] = LoadSpec(req_id, request.tokens, tuple(block_ids), match.local,
                                                match.local + external, match.asynchronous,
                                                request.identity or PLAIN)
+
+    def hit_split(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
+        """Of a request's ``num_external_tokens`` (its planned load), how many come from memory
+        tiers and how many from the tiers below (asked once, after the load was planned)."""
+        memory, below = self._hit_split.pop(req_id, (0, num_external_tokens))
+        memory = min(memory, num_external_tokens)
+        return memory, num_external_tokens - memory
 
     # -- vLLM: build_connector_meta ----------------------------------------------------------------
     def build(self, scheduler_output: Any) -> StepPlan:
@@ -206,7 +224,9 @@ class SchedulerPlanner:
             return
         request.save_planned = True
         self._saving.add(req_id)
-        plan.saves.append(SaveSpec(req_id, request.tokens, tuple(request.block_ids), request.identity))
+        full_blocks = len(request.tokens) // self.block_size if self.block_size else 0
+        plan.saves.append(SaveSpec(req_id, request.tokens, tuple(request.block_ids), request.identity,
+                                   tuple(request.block_hashes[:full_blocks]), request.lora_name))
         self.tokens_planned_to_save += len(request.tokens)
 
     # -- vLLM: update_connector_output -------------------------------------------------------------
@@ -226,6 +246,7 @@ class SchedulerPlanner:
         """Forget the request; True when its blocks must outlive it until the worker reports
         its save done (``get_finished``)."""
         self._requests.pop(req_id, None)
+        self._hit_split.pop(req_id, None)
         self._matches.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         self._loading.pop(req_id, None)

