@@ -120,6 +120,7 @@ class MemoryTier(StorageBackend):
         assert self.capacity is not None  # requires_capacity guarantees it
         self.device = device
         self.pinned = pinned
+        self.removal_listener: Callable[[CacheKey], None] | None = None
         self.eviction = eviction
         self.capacity_limit = self.capacity
         self.demote_sink: DemoteSink | None = None
@@ -345,6 +346,8 @@ class MemoryTier(StorageBackend):
         if resident is None:
             return False
         self._index.remove(key)
+        if self.removal_listener is not None:  # e.g. vLLM's KV events: the chunk left this tier
+            self.removal_listener(key)
         if resident.readers:
             resident.retired = True
             self._retired_held += resident.slab.numel()
