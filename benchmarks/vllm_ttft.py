@@ -206,8 +206,11 @@ def main() -> int:
     print(f"{'met ' if worst_miss['storing_ratio'] <= MISS_TARGET else 'SHORT'} storing pass: worst "
           f"{worst_miss['storing_ratio']:.3f}x no-cache TTFT at {worst_miss['tokens']} tokens (target <= {MISS_TARGET})")
     write_results(out, "vllm_ttft", rows, {"model": model_text, "seconds": round(time.time() - started, 1)})
-    plot(rows, out / "vllm_ttft.png", model_text)
-    print(f"\nresults in {out}/: vllm_ttft.json, vllm_ttft.csv, vllm_ttft.png")
+    try:
+        plot(rows, out / "vllm_ttft.png", model_text)
+        print(f"\nresults in {out}/: vllm_ttft.json, vllm_ttft.csv, vllm_ttft.png")
+    except ImportError:  # matplotlib is a plotting extra (tox -e bench-vllm installs it)
+        print(f"\nresults in {out}/: vllm_ttft.json, vllm_ttft.csv (no plot: matplotlib is not installed)")
     return 0
 
 

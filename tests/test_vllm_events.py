@@ -120,3 +120,27 @@ def test_tierkv_announces_what_its_first_tier_evicts(published: tuple[list[Any],
     assert set(first_prompt) & set(removed), "the first prompt's blocks were evicted first (LRU)"
     announced = {h for e in stored(events, "host") for h in e.block_hashes}
     assert set(removed) <= announced, "a removal names only blocks tierkv announced"
+
+
+def test_reset_cache_clears_the_instances_memory_tiers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM's reset_prefix_cache(reset_connector=True) reaches tierkv: the cpu tier (this
+    instance's alone) is cleared, so the repeat after the reset loads nothing from it, while a
+    disk tier below (shared with other instances) keeps its chunks and serves the next one."""
+    workdir = tmp_path_factory.mktemp("reset")
+    model = save_random_llama(workdir / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                              initializer_range=0.15)
+    prompt = tokens(71, PROMPT)
+    host = {"name": "host", "backend": "cpu", "capacity": "64MiB"}
+    disk = {"name": "disk", "backend": "lmdb", "path": str(workdir / "lmdb"), "capacity": "256MiB"}
+    spec = {"model": str(model), "max_tokens": 2,
+            "prompts": [prompt, prompt, {"ids": prompt, "reset_first": True}],
+            "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
+                       "stats_file": str(workdir / "stats.json")}}
+    results = run_vllm(spec, workdir / "memory-only", env=SAME_CORES)
+    assert results[-1]["reset"] is True, "the connector reported a failed reset"
+    assert loaded_per_prompt(results) == [0, PROMPT - 1, 0], "after the reset the cpu tier holds nothing"
+    spec["tierkv"] = {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host, disk]},
+                      "stats_file": str(workdir / "stats2.json")}
+    results = run_vllm(spec, workdir / "with-disk", env=SAME_CORES)
+    assert results[-1]["reset"] is True
+    assert loaded_per_prompt(results) == [0, PROMPT - 1, PROMPT - 1], "the disk tier is not this instance's to clear"

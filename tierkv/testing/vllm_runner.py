@@ -150,6 +150,8 @@ def main(spec_path: str) -> int:
     for prompt in spec["prompts"]:
         started = time.perf_counter()
         described = prompt if isinstance(prompt, dict) else {"ids": prompt}
+        if described.get("reset_first"):  # vLLM's reset_prefix_cache, connector included, before this prompt
+            described = {**described, "reset": bool(llm.reset_prefix_cache(reset_connector=True))}
         if "embeds" in described:
             import torch
 
@@ -172,6 +174,7 @@ def main(spec_path: str) -> int:
         logprobs = [{str(token): float(entry.logprob) for token, entry in step.items()}
                     for step in (completion.logprobs or [])]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs, "seconds": seconds,
+                        "reset": described.get("reset"),
                         "stats": stats, "metrics": _tierkv_metrics(llm) if spec.get("metrics") else None})
     del llm
     print("TIERKV-RESULT " + json.dumps(results), flush=True)

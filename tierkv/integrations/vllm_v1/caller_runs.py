@@ -24,7 +24,8 @@ class CallerRuns:
     """Work handed from tierkv's threads to the one thread serving it (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], concurrent.futures.Future[None]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], concurrent.futures.Future[None]] | None] = (
+            queue.SimpleQueue())
         self._lock = threading.Lock()
         self._serving = True
 
@@ -45,16 +46,18 @@ class CallerRuns:
         """Run what is handed over until ``until`` is done or ``timeout`` seconds passed, then
         stop serving (running what was handed over meanwhile)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        until.add_done_callback(lambda _: self._queue.put(None))  # wakes the wait below the moment it is done
         try:
             while not until.done():
-                wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-                if wait <= 0:
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
                     break
                 try:
                     item = self._queue.get(timeout=wait)
                 except queue.Empty:
-                    continue
-                _run(*item)
+                    break
+                if item is not None:
+                    _run(*item)
         finally:
             with self._lock:
                 self._serving = False
@@ -63,7 +66,8 @@ class CallerRuns:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                _run(*item)
+                if item is not None:
+                    _run(*item)
 
 
 def _run(work: Callable[[], None], done: concurrent.futures.Future[None]) -> None:

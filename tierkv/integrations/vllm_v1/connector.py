@@ -202,7 +202,7 @@ class TierKVConnector(KVConnectorBase_V1):
                     in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
                     return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
 
-                self._server = LookupServer(self._socket, lookup, cpus)
+                self._server = LookupServer(self._socket, lookup, cpus, reset=transfers.reset_memory_tiers)
             logger.info("tierkv: worker %d (tp rank %d) serving tiers %s for %s, chunk %d; transfers on CPUs %s",
                         worker_id, tp_rank, [tier.name for tier in engine.tiers], self._settings.model_name,
                         engine.core.chunk_size, sorted(cpus) if cpus else "as the worker")
@@ -404,6 +404,17 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset_prefix_cache: clear what is this instance's alone, its memory tiers
+        (shared tiers, disks, object stores, are other instances' cache too). Rank 0's worker
+        clears its own; False when it could not be reached."""
+        if self._client is None:
+            return None
+        cleared = self._client.reset()
+        if cleared >= 0:
+            logger.info("tierkv: cache reset: %d chunk(s) cleared from the memory tiers", cleared)
+        return cleared >= 0
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's per-tier hit accounting: the tokens of a planned load from tierkv's memory tiers

@@ -36,8 +36,10 @@ _HEADER = struct.Struct("<II")
 _REPLY = struct.Struct("<qq")
 _MAX_TOKENS = 1 << 24
 _MAX_IDENTITY = 1 << 20
+_RESET = 0xFFFFFFFF  # a header whose token count is this asks the worker to reset its cache
 Lookup = Callable[[np.ndarray, RequestIdentity], LookupResult]
-_LOCAL: dict[str, Lookup] = {}
+Reset = Callable[[], int]
+_LOCAL: dict[str, tuple[Lookup, Reset | None]] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -59,9 +61,10 @@ def _receive(conn: socket.socket, nbytes: int) -> bytes:
 class LookupServer:
     """Serves lookups on ``path`` from threads (one per scheduler connection)."""
 
-    def __init__(self, path: str, lookup: Lookup, cpus: set[int] | None = None) -> None:
+    def __init__(self, path: str, lookup: Lookup, cpus: set[int] | None = None, reset: Reset | None = None) -> None:
         self.path = path
         self.lookup = lookup
+        self.reset = reset  # vLLM's reset_cache: clears what this instance may clear; the chunks cleared
         self.cpus = cpus  # where to run (the CPUs vLLM keeps free); None: wherever the process runs
         if os.path.exists(path):
             os.unlink(path)  # left over by a process that died
@@ -74,7 +77,7 @@ class LookupServer:
         self._thread = threading.Thread(target=self._accept, name="tierkv-lookup-server", daemon=True)
         self._thread.start()
         with _LOCAL_LOCK:
-            _LOCAL[path] = lookup
+            _LOCAL[path] = (lookup, reset)
 
     def _accept(self) -> None:
         if self.cpus:
@@ -92,6 +95,9 @@ class LookupServer:
             while not self._closed.is_set():
                 try:
                     count, identity_size = _HEADER.unpack(_receive(conn, _HEADER.size))
+                    if count == _RESET:
+                        conn.sendall(_REPLY.pack(_reset_or_fail(self.reset), 0))
+                        continue
                     if count > _MAX_TOKENS or identity_size > _MAX_IDENTITY:
                         raise ValueError(f"lookup of {count} tokens (at most {_MAX_TOKENS}) and an identity of "
                                          f"{identity_size} bytes (at most {_MAX_IDENTITY})")
@@ -123,6 +129,16 @@ class LookupServer:
                 os.unlink(self.path)
 
 
+def _reset_or_fail(reset: Reset | None) -> int:
+    if reset is None:
+        return -1
+    try:
+        return reset()
+    except Exception as exc:  # a tier that refuses: report a failed reset, keep serving lookups
+        logger.warning("tierkv: cache reset failed: %s: %s", type(exc).__name__, exc)
+        return -1
+
+
 class LookupClient:
     """Asks the worker's :class:`LookupServer` (or calls it, in the same process)."""
 
@@ -137,7 +153,7 @@ class LookupClient:
         with _LOCAL_LOCK:
             local = _LOCAL.get(self.path)
         if local is not None:
-            return local(tokens, identity)
+            return local[0](tokens, identity)
         wire_identity = json.dumps(identity.to_wire(), separators=(",", ":")).encode()
         payload = (_HEADER.pack(len(tokens), len(wire_identity)) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
                    + wire_identity)
@@ -153,6 +169,23 @@ class LookupClient:
                     if attempt == 1:
                         self._warn(exc)
         return LookupResult(0, 0)
+
+    def reset(self) -> int:
+        """Ask the worker to reset its cache; the chunks it cleared, -1 when it could not."""
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(self.path)
+        if local is not None:
+            return _reset_or_fail(local[1])
+        with self._lock:
+            try:
+                conn = self._connect()
+                conn.sendall(_HEADER.pack(_RESET, 0))
+                cleared, _ = _REPLY.unpack(_receive(conn, _REPLY.size))
+                return int(cleared)
+            except OSError as exc:
+                self._drop()
+                self._warn(exc)
+                return -1
 
     def _connect(self) -> socket.socket:
         if self._conn is None:

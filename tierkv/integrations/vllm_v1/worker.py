@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tierkv.backend import InPlaceTier
 from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine import Engine
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
@@ -263,6 +264,18 @@ class WorkerTransfers:
             self.stats["prompt_tokens_saved"] += num_tokens if chunks else 0
             if self.events is not None and spec.block_hashes:
                 self._announce(spec)
+
+    def reset_memory_tiers(self) -> int:
+        """Clear this worker's memory tiers (this instance's alone); the chunks cleared."""
+        async def clear() -> int:
+            cleared = 0
+            for tier in self.engine.tiers:
+                resident = getattr(tier, "resident_keys", None)  # the memory tiers
+                if isinstance(tier, InPlaceTier) and callable(resident):
+                    for key in resident():
+                        cleared += bool(await tier.delete(key))
+            return cleared
+        return int(self.engine.run(clear()))
 
     # -- vLLM KV events --------------------------------------------------------------------------
     def record_events(self, block_size: int) -> None:
