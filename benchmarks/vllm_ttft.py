@@ -74,6 +74,7 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     first_tokens: dict[str, list[int]] = {}
     load_ms: dict[str, list[int]] = {}  # per timed prompt: milliseconds tierkv spent in synchronous loads
     loaded: dict[str, list[int]] = {}  # per timed prompt: tokens tierkv loaded
+    copy_ms: dict[str, list[int]] = {}  # per timed prompt: of load_ms, the copies into vLLM's blocks
 
     def timed(name: str, extra: dict[str, Any] | None, passes: int) -> list[list[float]]:
         """Per pass over the prompt sets, the median TTFT per length (and each prompt's first token)."""
@@ -89,6 +90,8 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
                              "self-check refused this vLLM's cache); the figures would be a table of misses")
         loads = [(r["stats"] or {}).get("sync_load_ms", 0) for r in results]
         load_ms[name] = [after - before for before, after in zip(loads[len(warm) - 1:], loads[len(warm):])]
+        copies = [(r["stats"] or {}).get("sync_load_copy_ms", 0) for r in results]
+        copy_ms[name] = [after - before for before, after in zip(copies[len(warm) - 1:], copies[len(warm):])]
         counts = [(r["stats"] or {}).get("tokens_loaded", 0) for r in results]
         loaded[name] = [after - before for before, after in zip(counts[len(warm) - 1:], counts[len(warm):])]
         per_pass = len(lengths) * SAMPLES
@@ -120,10 +123,11 @@ def run(lengths: list[int], layers: int, hidden: int, heads: int, kv_heads: int,
     for index, length in enumerate(lengths):
         if hits:
             inside = statistics.median(hits[index::len(lengths)])
+            copying = statistics.median(copy_ms.get("cpu-lmdb-fs", [0] * len(hits))[per_pass:][index::len(lengths)])
             outside = outside_load(length, layers, kv_heads, hidden // heads, getattr(torch, dtype))
             inside_outside[length] = {"inside_ms": inside, **outside}
-            print(f"cpu-tier hit at {length} tokens: tierkv's load {inside:.0f} ms of TTFT {cpu_hit[index] * 1000:.0f} ms "
-                  f"(median); the same load outside vLLM {outside['load_ms']:.0f} ms ({outside['layout']} layout; "
+            print(f"cpu-tier hit at {length} tokens: tierkv's load {inside:.0f} ms ({copying:.0f} ms of it copying on "
+                  f"vLLM's thread) of TTFT {cpu_hit[index] * 1000:.0f} ms (median); the same load outside vLLM {outside['load_ms']:.0f} ms ({outside['layout']} layout; "
                   f"inside/outside {inside / outside['load_ms']:.2f}x); memcpy of its {outside['bytes'] / 2**20:.0f} MiB "
                   f"{outside['memcpy_ms']:.0f} ms (load vs memcpy: inside {outside['memcpy_ms'] / max(inside, 1e-9):.2f}x, "
                   f"outside {outside['memcpy_ms'] / outside['load_ms']:.2f}x)", file=sys.stderr)

@@ -28,6 +28,7 @@ class CallerRuns:
             queue.SimpleQueue())
         self._lock = threading.Lock()
         self._serving = True
+        self.busy_s = 0.0  # seconds the serving thread spent running handed-over work
 
     def run(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the serving thread and return when it ran (its exception re-raised
@@ -57,7 +58,9 @@ class CallerRuns:
                 except queue.Empty:
                     break
                 if item is not None:
+                    started = time.perf_counter()
                     _run(*item)
+                    self.busy_s += time.perf_counter() - started
         finally:
             with self._lock:
                 self._serving = False

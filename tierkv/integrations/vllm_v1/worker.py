@@ -187,6 +187,7 @@ class WorkerTransfers:
                 timeout: float | None) -> bool:
         if sink.runner is not None:  # run the copies handed over until the load is done or the time is up
             sink.runner.serve(future, timeout)
+            self.stats["sync_load_copy_ms"] += round(sink.runner.busy_s * 1000)  # of sync_load_ms: copying
             timeout = 0
         try:
             ret_mask = future.result(timeout=timeout)
