@@ -356,6 +356,43 @@ void strided_paged_copy(const std::vector<at::Tensor>& caches, const int64_t* sl
   });
 }
 
+// The slot mapping and chunk of a CPU page copy: slots a contiguous int64 vector (each -1 or below
+// num_slots), the chunk a contiguous [layers, 2, tokens, heads, head_size] tensor of the cache's dtype.
+void check_slots_and_chunk(const at::Tensor& slot_mapping, const at::Tensor& chunk, at::ScalarType dtype,
+                           int64_t layers, int64_t heads, int64_t head_size, int64_t num_slots) {
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
+                  slot_mapping.is_contiguous(),
+              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
+              shape_of(slot_mapping));
+  const int64_t tokens = slot_mapping.size(0);
+  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == dtype &&
+                  chunk.sizes() == at::IntArrayRef({layers, 2, tokens, heads, head_size}),
+              "tierkv: chunk must be a contiguous CPU ", dtype, " tensor [", layers, ", 2, ", tokens, ", ", heads, ", ",
+              head_size, "], got ", chunk.scalar_type(), " ", shape_of(chunk));
+  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, num_slots);
+}
+
+// Paged caches whose pages have their own element order (mapped, amx): per layer [num_blocks, heads, ...],
+// every layer a CPU tensor like the first, each (block, head) page contiguous and no two pages overlapping.
+// Returns the elements of one page.
+int64_t check_page_layers(const std::vector<at::Tensor>& layers) {
+  TORCH_CHECK(!layers.empty(), "tierkv: layers must hold one paged cache tensor per layer, got none");
+  const at::Tensor& first = layers[0];
+  TORCH_CHECK(first.dim() >= 3, "tierkv: layers[0] must be [num_blocks, heads, ...], got ", shape_of(first));
+  const int64_t page = first[0][0].numel();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layers[i].sizes() == first.sizes() && layers[i].strides() == first.strides() &&
+                    layers[i].scalar_type() == first.scalar_type() && layers[i].device().is_cpu() &&
+                    layers[i][0][0].is_contiguous(),
+                "tierkv: layers[", i, "] must be a CPU ", first.scalar_type(), " tensor of shape ", shape_of(first),
+                " with the first's strides and contiguous pages, got ", layers[i].scalar_type(), " ",
+                shape_of(layers[i]));
+  }
+  TORCH_CHECK(first.size(0) == 1 || first.stride(0) >= page, "tierkv: blocks overlap");
+  TORCH_CHECK(first.size(1) == 1 || first.stride(1) >= page, "tierkv: pages of one block overlap");
+  return page;
+}
+
 void paged_copy_strided_cpu(at::TensorList caches_list, const at::Tensor& slot_mapping, const at::Tensor& chunk,
                             bool gather) {
   const std::vector<at::Tensor> caches = caches_list.vec();
@@ -372,17 +409,10 @@ void paged_copy_strided_cpu(at::TensorList caches_list, const at::Tensor& slot_m
                 caches[i].device());
   }
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
-                  slot_mapping.is_contiguous(),
-              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
-              shape_of(slot_mapping));
   const int64_t tokens = slot_mapping.size(0);
-  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == first.scalar_type() &&
-                  chunk.sizes() == at::IntArrayRef({layers, 2, tokens, first.size(2), first.size(3)}),
-              "tierkv: chunk must be a contiguous CPU ", first.scalar_type(), " tensor [", layers, ", 2, ", tokens,
-              ", ", first.size(2), ", ", first.size(3), "], got ", chunk.scalar_type(), " ", shape_of(chunk));
   const int64_t block_size = first.size(1);
-  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, first.size(0) * block_size);
+  check_slots_and_chunk(slot_mapping, chunk, first.scalar_type(), layers, first.size(2), first.size(3),
+                        first.size(0) * block_size);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   void* data = chunk.data_ptr();
   auto run = [&](auto tag) {
@@ -463,18 +493,8 @@ void paged_copy_mapped_cpu(at::TensorList layers_list, const at::Tensor& key_map
                            int64_t key_unit, int64_t value_unit, int64_t block_size, const at::Tensor& slot_mapping,
                            const at::Tensor& chunk, bool gather) {
   const std::vector<at::Tensor> layers = layers_list.vec();
-  TORCH_CHECK(!layers.empty(), "tierkv: layers must hold one paged cache tensor per layer, got none");
+  const int64_t page = check_page_layers(layers);
   const at::Tensor& first = layers[0];
-  TORCH_CHECK(first.dim() >= 3, "tierkv: layers[0] must be [num_blocks, heads, ...], got ", shape_of(first));
-  const int64_t page = first[0][0].numel();
-  for (size_t i = 0; i < layers.size(); ++i) {
-    TORCH_CHECK(layers[i].sizes() == first.sizes() && layers[i].strides() == first.strides() &&
-                    layers[i].scalar_type() == first.scalar_type() && layers[i].device().is_cpu() &&
-                    layers[i][0][0].is_contiguous(),
-                "tierkv: layers[", i, "] must be a CPU ", first.scalar_type(), " tensor of shape ", shape_of(first),
-                " with the first's strides and contiguous pages, got ", layers[i].scalar_type(), " ",
-                shape_of(layers[i]));
-  }
   for (const at::Tensor* map : {&key_map, &value_map}) {
     TORCH_CHECK(map->dim() == 2 && map->scalar_type() == at::kInt && map->is_contiguous() && map->size(0) == block_size,
                 "tierkv: key_map / value_map must be contiguous int32 [", block_size, ", runs], got ",
@@ -494,19 +514,9 @@ void paged_copy_mapped_cpu(at::TensorList layers_list, const at::Tensor& key_map
                   "-element page: ", maps[part][k]);
     }
   }
-  TORCH_CHECK(first.size(0) == 1 || first.stride(0) >= page, "tierkv: blocks overlap");
-  TORCH_CHECK(heads == 1 || first.stride(1) >= page, "tierkv: pages of one block overlap");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
-                  slot_mapping.is_contiguous(),
-              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
-              shape_of(slot_mapping));
   const int64_t tokens = slot_mapping.size(0);
-  const int64_t count = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == first.scalar_type() &&
-                  chunk.sizes() == at::IntArrayRef({count, 2, tokens, heads, head_size}),
-              "tierkv: chunk must be a contiguous CPU ", first.scalar_type(), " tensor [", count, ", 2, ", tokens,
-              ", ", heads, ", ", head_size, "], got ", chunk.scalar_type(), " ", shape_of(chunk));
-  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, first.size(0) * block_size);
+  check_slots_and_chunk(slot_mapping, chunk, first.scalar_type(), static_cast<int64_t>(layers.size()), heads,
+                        head_size, first.size(0) * block_size);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   char* data = static_cast<char*>(chunk.data_ptr());
   const int64_t row_bytes = head_size * first.element_size();
@@ -664,31 +674,16 @@ void amx_copy(const std::vector<at::Tensor>& layers, const int64_t* slots, int64
 void paged_copy_amx_cpu(at::TensorList layers_list, int64_t block_size, const at::Tensor& slot_mapping,
                         const at::Tensor& chunk, bool gather) {
   const std::vector<at::Tensor> layers = layers_list.vec();
-  TORCH_CHECK(!layers.empty(), "tierkv: layers must hold one paged cache tensor per layer, got none");
+  check_page_layers(layers);
   const at::Tensor& first = layers[0];
   TORCH_CHECK(first.dim() == 4 && first.size(2) == block_size && first.size(3) % 32 == 0 && block_size % 16 == 0,
               "tierkv: amx layers must be [num_blocks, heads, block_size, 2 * head_size] with block_size a multiple "
               "of 16 and head_size of 16, got ", shape_of(first), " and block size ", block_size);
   TORCH_CHECK(first.element_size() == 1 || first.element_size() == 2,
               "tierkv: the amx order holds 1- or 2-byte elements, got ", first.scalar_type());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    TORCH_CHECK(layers[i].sizes() == first.sizes() && layers[i].strides() == first.strides() &&
-                    layers[i].scalar_type() == first.scalar_type() && layers[i].device().is_cpu() &&
-                    layers[i][0][0].is_contiguous() && layers[i].stride(1) == layers[i][0][0].numel(),
-                "tierkv: layers[", i, "] must be a CPU ", first.scalar_type(), " tensor of shape ", shape_of(first),
-                " with contiguous pages like layers[0]");
-  }
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu() &&
-                  slot_mapping.is_contiguous(),
-              "tierkv: slot_mapping must be a contiguous 1-D int64 CPU tensor, got ", slot_mapping.scalar_type(), " ",
-              shape_of(slot_mapping));
   const int64_t tokens = slot_mapping.size(0), heads = first.size(1), head_size = first.size(3) / 2;
-  const int64_t count = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(chunk.is_contiguous() && chunk.device().is_cpu() && chunk.scalar_type() == first.scalar_type() &&
-                  chunk.sizes() == at::IntArrayRef({count, 2, tokens, heads, head_size}),
-              "tierkv: chunk must be a contiguous CPU ", first.scalar_type(), " tensor [", count, ", 2, ", tokens,
-              ", ", heads, ", ", head_size, "], got ", chunk.scalar_type(), " ", shape_of(chunk));
-  check_slots(slot_mapping.data_ptr<int64_t>(), tokens, first.size(0) * block_size);
+  check_slots_and_chunk(slot_mapping, chunk, first.scalar_type(), static_cast<int64_t>(layers.size()), heads,
+                        head_size, first.size(0) * block_size);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   char* data = static_cast<char*>(chunk.data_ptr());
   if (first.element_size() == 2) {

@@ -31,12 +31,14 @@ class ConnectorSource:
     """A store's chunks gathered by ``connector.from_gpu`` straight into the tier's memory.
 
     The gather runs on the CUDA stream that was current where the source was made (the
-    serving engine's), whichever thread the engine copies on.
+    serving engine's), whichever thread the engine copies on. A batch's copies queue back to
+    back on that stream and the host waits once, when the batch is over (or failed): no copy
+    into the tier's memory is in flight once a call returns.
     """
 
     def __init__(self, connector: GPUConnector, kwargs: dict[str, Any], num_tokens: int) -> None:
         self.connector = connector
-        self.kwargs = {**kwargs, "sync": True}
+        self.kwargs = {**kwargs, "sync": False}  # waited for by _gather_all
         self.dtype = connector.dtype_of(**kwargs)
         self.device = torch.device("cpu")
         self.num_tokens = num_tokens
@@ -49,29 +51,33 @@ class ConnectorSource:
         return None
 
     def write_into(self, dest: torch.Tensor, start: int, end: int) -> None:
-        with _on_stream(self._stream):
-            self.connector.from_gpu(dest, start, end, **self.kwargs)
-        copies.count(dest.nbytes)
+        self._gather_all([(dest, start, end)])
 
     def write_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Gather and copy out every chunk, then wait once: the copies queue on the stream
-        back to back while the host prepares the next (see :func:`tierkv.transfer.write_all`)."""
-        queued = {**self.kwargs, "sync": False}
-        events = []
-        with _on_stream(self._stream):
-            for dest, start, end in work:
-                events.append(self.connector.from_gpu(dest, start, end, **queued))
-                copies.count(dest.nbytes)
-        _wait_all(events)
+        """Every chunk of ``work`` at once (see :func:`tierkv.transfer.write_all`)."""
+        self._gather_all(work)
+
+    def _gather_all(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
+        events: list[Any] = []
+        try:
+            with _on_stream(self._stream):
+                for dest, start, end in work:
+                    events.append(self.connector.from_gpu(dest, start, end, **self.kwargs))
+                    copies.count(dest.nbytes)
+        finally:  # a failure part way still waits for the copies already queued into the tier's memory
+            _wait_all(events)
 
 
 class ConnectorSink:
     """A retrieve's chunks scattered by ``connector.to_gpu`` straight out of the tier's memory
-    (tokens before ``offset`` in a chunk, an unaligned mask, are left alone)."""
+    (tokens before ``offset`` in a chunk, an unaligned mask, are left alone). A batch's copies
+    queue back to back and the host waits once for the copies out of the chunks, so the
+    chunks may be released when a call returns (the scatters stay queued on the serving
+    engine's stream, ahead of its compute)."""
 
     def __init__(self, connector: GPUConnector, kwargs: dict[str, Any], offset: int) -> None:
         self.connector = connector
-        self.kwargs = {**kwargs, "sync": True}
+        self.kwargs = {**kwargs, "sync": False}  # waited for by _scatter_all
         self.dtype = connector.dtype_of(**kwargs)
         self.offset = offset
         self._stream = _current_stream(kwargs)
@@ -83,28 +89,27 @@ class ConnectorSink:
         return None
 
     def read_from(self, chunk: torch.Tensor, start: int, end: int) -> None:
-        skip = max(0, self.offset - start)
-        if skip:
-            dim = kvlayout.token_dim(self.connector.fmt)
-            chunk = chunk.narrow(dim, skip, end - start - skip).contiguous()
-        with _on_stream(self._stream):
-            self.connector.to_gpu(chunk, start + skip, end, **self.kwargs)
-        copies.count(chunk.nbytes)
+        self._scatter_all([(chunk, start, end)])
 
     def read_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Copy in and scatter every chunk, then wait once for the copies out of the chunks
-        (the scatters stay queued on the serving engine's stream, ahead of its compute)."""
-        queued = {**self.kwargs, "sync": False}
-        events, keep = [], []
-        with _on_stream(self._stream):
-            for chunk, start, end in work:
-                skip = max(0, self.offset - start)
-                if skip:
-                    chunk = chunk.narrow(kvlayout.token_dim(self.connector.fmt), skip, end - start - skip).contiguous()
-                    keep.append(chunk)  # alive until its copy is done
-                events.append(self.connector.to_gpu(chunk, start + skip, end, **queued))
-                copies.count(chunk.nbytes)
-        _wait_all(events)
+        """Every chunk of ``work`` at once (see :func:`tierkv.transfer.read_all`)."""
+        self._scatter_all(work)
+
+    def _scatter_all(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
+        events: list[Any] = []
+        narrowed = []  # alive until their copies are done
+        try:
+            with _on_stream(self._stream):
+                for chunk, start, end in work:
+                    skip = max(0, self.offset - start)
+                    if skip:
+                        chunk = chunk.narrow(kvlayout.token_dim(self.connector.fmt), skip,
+                                             end - start - skip).contiguous()
+                        narrowed.append(chunk)
+                    events.append(self.connector.to_gpu(chunk, start + skip, end, **self.kwargs))
+                    copies.count(chunk.nbytes)
+        finally:  # a failure part way still waits for the copies already reading the chunks
+            _wait_all(events)
 
 
 def _wait_all(events: list[Any]) -> None:

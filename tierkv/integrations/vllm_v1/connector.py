@@ -170,6 +170,9 @@ class TierKVConnector(KVConnectorBase_V1):
         self._stats_written: dict[str, int] = {}
         self._stats_interval = StatsInterval()
         self._kv_events: TierKVEvents | None = None
+        # vLLM's name for where a hit below the memory tiers comes from (its CacheHitSource values)
+        local = all(tier.backend in _MEMORY_BACKENDS | _LOCAL_DISK_BACKENDS for tier in self._settings.config.tiers)
+        self._below_memory_source = "disk" if local else "external_unspecified"
         self._identity_hook = load_hook(self._settings.identity_hook)
         if role == KVConnectorRole.SCHEDULER:
             if self._settings.load_failure_policy == "recompute":
@@ -424,8 +427,7 @@ class TierKVConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return {}
         memory, below = self._scheduler().hit_split(request.request_id, num_external_tokens)
-        local = all(tier.backend in _MEMORY_BACKENDS | _LOCAL_DISK_BACKENDS for tier in self._settings.config.tiers)
-        split = {CacheHitSource.HOST: memory, CacheHitSource.DISK if local else CacheHitSource.EXTERNAL_UNSPECIFIED: below}
+        split = {CacheHitSource.HOST: memory, CacheHitSource(self._below_memory_source): below}
         return {source: count for source, count in split.items() if count}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

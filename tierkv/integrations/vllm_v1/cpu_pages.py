@@ -163,6 +163,18 @@ def page_map(layout: str, block_size: int, head_size: int) -> PageMap:
                    key_unit, value_unit, 2 * block_size * head_size)
 
 
+def requested_slots(kwargs: dict[str, Any], start: int, end: int) -> np.ndarray:
+    """The ``slot_mapping`` a connector call names (numpy or tensor, one slot per token of the
+    whole sequence, ``-1`` = leave alone), for tokens ``[start, end)``, as int64."""
+    if "slot_mapping" not in kwargs:
+        raise ValueError("slot_mapping is required: one slot per token of the sequence (-1 = skip)")
+    slots = kwargs["slot_mapping"]
+    slots = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    if len(slots) < end:
+        raise ValueError(f"slot_mapping has {len(slots)} entries, tokens up to {end} are asked for")
+    return np.ascontiguousarray(slots[start:end], dtype=np.int64)
+
+
 class MappedPageConnector(GPUConnector):
     """A :class:`~tierkv.connectors.GPUConnector` over a vLLM CPU cache whose pages have an
     order no strided view addresses (``cpu_amx``): tokens move through the page's
@@ -199,13 +211,7 @@ class MappedPageConnector(GPUConnector):
         return self.layers[0].dtype
 
     def _slots(self, kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
-        if "slot_mapping" not in kwargs:
-            raise ValueError("slot_mapping is required: one slot per token of the sequence (-1 = skip)")
-        slots = kwargs["slot_mapping"]
-        slots = slots.cpu() if isinstance(slots, torch.Tensor) else torch.as_tensor(np.asarray(slots))
-        if len(slots) < end:
-            raise ValueError(f"slot_mapping has {len(slots)} entries, tokens up to {end} are asked for")
-        return slots[start:end].to(torch.int64)
+        return torch.from_numpy(requested_slots(kwargs, start, end))
 
     def _copy(self, chunk: torch.Tensor, slots: torch.Tensor, gather: bool) -> None:
         if self._tiles_kernel and ops.paged_copy_strided_available(chunk):

@@ -41,7 +41,7 @@ import torch
 
 from tierkv import ops
 from tierkv.connectors import GPUConnector
-from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS, MappedPageConnector, layouts_for_isa
+from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS, MappedPageConnector, layouts_for_isa, requested_slots
 from tierkv.memory import copy_into
 
 LAYOUTS = ("cpu", "cpu_amx", "cpu_bfmmla", "content", "kv_first", "blocks_first")
@@ -189,13 +189,7 @@ class PagedLayerConnector(GPUConnector):
         return self.views[0][0].dtype
 
     def _slots(self, kwargs: dict[str, Any], start: int, end: int) -> np.ndarray:
-        if "slot_mapping" not in kwargs:
-            raise ValueError("slot_mapping is required: one slot per token of the sequence (-1 = skip)")
-        slots = kwargs["slot_mapping"]
-        slots = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
-        if len(slots) < end:
-            raise ValueError(f"slot_mapping has {len(slots)} entries, tokens up to {end} are asked for")
-        return np.asarray(slots[start:end], dtype=np.int64)
+        return requested_slots(kwargs, start, end)
 
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         blob = self._blob(memory_obj, start, end)
