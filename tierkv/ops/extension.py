@@ -74,8 +74,15 @@ def _cuda_buildable() -> tuple[bool, str]:
     return True, "torch has CUDA and nvcc was found"
 
 
+def _openmp_flags() -> list[str]:
+    """at::parallel_for is header code that runs on one thread unless the extension is compiled
+    with OpenMP; on Linux the link resolves to the libgomp.so.1 torch already loaded (same soname)."""
+    return ["-fopenmp"] if sys.platform.startswith("linux") else []
+
+
 def _build_name(with_cuda: bool) -> str:
     digest = hashlib.sha256()
+    digest.update(" ".join(_openmp_flags()).encode())
     for path in _sources(with_cuda) + sorted(source_dir().glob("*.h")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
@@ -164,7 +171,8 @@ def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: b
     name = _build_name(with_cuda)
     directory = root / name
     directory.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3"]
+    openmp = _openmp_flags()
+    flags = ["-O3", *openmp]
     cuda_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     try:
         cpp_extension.load(
@@ -173,6 +181,7 @@ def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: b
             extra_cflags=flags + (["-DTIERKV_WITH_CUDA"] if with_cuda else []),
             extra_cuda_cflags=cuda_flags + ["-DTIERKV_WITH_CUDA"],
             extra_include_paths=[str(source_dir())],
+            extra_ldflags=openmp,
             build_directory=str(directory),
             is_python_module=False,
             verbose=verbose,

@@ -11,8 +11,9 @@ it stood after the call. The spec::
      "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096,
      "loras": {NAME: ADAPTER_DIR, ...}}
 
-A prompt may also be ``{"ids": [...], "cache_salt": "tenant-a", "lora": NAME}`` (a tenant's
-salt, a LoRA adapter of ``loras``; vLLM runs with ``enable_lora`` when ``loras`` is given),
+A prompt may also be ``{"ids": [...], "cache_salt": "tenant-a", "lora": NAME, "pause_s": 5}`` (a
+tenant's salt, a LoRA adapter of ``loras``, an untimed pause before it; vLLM runs with
+``enable_lora`` when ``loras`` is given),
 or ``{"embeds": [tokens, seed]}``: random prompt embeddings of that many tokens (vLLM runs
 with ``enable_prompt_embeds`` when ``"prompt_embeds": true`` is in the spec).
 :func:`save_random_lora` makes an adapter for such a model with peft.
@@ -148,8 +149,9 @@ def main(spec_path: str) -> int:
                             logprobs=int(top) if top else None)
     results = []
     for prompt in spec["prompts"]:
-        started = time.perf_counter()
         described = prompt if isinstance(prompt, dict) else {"ids": prompt}
+        time.sleep(float(described.get("pause_s", 0)))  # untimed: e.g. let write-through fills drain
+        started = time.perf_counter()
         if described.get("reset_first"):  # vLLM's reset_prefix_cache, connector included, before this prompt
             described = {**described, "reset": bool(llm.reset_prefix_cache(reset_connector=True))}
         if "embeds" in described:

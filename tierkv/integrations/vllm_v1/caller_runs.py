@@ -5,19 +5,26 @@ OpenMP team (bound to the compute cores) sit idle. tierkv's own threads live on 
 keeps free (:func:`~tierkv.integrations.vllm_v1.worker.keep_off_compute_cores`), so a copy
 they made would run on one core while the compute cores wait. Instead, the tierkv thread that
 has a chunk ready hands the copy into vLLM's blocks to the waiting thread (:meth:`CallerRuns.run`),
-which runs it with every compute core (:meth:`CallerRuns.serve`). Reading the tiers stays on
-tierkv's threads. Once the waiting thread stops serving (the load finished or timed out), what
+which runs it with every compute core (:meth:`CallerRuns.serve`: the extension's kernels use the
+thread's whole OpenMP team, see :func:`tierkv.ops.set_copy_threads`); a batch of chunks is split
+between it and the handing thread (:meth:`CallerRuns.run_split`), so the core kept free copies
+too. Reading the tiers stays on tierkv's threads. Once the waiting thread stops serving (the load finished or timed out), what
 is handed over afterwards runs on the handing thread, so nothing waits for a thread that left.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from tierkv import ops
+
+T = TypeVar("T")
 
 
 class CallerRuns:
@@ -29,24 +36,51 @@ class CallerRuns:
         self._lock = threading.Lock()
         self._serving = True
         self.busy_s = 0.0  # seconds the serving thread spent running handed-over work
+        self.team = 1  # threads the serving thread copies with (known once it serves)
 
     def run(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the serving thread and return when it ran (its exception re-raised
         here); on this thread when nobody serves any more."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        with self._lock:
-            handed = self._serving
-            if handed:
-                self._queue.put((work, done))
-        if not handed:
+        done = self._hand_over(work)
+        if done is None:
             work()
             return
         done.result()
+
+    def run_split(self, items: Sequence[T], copy: Callable[[Sequence[T]], None]) -> None:
+        """Run ``copy`` over ``items`` split in two at once: the serving thread's share (by the
+        threads its copies use, its OpenMP team) handed over, the rest on this thread (the core
+        vLLM keeps free would otherwise sit idle through a synchronous load). Returns when both
+        parts ran; the first exception is re-raised here."""
+        theirs, mine = self.team, ops.copy_threads()
+        cut = len(items) if len(items) < 2 else max(1, round(len(items) * theirs / (theirs + mine)))
+        handed, kept = items[:cut], items[cut:]
+        done = self._hand_over(functools.partial(copy, handed))
+        if done is None:
+            copy(items)
+            return
+        try:
+            if kept:
+                copy(kept)
+        finally:
+            concurrent.futures.wait([done])  # the handed part reads the caller's chunks: never return before it
+        done.result()
+
+    def _hand_over(self, work: Callable[[], None]) -> concurrent.futures.Future[None] | None:
+        """Queue ``work`` for the serving thread: its future, or None when nobody serves."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            if not self._serving:
+                return None
+            self._queue.put((work, done))
+        return done
 
     def serve(self, until: concurrent.futures.Future[Any], timeout: float | None) -> None:
         """Run what is handed over until ``until`` is done or ``timeout`` seconds passed, then
         stop serving (running what was handed over meanwhile)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        ops.set_copy_threads(0)  # the copies run with this thread's whole OpenMP team (vLLM's compute cores)
+        self.team = ops.copy_threads()
         until.add_done_callback(lambda _: self._queue.put(None))  # wakes the wait below the moment it is done
         try:
             while not until.done():

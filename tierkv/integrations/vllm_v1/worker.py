@@ -79,7 +79,12 @@ class _GuardedSink(ConnectorSink):
         self._write(functools.partial(ConnectorSink.read_from, self, chunk, start, end))
 
     def read_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        self._write(functools.partial(ConnectorSink.read_many, self, work))
+        runner = self.runner
+        if runner is None:
+            self.grant.write(functools.partial(ConnectorSink.read_many, self, work))
+            return
+        # a synchronous load: vLLM's thread (its compute cores) and this one (the spare core) share the batch
+        self.grant.write(functools.partial(runner.run_split, work, functools.partial(ConnectorSink.read_many, self)))
 
     def _write(self, copy: Any) -> None:
         runner = self.runner
