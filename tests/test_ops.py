@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tierkv import ops
+from tierkv.testing.requirements import missing
 
 BYTE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8, torch.uint8]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -22,7 +23,7 @@ FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 def build_extension_for_tests(config: pytest.Config) -> None:
     """Build (or load the cached build of) the extension once per session, or skip with why."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on PATH: the extension cannot be built on this machine")
+        missing("a C++ compiler (c++ or g++ on PATH)", "the extension cannot be built on this machine")
     cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or (
         str(Path(cache.mkdir("tierkv_ext"))) if cache is not None else tempfile.mkdtemp(prefix="tierkv_ext-"))

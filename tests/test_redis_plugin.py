@@ -26,11 +26,13 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tierkv-redis"
 pytest.importorskip("tierkv_redis.testing", reason="tierkv-redis is not installed in this environment (tox installs it)")
 from tierkv_redis.testing import RedisServer, server_binary  # noqa: E402
 
+from tierkv.testing.requirements import missing  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server); .ci/run installs it in CI")
+        missing("redis-server", "apt-get install redis-server")
     with RedisServer() as server:
         yield server
 
@@ -66,6 +68,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_fresh_install_registers_redis_backend(fresh_venv: Path) -> None:
     listing = run([str(fresh_venv), "-m", "tierkv.cli", "backends", "--load"]).stdout
     line = next((row for row in listing.splitlines() if row.split()[:1] == ["redis"]), None)
@@ -86,6 +89,7 @@ def test_fresh_install_registers_redis_backend(fresh_venv: Path) -> None:
     assert (where["name"], where["version"]) == ("tierkv-redis", "0.1.0")
 
 
+@pytest.mark.slow
 def test_yaml_stack_cpu_over_redis_is_bit_exact(fresh_venv: Path, redis_server: RedisServer, tmp_path: Path) -> None:
     config = tmp_path / "tierkv.yaml"
     config.write_text(textwrap.dedent(f"""

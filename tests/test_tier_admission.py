@@ -9,7 +9,6 @@ Real tiers on a real, small tmpfs (mounted by the test; skipped with the reason 
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from tmpfs import small_tmpfs
 
 from tierkv import Engine, TierUnavailableError
 from tierkv.errors import TierFullError
@@ -46,16 +46,8 @@ def exact(eng: Engine, tokens: torch.Tensor) -> bool:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 3 MiB tmpfs: room for about ten 256 KiB chunks."""
-    mount = tmp_path / f"disk-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / f"disk-{uuid.uuid4().hex[:8]}", "3m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def health(**extra: Any) -> dict[str, Any]:

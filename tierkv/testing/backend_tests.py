@@ -52,6 +52,15 @@ def chunk_nbytes(chunk: torch.Tensor) -> int:
     return chunk.numel() * chunk.element_size()
 
 
+def every_bit_pattern(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A [2, 2, 8, 2, n] chunk of ``dtype`` from random bytes: every bit pattern the dtype has
+    (NaNs, infinities, subnormals), bool as 0 / 1."""
+    raw = torch.randint(0, 256, (2, 2, 8, 2, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).view(2, 2, 8, 2, 8 // torch.empty((), dtype=dtype).element_size())
+
+
 def same_bytes(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN-safe), including dtype and shape."""
     if a is None or a.dtype != b.dtype or a.shape != b.shape:
@@ -144,16 +153,16 @@ class BackendTests:
             assert same_bytes(await backend.get(make_key(5)), view.contiguous())
         self.with_backend(tmp_path, body)
 
-    @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
-    def test_dtypes_roundtrip_bit_exact(self, tmp_path: Path, dtype: torch.dtype) -> None:
+    def test_dtypes_roundtrip_bit_exact(self, tmp_path: Path) -> None:
+        """Every dtype tierkv stores, every bit pattern (NaNs included), one key each: a backend
+        moves bytes, so one session covers them all."""
         async def body(backend: StorageBackend) -> None:
-            raw = torch.randint(0, 256, (2, 2, 8, 2, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
-            esize = torch.empty((), dtype=dtype).element_size()
-            if dtype == torch.bool:
-                raw = raw % 2
-            chunk = raw.view(dtype).view(2, 2, 8, 2, 8 // esize)  # every bit pattern, NaNs included
-            await backend.put(make_key(6), chunk)
-            assert same_bytes(await backend.get(make_key(6)), chunk)
+            chunks = {dtype: every_bit_pattern(dtype, seed=7) for dtype in SUPPORTED_DTYPES}
+            keys = {dtype: make_key(600 + index) for index, dtype in enumerate(SUPPORTED_DTYPES)}
+            for dtype, chunk in chunks.items():
+                await backend.put(keys[dtype], chunk)
+            for dtype, chunk in chunks.items():
+                assert same_bytes(await backend.get(keys[dtype]), chunk), f"{dtype} came back changed"
         self.with_backend(tmp_path, body)
 
     # -- batches ----------------------------------------------------------------------------
@@ -210,17 +219,16 @@ class BackendTests:
             assert same_bytes(await backend.get(make_key(42)), make_chunk(42)), "a mismatched read lost the chunk"
         self.with_backend(tmp_path, body)
 
-    @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
-    def test_get_into_dtypes_bit_exact(self, tmp_path: Path, dtype: torch.dtype) -> None:
+    def test_get_into_dtypes_bit_exact(self, tmp_path: Path) -> None:
+        """Reads into the caller's memory, for every dtype and bit pattern, in one batch."""
         async def body(backend: StorageBackend) -> None:
-            raw = torch.randint(0, 256, (2, 2, 8, 2, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
-            if dtype == torch.bool:
-                raw = raw % 2
-            chunk = raw.view(dtype).view(2, 2, 8, 2, 8 // torch.empty((), dtype=dtype).element_size())
-            await backend.put(make_key(43), chunk)
-            out = torch.empty_like(chunk)
-            assert await backend.batched_get_into([make_key(43)], [out]) == [True]
-            assert same_bytes(out, chunk)
+            chunks = [every_bit_pattern(dtype, seed=9) for dtype in SUPPORTED_DTYPES]
+            keys = [make_key(700 + index) for index in range(len(chunks))]
+            await backend.batched_put(keys, chunks)
+            outs = [torch.empty_like(chunk) for chunk in chunks]
+            assert await backend.batched_get_into(keys, outs) == [True] * len(chunks)
+            for dtype, out, chunk in zip(SUPPORTED_DTYPES, outs, chunks):
+                assert same_bytes(out, chunk), f"{dtype} came back changed"
         self.with_backend(tmp_path, body)
 
     def test_get_into_length_mismatch(self, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ disk or network tier)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -17,7 +18,8 @@ from tierkv.keys import CacheKey
 
 class FaultyBackend(StorageBackend):
     """Wraps a real backend; while ``failing`` every call raises, while ``stall_s`` is set
-    every call first sleeps that long (a slow or hung remote store), while ``full`` is set
+    every call (every call of ``stall_ops`` when set: op names as in ``calls_by_op``) first
+    waits that long, or until ``stall_s`` is set back to 0 (a slow or hung remote store), while ``full`` is set
     every write raises :class:`~tierkv.errors.TierFullError` as a disk out of space does
     (reads keep working), while ``bytes_per_s`` is set a read also takes the bytes it
     returned over that bandwidth. Its in-memory index (if the inner backend has one) answers
@@ -32,6 +34,7 @@ class FaultyBackend(StorageBackend):
         self.failing = False
         self.full = False
         self.stall_s = 0.0
+        self.stall_ops: set[str] | None = None
         self.bytes_per_s: float | None = None
         self.calls = 0
         self.calls_by_op: Counter[str] = Counter()
@@ -39,8 +42,10 @@ class FaultyBackend(StorageBackend):
     async def _maybe_fail(self, op: str) -> None:
         self.calls += 1
         self.calls_by_op[op] += 1
-        if self.stall_s:
-            await asyncio.sleep(self.stall_s)
+        started = time.monotonic()
+        stalled = self.stall_ops is None or op in self.stall_ops
+        while stalled and self.stall_s and time.monotonic() - started < self.stall_s:  # stall_s = 0 releases it
+            await asyncio.sleep(0.01)
         if self.failing:
             raise TierUnavailableError(f"tier {self.name!r}: injected failure")
 

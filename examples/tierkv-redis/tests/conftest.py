@@ -7,10 +7,12 @@ from collections.abc import Iterator
 import pytest
 from tierkv_redis.testing import RedisServer, server_binary
 
+from tierkv.testing.requirements import missing
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server); .ci/run installs it in CI")
+        missing("redis-server", "apt-get install redis-server")
     with RedisServer() as server:
         yield server

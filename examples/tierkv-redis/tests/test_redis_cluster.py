@@ -25,12 +25,13 @@ from tierkv.errors import ConfigError
 from tierkv.keys import CacheKey
 from tierkv.testing import BackendTests
 from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
+from tierkv.testing.requirements import missing
 
 
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisClusterServers]:
     if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server); .ci/run installs it in CI")
+        missing("redis-server", "apt-get install redis-server")
     with RedisClusterServers(nodes=3) as servers:
         yield servers
 
