@@ -81,6 +81,7 @@ class Engine:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> Engine:
+        """An engine from a YAML config file (the format of ``tierkv.config``)."""
         return cls(load_config(path), metadata)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -131,29 +132,39 @@ class Engine:
 
     @property
     def config(self) -> EngineConfig:
+        """The validated configuration the engine was built from."""
         return self._core.config
 
     @property
     def metadata(self) -> EngineMetadata:
+        """What the cached KV belongs to: model, revision, KV format, dtype, rank (part of every key)."""
         return self._core.metadata
 
     @property
     def tiers(self) -> list[StorageBackend]:
+        """The tiers' backends, fastest first."""
         return self._core.tiers
 
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
+        """The key of every chunk of ``tokens`` for a request of ``identity`` (no tier is asked)."""
         return self._core.keys_for(tokens, identity)
 
     def note_unidentified(self) -> None:
+        """Count a request whose KV an integration can neither store nor load (see
+        :meth:`AsyncEngine.note_unidentified`)."""
         self._core.note_unidentified()
 
     def store(self, tokens: TokenIds, kv: KVCache, mask: torch.Tensor | None = None,
               skip_existing: bool = True, identity: RequestIdentity = PLAIN) -> int:
+        """Store the KV of ``tokens``; the number of chunks written once the first tier took
+        them (lower tiers fill in the background). See :meth:`AsyncEngine.store`."""
         return self._run(self._core.store(tokens, kv, mask, skip_existing, identity))
 
     def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None, return_tuple: bool = True,
                  out: KVCache | None = None, deadline_s: float | None = None,
                  identity: RequestIdentity = PLAIN) -> tuple[Any, torch.Tensor]:
+        """The KV of the longest cached prefix of ``tokens`` and the mask of the tokens it
+        covers (bit-exact, or a miss). See :meth:`AsyncEngine.retrieve`."""
         return self._run(self._core.retrieve(tokens, mask, return_tuple, out, deadline_s, identity))
 
     def lookup(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
@@ -168,6 +179,8 @@ class Engine:
         return planned if planned is not None else self._run(self._core.plan(tokens, identity))
 
     def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
+        """Tell the cost model how long the serving model took to compute ``new_tokens`` after
+        ``context_tokens`` cached ones."""
         self._core.observe_recompute(new_tokens, context_tokens, seconds)
 
     @property
@@ -188,27 +201,38 @@ class Engine:
         return names if names is not None else self._run(self._core.locate_prefix(tokens, identity))
 
     def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
+        """Start moving the cached prefix of ``tokens`` up to the first tier; returns once
+        started (a later retrieve waits only for the chunks still in flight)."""
         self._run(self._core.prefetch(tokens, identity))
 
     def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
+        """Per chunk of ``tokens``, the name of the highest tier holding it (None: nowhere)."""
         return self._run(self._core.locate(tokens, identity))
 
     def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        """Store chunks under keys you made (:meth:`keys_for`); how many were acknowledged."""
         return self._run(self._core.batched_put(keys, chunks))
 
     def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        """The chunk of each key, in order; None for a miss."""
         return self._run(self._core.batched_get(keys))
 
     def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether any tier holds each key (or it waits to be written to one)."""
         return self._run(self._core.batched_contains(keys))
 
     def batched_delete(self, keys: Sequence[CacheKey]) -> int:
+        """Remove the keys from every tier; how many (key, tier) copies went."""
         return self._run(self._core.batched_delete(keys))
 
     def flush(self) -> None:
+        """Wait until background work (fills, prefetches, demotions) has landed; under
+        write-back, also write what only a memory tier holds to the tier below."""
         self._run(self._core.flush())
 
     def stats(self) -> dict[str, Any]:
+        """Plain data: hit rate, the fill queue, memory pressure, per-tier counters and
+        occupancy, the last lookup's plan."""
         return self._run(self._stats())
 
     async def _stats(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ hot half and recomputed the second, expecting to save ``T(4096) - T(2048)``; but
 over a 2,048-token cache cost about as much as the whole prompt from scratch, so the partial
 load lost to loading everything (1.35x). The fetch estimate was right.
 
-Just over 400 lines: three small pure models and the plan over them, kept together so the
+Over 400 lines: three small pure models and the plan over them, kept together so the
 whole cost model reads in one place.
 """
 
