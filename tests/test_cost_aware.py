@@ -301,6 +301,7 @@ def test_cost_aware_must_be_a_boolean(tmp_path: Path) -> None:
 
 
 # -- deadlines ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # waits out the stuck reads on close
 def test_deadline_with_a_stuck_object_store_returns_the_prefix_that_arrived(
         s3_server: S3Server, black_hole: str) -> None:
     stuck = {"name": "remote", "backend": "s3", **s3_tier_options(

@@ -36,6 +36,7 @@ def test_there_are_cuda_sources() -> None:
     assert CU_FILES, f"no .cu files in {ops.source_dir()}"
 
 
+@pytest.mark.slow  # a CUDA compile
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda path: path.name)
 def test_cuda_source_compiles_with_nvcc(source: Path, tmp_path: Path) -> None:
     nvcc = shutil.which("nvcc")
@@ -67,6 +68,7 @@ def test_info_command_lists_kernels() -> None:
     assert set(kernels) >= {"loaded", "reason", "cuda_kernels"}
 
 
+@pytest.mark.slow  # a build of the extension from scratch
 def test_serving_start_builds_the_kernels_in_the_background(tmp_path: Path) -> None:
     """What a serving integration calls at start (no manual `python -m tierkv.ops build`): in a
     fresh process with an empty build cache the extension is not there, a background build

