@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tierkv.fill import FillJob, FillQueue
+from tierkv.health import CooldownBreaker
 from tierkv.keys import CacheKey
-from tierkv.policy import LRUIndex, S3FIFOIndex, TierHealth, make_index, pressure_decision
+from tierkv.policy import LRUIndex, S3FIFOIndex, make_index, pressure_decision
 
 
 def test_lru_victims_skip_pinned_and_protected() -> None:
@@ -68,7 +69,7 @@ def test_unknown_eviction_policy() -> None:
 
 
 def test_tier_health_breaker() -> None:
-    health = TierHealth(threshold=2, cooldown_s=10)
+    health = CooldownBreaker(threshold=2, cooldown_s=10)
     health.record_failure(0.0, "boom")
     assert health.available(0.1) and health.healthy
     health.record_failure(1.0, "boom")

@@ -1,4 +1,5 @@
-"""Circuit breaker with a background probe, for backends that talk to a remote store.
+"""The two circuit breakers of a tier: the engine's :class:`CooldownBreaker` (any backend) and
+:class:`CircuitBreaker`, with a background probe, for backends that talk to a remote store.
 
 A remote tier (an object store, a cache server) can be down or slow; serving must never
 wait on it. :class:`CircuitBreaker` counts consecutive failures; after ``failure_threshold``
@@ -115,3 +116,40 @@ class CircuitBreaker:
         """Plain-data view for ``stats()``."""
         return {"healthy": self.healthy, "consecutive_failures": self.consecutive_failures,
                 "last_error": self.last_error, **self.counts}
+
+
+class CooldownBreaker:
+    """The engine's breaker for one tier (``Tier.breaker``): after ``threshold`` consecutive
+    failures the tier is skipped for ``cooldown_s``, then one operation is let through as a
+    probe. Any backend gets it; a remote backend may add a :class:`CircuitBreaker` of its own."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0) -> None:
+        self.threshold = threshold
+        self.cooldown_s = cooldown_s
+        self.consecutive_failures = 0
+        self.total_failures = 0
+        self.retry_at: float | None = None
+        self.last_error: str | None = None
+
+    def available(self, now: float) -> bool:
+        """Whether operations should be sent to the tier now."""
+        return self.retry_at is None or now >= self.retry_at
+
+    @property
+    def healthy(self) -> bool:
+        return self.retry_at is None
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.retry_at = None
+
+    def record_failure(self, now: float, error: str) -> None:
+        self.consecutive_failures += 1
+        self.total_failures += 1
+        self.last_error = error
+        if self.consecutive_failures >= self.threshold:
+            self.retry_at = now + self.cooldown_s
+
+    def state(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "consecutive_failures": self.consecutive_failures,
+                "failures": self.total_failures, "last_error": self.last_error}

@@ -43,7 +43,7 @@ def locate_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKe
     """:func:`locate` from in-memory indexes only (reads shared state, changes nothing)."""
     now = time.monotonic()
     top: list[bool] | None = None
-    if keys and tiers[0].health.available(now):
+    if keys and tiers[0].breaker.available(now):
         top = tiers[0].backend.batched_contains_nowait(keys)
         if top is None:
             return None
@@ -56,7 +56,7 @@ def locate_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKe
             break
         if tier.level == 0:
             flags = top
-        elif tier.health.available(now):
+        elif tier.breaker.available(now):
             flags = tier.backend.batched_contains_nowait([keys[i] for i in missing])
             if flags is None:
                 return None
@@ -78,7 +78,7 @@ def locate_for_read(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[Cache
     for tier in tiers:
         if not missing:
             break
-        if not tier.health.available(now):
+        if not tier.breaker.available(now):
             continue
         flags = tier.backend.batched_contains_nowait([keys[i] for i in missing])
         if flags is None:

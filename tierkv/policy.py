@@ -200,42 +200,6 @@ def make_index(policy: str = "lru") -> LRUIndex[Any]:
     raise ValueError(f"unknown eviction policy {policy!r}; expected one of {list(EVICTION_POLICIES)}")
 
 
-class TierHealth:
-    """Circuit breaker for one tier: after ``threshold`` consecutive failures the tier is
-    skipped for ``cooldown_s``, then one operation is let through as a probe."""
-
-    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0) -> None:
-        self.threshold = threshold
-        self.cooldown_s = cooldown_s
-        self.consecutive_failures = 0
-        self.total_failures = 0
-        self.retry_at: float | None = None
-        self.last_error: str | None = None
-
-    def available(self, now: float) -> bool:
-        """Whether operations should be sent to the tier now."""
-        return self.retry_at is None or now >= self.retry_at
-
-    @property
-    def healthy(self) -> bool:
-        return self.retry_at is None
-
-    def record_success(self) -> None:
-        self.consecutive_failures = 0
-        self.retry_at = None
-
-    def record_failure(self, now: float, error: str) -> None:
-        self.consecutive_failures += 1
-        self.total_failures += 1
-        self.last_error = error
-        if self.consecutive_failures >= self.threshold:
-            self.retry_at = now + self.cooldown_s
-
-    def state(self) -> dict[str, Any]:
-        return {"healthy": self.healthy, "consecutive_failures": self.consecutive_failures,
-                "failures": self.total_failures, "last_error": self.last_error}
-
-
 @dataclass(frozen=True)
 class PressureDecision:
     """What a memory tier should do given a pressure reading."""

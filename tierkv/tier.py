@@ -21,10 +21,10 @@ from tierkv import ownership
 from tierkv.backend import ChunkHold, InPlaceTier, StorageBackend
 from tierkv.config import HealthConfig
 from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
+from tierkv.health import CooldownBreaker
 from tierkv.keys import CacheKey
 from tierkv.metrics import TierMetrics
 from tierkv.planner import TierSpeed
-from tierkv.policy import TierHealth
 from tierkv.tier_pressure import TierPressure
 
 logger = logging.getLogger("tierkv.engine")
@@ -48,7 +48,7 @@ class Tier:
         self.promote = promote
         self.metrics = TierMetrics()
         self.speed = TierSpeed(type(backends[level]).speed_seed)
-        self.health = TierHealth(health.failure_threshold, health.retry_after_s)
+        self.breaker = CooldownBreaker(health.failure_threshold, health.retry_after_s)
         self.timeout = health.timeout_s
         self.full_retry_s = health.retry_after_s
         self.full: tuple[float, str] | None = None  # (when it said full, what it said)
@@ -70,7 +70,7 @@ class Tier:
     # -- admission --------------------------------------------------------------------------
     def available(self, now: float | None = None) -> bool:
         """Whether the health breaker lets calls through (counted when it does not)."""
-        if self.health.available(time.monotonic() if now is None else now):
+        if self.breaker.available(time.monotonic() if now is None else now):
             return True
         self.metrics.add("skipped_unhealthy")
         return False
@@ -98,7 +98,7 @@ class Tier:
         return False
 
     def unhealthy_reason(self) -> str:
-        health = self.health
+        health = self.breaker
         now = time.monotonic()
         retry_at = health.retry_at if health.retry_at is not None else now
         return (f"unhealthy for {max(0.0, now - (retry_at - health.cooldown_s)):.1f}s after "
@@ -108,7 +108,7 @@ class Tier:
     def failed(self, operation: str, exc: BaseException) -> None:
         """Count a failed call and feed the health breaker."""
         self.metrics.add("errors")
-        self.health.record_failure(time.monotonic(), f"{operation}: {type(exc).__name__}: {exc}")
+        self.breaker.record_failure(time.monotonic(), f"{operation}: {type(exc).__name__}: {exc}")
         logger.warning("tier %r: %s failed: %s: %s", self.name, operation, type(exc).__name__, exc)
 
     # -- timeouts ---------------------------------------------------------------------------
@@ -182,7 +182,7 @@ class Tier:
             self.failed("put", exc)
             raise
         self.metrics.put_latency.observe(time.perf_counter() - started)
-        self.health.record_success()
+        self.breaker.record_success()
         if self.full is not None:
             self.full = None
             logger.info("tier %r: admitting again (a put succeeded)", self.name)
@@ -225,7 +225,7 @@ class Tier:
             self.failed("get", exc)
             return [False] * len(keys)
         self.metrics.get_latency.observe(time.perf_counter() - started)
-        self.health.record_success()
+        self.breaker.record_success()
         self.count_read(len(got), [out for out, hit in zip(outs, got) if hit], started)
         return list(got)
 
@@ -241,7 +241,7 @@ class Tier:
             self.failed("get", exc)
             return [None] * len(keys)
         self.metrics.get_latency.observe(time.perf_counter() - started)
-        self.health.record_success()
+        self.breaker.record_success()
         self.count_read(len(got), [c for c in got if c is not None], started)
         return got
 
@@ -272,7 +272,7 @@ class Tier:
         entry = {**self.backend.stats(), **self.metrics.snapshot()}
         entry["corrupt_chunks"] = self.backend.counters.get("corrupt_chunks", 0) + self.metrics.counters[
             "corrupt_chunks"]
-        entry["health"] = self.health.state()
+        entry["health"] = self.breaker.state()
         entry["promote"] = self.promote
         entry["speed"] = self.speed.snapshot()
         full = self.full
