@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <limits>
+#include <mutex>
 #if defined(__linux__)
 #include <sched.h>
 #endif
@@ -52,19 +54,29 @@ inline int copy_threads(int64_t items) {
 inline int64_t copy_threads_now() { return copy_threads(std::numeric_limits<int64_t>::max()); }
 
 // fn(begin, end) over [0, count) in chunks of at least `grain` items, on copy_threads threads.
+// An exception in any share is rethrown on the calling thread once every share ended (one
+// escaping an OpenMP region would end the process), as at::parallel_for does.
 template <typename F>
 void parallel_items(int64_t count, int64_t grain, const F& fn) {
   if (count <= 0) return;
   const int threads = copy_threads((count + grain - 1) / std::max<int64_t>(grain, 1));
 #if defined(_OPENMP)
   if (threads > 1 && !omp_in_parallel()) {
+    std::exception_ptr failure;
+    std::mutex failure_lock;
 #pragma omp parallel num_threads(threads)
     {
       const int64_t n = omp_get_num_threads(), id = omp_get_thread_num();
       const int64_t per = (count + n - 1) / n;
       const int64_t begin = std::min(count, id * per), end = std::min(count, begin + per);
-      if (begin < end) fn(begin, end);
+      try {
+        if (begin < end) fn(begin, end);
+      } catch (...) {
+        std::lock_guard<std::mutex> hold(failure_lock);
+        if (!failure) failure = std::current_exception();
+      }
     }
+    if (failure) std::rethrow_exception(failure);
     return;
   }
 #endif

@@ -238,15 +238,6 @@ inline void transpose4x4_u32(const uint32_t* src, int64_t src_stride, uint32_t* 
 }
 #endif
 
-// Tokens [t, t + n) sit in consecutive slots of one block (one run in the transposed page).
-inline bool run_of(const int64_t* base, int64_t t, int64_t n, int64_t tokens) {
-  if (t + n > tokens || base[t] < 0) return false;
-  for (int64_t i = 1; i < n; ++i) {
-    if (base[t + i] != base[t] + i) return false;
-  }
-  return true;
-}
-
 // A tile of kTile tokens x kTile dims goes through a local buffer: both sides are then read and
 // written kTile elements at a time (rows of the transposed page, rows of the chunk), and no two
 // of the rows in flight alias in the L1 cache as a token-by-token walk would. Any slots.
@@ -669,13 +660,22 @@ inline void amx_token(E* page, E* krow, E* vrow, int64_t t, int64_t block_size, 
 }
 
 #if defined(__SSE2__)
-// 16 dimensions of two tokens a, b <-> the 32 elements [a0 b0 a1 b1 ...] of an amx V tile row.
+// A 16-byte store: streamed (non-temporal, `dst` 16-byte aligned) or plain.
+template <bool kStream>
+inline void store16(void* dst, __m128i value) {
+  if constexpr (kStream) _mm_stream_si128(static_cast<__m128i*>(dst), value);
+  else _mm_storeu_si128(static_cast<__m128i*>(dst), value);
+}
+
+// 16 dimensions of two tokens a, b <-> the 32 elements [a0 b0 a1 b1 ...] of an amx V tile row
+// (64 bytes for 2-byte elements, 32 for 1-byte), written with plain or streamed stores.
+template <bool kStream = false>
 inline void interleave16(const uint16_t* a, const uint16_t* b, uint16_t* cell) {
   for (int h = 0; h < 2; ++h) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + h * 8));
     const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + h * 8));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cell + h * 16), _mm_unpacklo_epi16(x, y));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(cell + h * 16 + 8), _mm_unpackhi_epi16(x, y));
+    store16<kStream>(cell + h * 16, _mm_unpacklo_epi16(x, y));
+    store16<kStream>(cell + h * 16 + 8, _mm_unpackhi_epi16(x, y));
   }
 }
 
@@ -694,11 +694,12 @@ inline void deinterleave16(const uint16_t* cell, uint16_t* a, uint16_t* b) {
   }
 }
 
+template <bool kStream = false>
 inline void interleave16(const uint8_t* a, const uint8_t* b, uint8_t* cell) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
   const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(cell), _mm_unpacklo_epi8(x, y));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(cell + 16), _mm_unpackhi_epi8(x, y));
+  store16<kStream>(cell, _mm_unpacklo_epi8(x, y));
+  store16<kStream>(cell + 16, _mm_unpackhi_epi8(x, y));
 }
 
 inline void deinterleave16(const uint8_t* cell, uint8_t* a, uint8_t* b) {
@@ -711,23 +712,6 @@ inline void deinterleave16(const uint8_t* cell, uint8_t* a, uint8_t* b) {
 #endif
 
 #if defined(__SSE2__)
-// interleave16 with streamed stores (cell 16-byte aligned): 64 bytes for 2-byte elements, 32 for 1-byte.
-inline void interleave16_streamed(const uint16_t* a, const uint16_t* b, uint16_t* cell) {
-  for (int h = 0; h < 2; ++h) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + h * 8));
-    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + h * 8));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(cell + h * 16), _mm_unpacklo_epi16(x, y));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(cell + h * 16 + 8), _mm_unpackhi_epi16(x, y));
-  }
-}
-
-inline void interleave16_streamed(const uint8_t* a, const uint8_t* b, uint8_t* cell) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  _mm_stream_si128(reinterpret_cast<__m128i*>(cell), _mm_unpacklo_epi8(x, y));
-  _mm_stream_si128(reinterpret_cast<__m128i*>(cell + 16), _mm_unpackhi_epi8(x, y));
-}
-
 // The V part of a whole 16-token tile of every head into 16-byte aligned pages: token pairs
 // outermost, so the chunk is read in address order (two rows of every head at a time), and each
 // page line (one token pair of 16 dimensions for 2-byte elements, two pairs for 1-byte) is
@@ -743,7 +727,7 @@ void amx_values_streamed(E* block, int64_t head_stride, int64_t heads, E* first,
       for (int64_t g = 0; g < head_size / 16; ++g) {
         for (int64_t q = 0; q < kPairsPerLine; ++q) {
           const U* a = reinterpret_cast<const U*>(first + 2 * (p0 + q) * row + head * head_size) + g * 16;
-          interleave16_streamed(a, a + row, reinterpret_cast<U*>(v + g * block_size * 16 + q * 32));
+          interleave16<true>(a, a + row, reinterpret_cast<U*>(v + g * block_size * 16 + q * 32));
         }
       }
     }
@@ -761,8 +745,8 @@ inline void amx_tile(E* page, E* first, int64_t row, int64_t t0, int64_t block_s
   constexpr int64_t kSide = sizeof(P) == 4 ? 4 : 8;  // register transposes of kSide x kSide pairs
   // K: the tile is [pairs][16 tokens] of pairs, contiguous; each chunk row is [pairs] of them.
   // V: per 16 dimensions g, the tile's 8 token pairs are 8 x 32 interleaved elements, contiguous.
-  const bool aligned = aligned16(page) && (block_size * 16 * sizeof(E)) % 16 == 0;
   if constexpr (kPart == 0) {
+    const bool aligned = aligned16(page);  // tiles sit 16 * head_size elements apart: all aligned alike
     const int64_t pairs = head_size / 2, pair_row = row / 2;
     P* rows = reinterpret_cast<P*>(first);
     P* tile = reinterpret_cast<P*>(page) + (t0 / 16) * 16 * pairs;
@@ -783,15 +767,12 @@ inline void amx_tile(E* page, E* first, int64_t row, int64_t t0, int64_t block_s
     }
   } else {
     E* v = page + block_size * head_size + (t0 / 2) * 32;
-    if constexpr (!kGather) {
-      alignas(64) U vbuf[8 * 32];
-      for (int64_t g = 0; g < head_size / 16; ++g) {
-        for (int64_t p = 0; p < 8; ++p) {
-          const U* a = reinterpret_cast<const U*>(first + (2 * p) * row) + g * 16;
-          interleave16(a, a + row, vbuf + p * 32);
+    if constexpr (!kGather) {  // pages off the 16-byte alignment (amx_values_streamed takes the rest)
+      for (int64_t p = 0; p < 8; ++p) {
+        const U* a = reinterpret_cast<const U*>(first + (2 * p) * row);
+        for (int64_t g = 0; g < head_size / 16; ++g) {
+          interleave16(a + g * 16, a + row + g * 16, reinterpret_cast<U*>(v + g * block_size * 16 + p * 32));
         }
-        E* cell = v + g * block_size * 16;
-        if (aligned) stream_copy(cell, vbuf, sizeof(vbuf)); else std::memcpy(cell, vbuf, sizeof(vbuf));
       }
     } else {
       for (int64_t p = 0; p < 8; ++p) {
