@@ -129,8 +129,7 @@ class SlowTier:
         if self.kind == "fs":
             slow = engine.tiers[1]
             if not isinstance(slow, FaultyBackend):
-                slow = FaultyBackend(slow)
-                engine.tiers[1] = slow
+                slow = engine.wrap_tier(slow.name, FaultyBackend)
             slow.stall_s, slow.bytes_per_s = latency_s, bytes_per_s
         else:
             self.proxy.latency_s, self.proxy.bytes_per_s = latency_s, bytes_per_s

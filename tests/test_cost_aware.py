@@ -334,8 +334,7 @@ def test_deadline_uses_a_prefetch_only_as_far_as_it_is_done(tmp_path: Path) -> N
         eng.flush()
         host = eng.tiers[0]
         eng.run(host.delete(eng.keys_for(tokens)[0]))  # chunk 0 only on disk now
-        disk = FaultyBackend(eng.tiers[1])
-        eng.tiers[1] = disk
+        disk = eng.wrap_tier(eng.tiers[1].name, FaultyBackend)
         disk.stall_s, disk.stall_ops = 60.0, {"batched_get"}  # the prefetch's read of chunk 0 hangs until released
         eng.prefetch(tokens)
         started = time.monotonic()
@@ -351,8 +350,7 @@ def test_without_a_deadline_a_slow_tier_is_waited_for(tmp_path: Path) -> None:
     with fs_engine(tmp_path) as eng:
         tokens = prompt(0, 2)
         eng.store(tokens, kv_of(tokens))
-        disk = FaultyBackend(eng.tiers[0])
-        eng.tiers[0] = disk
+        disk = eng.wrap_tier(eng.tiers[0].name, FaultyBackend)
         disk.stall_s = 0.2
         kv, mask = eng.retrieve(tokens, return_tuple=False)
         assert mask.all() and torch.equal(kv, kv_of(tokens))

@@ -234,8 +234,7 @@ def test_write_through_fill_lands_after_the_first_tier_evicted_the_chunk(tmp_pat
     async def main() -> None:
         engine = AsyncEngine(config([tier_entry("cpu", tmp_path, capacity=2 * chunk_bytes),
                                      tier_entry("lmdb", tmp_path)]))
-        disk = FaultyBackend(engine.tiers[1])
-        engine.tiers[1] = disk
+        disk = engine.wrap_tier(engine.tiers[1].name, FaultyBackend)
         disk.stall_s = 0.2  # fills wait while the host tier churns
         for tokens, blob in zip(prompts, blobs):
             await engine.store(tokens, blob)

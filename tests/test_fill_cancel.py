@@ -72,8 +72,7 @@ async def until(condition: Any, what: str) -> None:
 def test_a_store_cancelled_while_the_fill_queue_is_full_returns_and_keeps_its_chunk(tmp_path: Path) -> None:
     async def main() -> None:
         engine = AsyncEngine(config(tmp_path))
-        disk = HeldWrites(engine.tiers[1])
-        engine.tiers[1] = disk
+        disk = engine.wrap_tier(engine.tiers[1].name, HeldWrites)
         try:
             # two acknowledged stores: one fill being written (held), one queued -> the queue is full
             for index in (0, 1):

@@ -112,8 +112,7 @@ def test_every_tier_is_named_with_why_it_did_not_take_the_store(tmp_path: Path) 
                      {"name": "disk", "backend": "lmdb", "capacity": "64MiB", "path": str(tmp_path / "lmdb")},
                      {"name": "tiny", "backend": "lmdb", "capacity": "64KiB", "path": str(tmp_path / "tiny")}]}
     with Engine(cfg, probes={"host": probe}) as eng:
-        disk = FaultyBackend(eng.tiers[1])
-        eng.tiers[1] = disk
+        disk = eng.wrap_tier(eng.tiers[1].name, FaultyBackend)
         first = prompt(1)
         eng.store(first, kv_of(first))  # starts the pressure monitor
         deadline = time.monotonic() + 30

@@ -119,8 +119,7 @@ def test_write_through_flush_then_sigkill_leaves_every_acked_chunk_on_disk(tmp_p
 def test_write_through_reads_see_chunks_still_in_the_fill_queue(tmp_path: Path) -> None:
     eng = Engine(config(tmp_path, policy="write_through"))
     try:
-        disk = FaultyBackend(tier(eng, "disk"))
-        eng.tiers[1] = disk
+        disk = eng.wrap_tier("disk", FaultyBackend)
         disk.stall_s = 0.3  # the disk is slow: fills are still queued when we read
         tokens = prompt(0, 2)
         eng.store(tokens, kv_of(tokens))
@@ -139,8 +138,7 @@ def test_full_fill_queue_in_drop_mode_drops_and_counts_never_grows(tmp_path: Pat
     cfg = config(tmp_path, policy="write_through", background={"queue_bytes": f"{2 * CHUNK_BYTES}B",
                                                                 "when_full": "drop"})
     with Engine(cfg) as eng:
-        disk = FaultyBackend(tier(eng, "disk"))
-        eng.tiers[1] = disk
+        disk = eng.wrap_tier("disk", FaultyBackend)
         disk.stall_s = 0.2
         prompts = [prompt(i) for i in range(12)]
         peak = 0
@@ -163,8 +161,7 @@ def test_full_fill_queue_in_wait_mode_applies_backpressure(tmp_path: Path) -> No
     cfg = config(tmp_path, policy="write_through", background={"queue_bytes": f"{2 * CHUNK_BYTES}B",
                                                                 "when_full": "wait"})
     with Engine(cfg) as eng:
-        disk = FaultyBackend(tier(eng, "disk"))
-        eng.tiers[1] = disk
+        disk = eng.wrap_tier("disk", FaultyBackend)
         disk.stall_s = 0.02
         prompts = [prompt(i) for i in range(10)]
         for tokens in prompts:
@@ -203,8 +200,7 @@ def test_prefetch_moves_the_prefix_up_and_retrieve_waits_only_for_it(tmp_path: P
         assert eng.locate(tokens) == ["disk"] * 3
         assert eng.lookup(tokens) == 3 * CHUNK
         assert eng.stats()["last_lookup"]["chunks_per_tier"] == {"host": 0, "disk": 3}
-        disk = FaultyBackend(tier(eng, "disk"))
-        eng.tiers[1] = disk
+        disk = eng.wrap_tier("disk", FaultyBackend)
         disk.stall_s = 0.2  # the prefetch is still in flight when retrieve arrives
         eng.prefetch(tokens)
         # returned while the (stalled) disk read is still in flight
@@ -326,8 +322,7 @@ def faulty_config(tmp_path: Path, **health: Any) -> dict[str, Any]:
 
 def test_failing_tier_is_counted_skipped_retried_and_the_rest_keep_serving(tmp_path: Path) -> None:
     with Engine(faulty_config(tmp_path)) as eng:
-        remote = FaultyBackend(tier(eng, "remote"))
-        eng.tiers[1] = remote
+        remote = eng.wrap_tier("remote", FaultyBackend)
         remote.failing = True
         prompts = [prompt(i) for i in range(8)]
         for tokens in prompts:
@@ -352,10 +347,32 @@ def test_failing_tier_is_counted_skipped_retried_and_the_rest_keep_serving(tmp_p
         assert on_loop(eng, remote.inner.contains(eng.keys_for(tokens)[0]))
 
 
+def test_a_wrapped_tier_sees_every_call_and_the_tier_list_stays_read_only(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as eng:
+        with pytest.raises(TypeError):
+            eng.tiers[1] = eng.tiers[0]  # type: ignore[index]
+        with pytest.raises(KeyError, match="no tier named 'ssd'.*'host', 'disk'"):
+            eng.wrap_tier("ssd", FaultyBackend)
+        with pytest.raises(ValueError, match="named 'host'.*expected the tier's own name"):
+            eng.wrap_tier("disk", lambda backend: FaultyBackend(eng.tiers[0]))
+        with pytest.raises(TypeError, match="must return a StorageBackend, got str"):
+            eng.wrap_tier("disk", lambda backend: "not a backend")  # type: ignore[arg-type,return-value]
+        disk = eng.wrap_tier("disk", FaultyBackend)
+        assert eng.tiers[1] is disk
+        tokens = prompt(3)
+        eng.store(tokens, kv_of(tokens))
+        eng.flush()
+        assert disk.calls >= 1, "the fill went through the wrapper"
+        on_loop(eng, tier(eng, "host").delete(eng.keys_for(tokens)[0]))
+        before = disk.calls
+        out, mask = eng.retrieve(tokens, return_tuple=False)
+        assert mask.all() and torch.equal(out, kv_of(tokens))
+        assert disk.calls > before, "the read went through the wrapper"
+
+
 def test_stalled_tier_times_out_into_misses_served_by_other_tiers(tmp_path: Path) -> None:
     with Engine(faulty_config(tmp_path, timeout_s=0.05)) as eng:
-        remote = FaultyBackend(tier(eng, "remote"))
-        eng.tiers[1] = remote
+        remote = eng.wrap_tier("remote", FaultyBackend)
         prompts = [prompt(i) for i in range(4)]
         for tokens in prompts:
             eng.store(tokens, kv_of(tokens))
@@ -370,8 +387,7 @@ def test_stalled_tier_times_out_into_misses_served_by_other_tiers(tmp_path: Path
 def test_failure_in_every_tier_is_an_error_and_loses_nothing_stored(tmp_path: Path) -> None:
     cfg = disk_only(tmp_path)
     with Engine(cfg) as eng:
-        disk = FaultyBackend(tier(eng, "disk"))
-        eng.tiers[0] = disk
+        disk = eng.wrap_tier("disk", FaultyBackend)
         tokens = prompt(0, 2)
         eng.store(tokens, kv_of(tokens))
         disk.failing = True

@@ -323,8 +323,7 @@ def slow_disk_worker(tmp_path: Path, engine: Engine, source: list[torch.Tensor],
     saver.save(SaveSpec("stored", tokens, (0, 1, 2, 3, 4)))
     saver.wait_for_saves(["stored"])
     assert saver.finished({"stored"})[0] == {"stored"}
-    disk = FaultyBackend(engine.core.tiers[0])
-    engine.core.tiers[0] = disk
+    disk = engine.wrap_tier(engine.core.tiers[0].name, FaultyBackend)
     return disk
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from tierkv.planner import PrefixPlan
 from tierkv.prefix_plans import PrefixPlans
 from tierkv.pressure import MemoryProbe
 from tierkv.router import TierRouter
-from tierkv.tier import nbytes_of
+from tierkv.tier import B, nbytes_of
 
 __all__ = ["AsyncEngine", "EngineMetadata", "KVShape"]  # EngineMetadata lives in tierkv.metadata
 
@@ -100,9 +100,14 @@ class AsyncEngine:
 
     # -- the router's surface, for callers of the engine ---------------------------------------
     @property
-    def tiers(self) -> list[StorageBackend]:
-        """The tiers' backends, top (fastest) first."""
-        return self.router.tiers
+    def tiers(self) -> tuple[StorageBackend, ...]:
+        """The tiers' backends, top (fastest) first (read-only; :meth:`wrap_tier` replaces one)."""
+        return self.router.backends
+
+    def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
+        """Route every later call into tier ``name`` through ``wrapper(backend)`` (a fault
+        injector, a throttle, a tracer) and return it; the wrapper keeps the tier's name."""
+        return self.router.wrap_tier(name, wrapper)
 
     @property
     def write_policy(self) -> str:
@@ -484,7 +489,7 @@ class AsyncEngine:
         binds}}``, naming no key and no salt. A tier that cannot list its keys cheaply (s3,
         mooncake, fs) shows None; scopes this process never made keys in show no description
         (another process's tenants, or ``""``: keys of an older tierkv, never read now)."""
-        tiers = {tier.name: tier.scope_usage() for tier in self.tiers}
+        tiers = {backend.name: backend.scope_usage() for backend in self.tiers}
         labels = self.key_maker.scope_labels
         seen = {scope for usage in tiers.values() if usage for scope in usage}
         return {"tiers": tiers, "scopes": {scope: labels.get(scope, {}) for scope in sorted(seen)}}

@@ -166,6 +166,15 @@ class StorageBackend(abc.ABC):
             **self.counters,
         }
 
+    def count_corrupt(self, dropped: Sequence[tuple[str, object]]) -> None:
+        """The one place a corrupt chunk is counted and reported: ``dropped`` holds (which
+        chunk, why) for each chunk that failed verification and is being deleted (a miss to
+        its reader). How to delete one is the store's own business; the count
+        (``counters["corrupt_chunks"]``, in ``stats()``) and the warning are the same for all."""
+        self.counters["corrupt_chunks"] += len(dropped)
+        for which, why in dropped:
+            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, which, why)
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise BackendClosedError(f"tier {self.name!r} ({type(self).__name__}) is closed")
@@ -327,8 +336,7 @@ class BlobBackend(StorageBackend):
 
     async def _drop_corrupt(self, name: str, exc: ChunkFormatError) -> None:
         """A value that failed to decode: count it, say why, delete it (it becomes a miss)."""
-        self.counters["corrupt_chunks"] += 1
-        logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+        self.count_corrupt([(name, exc)])
         await self.delete_bytes(name)
 
     async def contains(self, key: CacheKey) -> bool:

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -31,6 +31,7 @@ from tierkv.kvlayout import KVCache
 from tierkv.planner import PrefixPlan
 from tierkv.pressure import MemoryProbe
 from tierkv.router import build_tiers
+from tierkv.tier import B
 from tierkv.tier_pressure import TierPressure, nvml_status
 
 logger = logging.getLogger(__name__)
@@ -141,9 +142,14 @@ class Engine:
         return self._core.metadata
 
     @property
-    def tiers(self) -> list[StorageBackend]:
-        """The tiers' backends, fastest first."""
+    def tiers(self) -> tuple[StorageBackend, ...]:
+        """The tiers' backends, fastest first (read-only; :meth:`wrap_tier` replaces one)."""
         return self._core.tiers
+
+    def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
+        """Route every later call into tier ``name`` through ``wrapper(backend)`` and return it
+        (see :meth:`AsyncEngine.wrap_tier`)."""
+        return self._core.wrap_tier(name, wrapper)
 
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
         """The key of every chunk of ``tokens`` for a request of ``identity`` (no tier is asked)."""

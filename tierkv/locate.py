@@ -28,13 +28,9 @@ async def locate(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey
             break
         if not tier.available():
             continue
-        try:
-            flags = await tier.timed(tier.backend.batched_contains([keys[i] for i in missing]))
-        except Exception as exc:
-            tier.failed("contains", exc)
+        flags = await tier.contains([keys[i] for i in missing])
+        if flags is None:
             continue
-        # an answered contains is not a healthy tier: an index can answer while every read
-        # fails, and resetting the failure streak here would never let the breaker trip
         missing = _place(found, missing, flags, tier.level)
     return _or_fill_queue(fill, found, missing, keys)
 
@@ -44,7 +40,7 @@ def locate_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKe
     now = time.monotonic()
     top: list[bool] | None = None
     if keys and tiers[0].breaker.available(now):
-        top = tiers[0].backend.batched_contains_nowait(keys)
+        top = tiers[0].contains_nowait(keys)
         if top is None:
             return None
         if all(top):  # the common answer to a hit: every chunk in the top tier
@@ -57,7 +53,7 @@ def locate_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKe
         if tier.level == 0:
             flags = top
         elif tier.breaker.available(now):
-            flags = tier.backend.batched_contains_nowait([keys[i] for i in missing])
+            flags = tier.contains_nowait([keys[i] for i in missing])
             if flags is None:
                 return None
         else:
@@ -80,7 +76,7 @@ def locate_for_read(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[Cache
             break
         if not tier.breaker.available(now):
             continue
-        flags = tier.backend.batched_contains_nowait([keys[i] for i in missing])
+        flags = tier.contains_nowait([keys[i] for i in missing])
         if flags is None:
             for index in missing:
                 found[index] = -1 if fill.pending(keys[index]) is not None else tier.level

@@ -134,7 +134,7 @@ class Reader:
                 asked = [i for i in asked if i not in hits]
         if asked:
             may_abandon = (deadline is not None or self.timeout is not None) and not tier.in_place
-            stage = may_abandon or (caller_owned and tier.backend.streams_into_destination)
+            stage = may_abandon or (caller_owned and tier.streams_into_destination)
             targets = []
             for index in asked:
                 start, end = ranges[index]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tierkv import copies, locate, ownership, policy, registry, transfer
-from tierkv.backend import InPlaceTier, StorageBackend, SupportsDemotion, check_batch
+from tierkv.backend import StorageBackend, SupportsDemotion, check_batch
 from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
@@ -32,7 +32,7 @@ from tierkv.offload import gathered, source_writer
 from tierkv.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.pressure import MemoryProbe
 from tierkv.reads import Reader
-from tierkv.tier import Layouts, Tier, Writer, nbytes_of, rejection, release_all
+from tierkv.tier import B, Layouts, Tier, Writer, nbytes_of, rejection, release_all
 from tierkv.tier_pressure import nvml_status, watch
 from tierkv.write_back import DirtyChunks
 
@@ -86,14 +86,15 @@ class TierRouter:
     def __init__(self, config: EngineConfig, probes: Mapping[str, MemoryProbe] | None = None) -> None:
         self.config = config
         self.write_policy = config.write_policy
-        self.tiers: list[StorageBackend] = build_tiers(config)
-        self._tiers = [Tier(self.tiers, level, tier.promote, config.health) for level, tier in enumerate(config.tiers)]
-        self._speeds = {tier.name: tier.speed for tier in self._tiers}
+        self.tiers = [Tier(backend, level, tier.promote, config.health)
+                      for level, (backend, tier) in enumerate(zip(build_tiers(config), config.tiers))]
+        """The handles of the tiers, fastest first: every call into a backend goes through one."""
+        self._speeds = {tier.name: tier.speed for tier in self.tiers}
         self._speeds[FILL_QUEUE] = TierSpeed(HOST_MEMORY_SEED)  # acknowledged chunks still in host memory
         self._fill = FillQueue(config.background.queue_bytes, config.background.when_full)
         self.copies = copies.CopyCounter()
-        self._fills = FillWorker(self._tiers, self._fill, self.copies, self.write_policy == "write_through")
-        self._reader = Reader(self._tiers, self._fill, self._promote_hits, config.health.timeout_s)
+        self._fills = FillWorker(self.tiers, self._fill, self.copies, self.write_policy == "write_through")
+        self._reader = Reader(self.tiers, self._fill, self._promote_hits, config.health.timeout_s)
         self._inflight: dict[CacheKey, asyncio.Future[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._fill_worker: asyncio.Task[None] | None = None
@@ -103,9 +104,25 @@ class TierRouter:
         self._closed = False
         self._dirty: DirtyChunks | None = DirtyChunks() if self.write_policy == "write_back" else None
         if self.write_policy == "write_back":
-            for level, backend in enumerate(self.tiers[:-1]):
-                if isinstance(backend, SupportsDemotion):
-                    backend.demote_sink = functools.partial(self._demote, level)
+            for level, tier in enumerate(self.tiers[:-1]):
+                if isinstance(tier.backend, SupportsDemotion):
+                    tier.backend.demote_sink = functools.partial(self._demote, level)
+
+    @property
+    def backends(self) -> tuple[StorageBackend, ...]:
+        """The tiers' backends, fastest first (read-only: :meth:`wrap_tier` puts a wrapper in)."""
+        return tuple(tier.backend for tier in self.tiers)
+
+    def tier(self, name: str) -> Tier:
+        """The handle of the tier called ``name``."""
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(f"no tier named {name!r}; expected one of {[tier.name for tier in self.tiers]}")
+
+    def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
+        """Put ``wrapper(backend)`` in the place of tier ``name``'s backend (see :meth:`Tier.wrap`)."""
+        return self.tier(name).wrap(wrapper)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,7 +131,7 @@ class TierRouter:
             return
         self._started = True
         self._fill_worker = asyncio.get_running_loop().create_task(self._fills.run())
-        for tier in self._tiers:
+        for tier in self.tiers:
             tier.pressure = watch(tier.backend, self._probes.get(tier.name), self.config.pressure, self.spawn)
 
     def ensure_open(self) -> None:
@@ -157,16 +174,13 @@ class TierRouter:
         unwritten: dict[str, int] = {}
         for level in self._dirty.levels():
             pending = self._dirty.pending(level)
-            tier = self._tiers[level]
+            tier = self.tiers[level]
             for start in range(0, len(pending), _FLUSH_BATCH):
                 batch = pending[start : start + _FLUSH_BATCH]
-                holds = tier.backend.hold(batch) if isinstance(tier.backend, InPlaceTier) else None
+                holds: list[Any] = []
                 held: list[tuple[CacheKey, torch.Tensor]] = []
                 try:
-                    if holds is not None:
-                        chunks = [None if hold is None else hold.chunk for hold in holds]
-                    else:
-                        chunks = await tier.timed(tier.backend.batched_get(batch))
+                    chunks, holds = await tier.chunks_to_copy(batch)
                     held = [(key, chunk) for key, chunk in zip(batch, chunks) if chunk is not None]
                     if held:
                         await self._write_down(level, [key for key, _ in held], [chunk for _, chunk in held],
@@ -175,7 +189,7 @@ class TierRouter:
                     unwritten[tier.name] = unwritten.get(tier.name, 0) + len(held)
                     continue
                 finally:
-                    release_all(holds or [])
+                    release_all(holds)
                 self._dirty.clean(level, batch)
         if unwritten:
             counts = ", ".join(f"{count} of tier {name!r}" for name, count in unwritten.items())
@@ -198,28 +212,28 @@ class TierRouter:
         if self._fill_worker is not None:
             self._fill_worker.cancel()
             await asyncio.gather(self._fill_worker, return_exceptions=True)
-        for tier in self._tiers:
+        for tier in self.tiers:
             if tier.pressure is not None:
                 await tier.pressure.monitor.stop()
-        for backend in self.tiers:
+        for tier in self.tiers:
             try:
-                await backend.close()
+                await tier.backend.close()
             except Exception:
-                logger.exception("closing tier %r", backend.name)
+                logger.exception("closing tier %r", tier.name)
 
     # -- where chunks are -------------------------------------------------------------------
     async def locate(self, keys: Sequence[CacheKey]) -> list[int | None]:
         """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
         self.ensure_open()
-        return await locate.locate(self._tiers, self._fill, keys)
+        return await locate.locate(self.tiers, self._fill, keys)
 
     def locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
         """:meth:`locate` from in-memory indexes, from any thread; None when that needs I/O."""
-        return locate.locate_nowait(self._tiers, self._fill, keys)
+        return locate.locate_nowait(self.tiers, self._fill, keys)
 
     def locate_for_read(self, keys: Sequence[CacheKey]) -> list[int | None]:
         """Where :meth:`read_into` should look for each chunk, without I/O (see :mod:`tierkv.locate`)."""
-        return locate.locate_for_read(self._tiers, self._fill, keys)
+        return locate.locate_for_read(self.tiers, self._fill, keys)
 
     def level_name(self, level: int) -> str:
         """The tier at ``level``, or ``"fill-queue"`` (-1) for a chunk only waiting to be written."""
@@ -267,7 +281,7 @@ class TierRouter:
             self.copies.add_delivered("store", nbytes)
             skipped: dict[str, str] = {}
             errors: list[BaseException] = []
-            for tier in self._tiers:
+            for tier in self.tiers:
                 if not tier.admits(skipped):
                     continue
                 try:
@@ -323,15 +337,9 @@ class TierRouter:
         if self._dirty is not None:
             self._dirty.discard(keys)
         removed = 0
-        for tier in self._tiers:
-            if not tier.available():
-                continue
-            for key in keys:
-                try:
-                    removed += bool(await tier.timed(tier.backend.delete(key)))
-                except Exception as exc:
-                    tier.failed("delete", exc)
-                    break
+        for tier in self.tiers:
+            if tier.available():
+                removed += await tier.delete(keys)
         return removed
 
     # -- reads ------------------------------------------------------------------------------
@@ -358,7 +366,7 @@ class TierRouter:
 
     async def get_from(self, level: int, keys: list[CacheKey]) -> list[torch.Tensor | None]:
         """Get ``keys`` from tier ``level`` only (within the health timeout; errors are misses)."""
-        return await self._tiers[level].get(keys)
+        return await self.tiers[level].get(keys)
 
     async def wait_inflight(self, keys: Sequence[CacheKey], deadline: float | None = None) -> int:
         """Wait for the prefetches moving these keys (until ``deadline`` at most); how many
@@ -398,7 +406,7 @@ class TierRouter:
     async def _promote_hits(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
         with copies.on_path(self.copies, "promote"):
             for target in policy.promotion_targets(level):
-                tier = self._tiers[target]
+                tier = self.tiers[target]
                 if not tier.promote or not tier.admits():
                     continue
                 try:
@@ -409,8 +417,8 @@ class TierRouter:
 
     def _mark_dirty(self, level: int, keys: Sequence[CacheKey]) -> None:
         """Write-back: chunks just stored in a memory tier with tiers below are dirty there."""
-        if (self._dirty is not None and level < len(self._tiers) - 1
-                and not self._tiers[level].backend.persistent):
+        if (self._dirty is not None and level < len(self.tiers) - 1
+                and not self.tiers[level].persistent):
             self._dirty.mark(level, keys)
 
     async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
@@ -424,14 +432,10 @@ class TierRouter:
         ``metric`` at ``level``). Only chunks not there yet are written: a chunk promoted from
         the target is still there (keys name content, so the copy there is the same bytes).
         """
-        for tier in self._tiers[level + 1:]:
+        for tier in self.tiers[level + 1:]:
             if not tier.admits():
                 continue
-            try:
-                present = await tier.timed(tier.backend.batched_contains(keys))
-            except Exception as exc:
-                tier.failed("contains", exc)
-                present = [False] * len(keys)
+            present = await tier.contains(keys) or [False] * len(keys)
             dirty = [i for i, flag in enumerate(present) if not flag]
             if dirty:
                 try:
@@ -439,7 +443,7 @@ class TierRouter:
                 except Exception:
                     continue
                 self._mark_dirty(tier.level, [keys[i] for i in dirty])  # a memory tier in the middle
-            self._tiers[level].metrics.add(metric, len(keys))  # moved below (clean ones were there)
+            self.tiers[level].metrics.add(metric, len(keys))  # moved below (clean ones were there)
             return
         raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} "
                                    f"{'demoted' if metric == 'demotions' else 'flushed'} chunk(s)")
@@ -456,8 +460,8 @@ class TierRouter:
             "background_tasks": len(self._background),
             "inflight_prefetch_chunks": len(self._inflight),
             "pressure": {"nvml": self._nvml_state,
-                         **{tier.name: tier.pressure.describe() for tier in self._tiers if tier.pressure}},
+                         **{tier.name: tier.pressure.describe() for tier in self.tiers if tier.pressure}},
             "copies": self.copies.snapshot(),
-            "tiers": {tier.name: tier.stats() for tier in self._tiers},
+            "tiers": {tier.name: tier.stats() for tier in self.tiers},
         }
 

@@ -30,6 +30,8 @@ from tierkv.tier_pressure import TierPressure
 logger = logging.getLogger("tierkv.engine")
 
 T = TypeVar("T")
+B = TypeVar("B", bound=StorageBackend)
+"""A backend, or a wrapper of one (:meth:`Tier.wrap`)."""
 
 Writer = Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]
 """Fills an in-place tier's reserved chunks (key -> view of its memory)."""
@@ -41,22 +43,31 @@ _IN_PLACE: dict[type, bool] = {}  # isinstance of a runtime Protocol is slow: on
 class Tier:
     """A backend at one level of the stack, with everything the router tracks about it."""
 
-    def __init__(self, backends: list[StorageBackend], level: int, promote: bool, health: HealthConfig) -> None:
-        self._backends = backends  # the router's list: a test may put a wrapper in its place
-        self.name = backends[level].name
+    def __init__(self, backend: StorageBackend, level: int, promote: bool, health: HealthConfig) -> None:
+        self.backend = backend
+        self.name = backend.name
         self.level = level
         self.promote = promote
         self.metrics = TierMetrics()
-        self.speed = TierSpeed(type(backends[level]).speed_seed)
+        self.speed = TierSpeed(type(backend).speed_seed)
         self.breaker = CooldownBreaker(health.failure_threshold, health.retry_after_s)
         self.timeout = health.timeout_s
         self.full_retry_s = health.retry_after_s
         self.full: tuple[float, str] | None = None  # (when it said full, what it said)
         self.pressure: TierPressure | None = None
 
-    @property
-    def backend(self) -> StorageBackend:
-        return self._backends[self.level]
+    def wrap(self, wrapper: Callable[[StorageBackend], B]) -> B:
+        """Put ``wrapper(backend)`` in the backend's place: every later call of the engine into
+        this tier goes through it (a fault injector, a throttle, a tracer). It must keep the
+        tier's name; the wrapped backend is returned."""
+        wrapped = wrapper(self.backend)
+        if not isinstance(wrapped, StorageBackend):
+            raise TypeError(f"tier {self.name!r}: a wrapper must return a StorageBackend, got {type(wrapped).__name__}")
+        if wrapped.name != self.name:
+            raise ValueError(f"tier {self.name!r}: the wrapped backend is named {wrapped.name!r}; "
+                             "expected the tier's own name")
+        self.backend = wrapped
+        return wrapped
 
     @property
     def in_place(self) -> bool:
@@ -133,7 +144,55 @@ class Tier:
             awaitable = ownership.finish(awaitable)
         return await ownership.finish(asyncio.wait_for(awaitable, timeout))
 
+    # -- questions without data -------------------------------------------------------------
+    async def contains(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """Whether the tier holds each key, within the health timeout; None when it failed
+        (counted). An answer does not reset the failure streak: an index can answer while
+        every read fails, and the breaker must still trip."""
+        try:
+            return list(await self.timed(self.backend.batched_contains(list(keys))))
+        except Exception as exc:
+            self.failed("contains", exc)
+            return None
+
+    def contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """:meth:`contains` from the tier's in-memory index, from any thread; None when the
+        tier has none (its answer needs I/O)."""
+        return self.backend.batched_contains_nowait(list(keys))
+
+    async def delete(self, keys: Sequence[CacheKey]) -> int:
+        """Remove ``keys``; how many were there. A failure (counted) ends the call: the keys
+        before it are removed, the rest are not tried."""
+        removed = 0
+        for key in keys:
+            try:
+                removed += bool(await self.timed(self.backend.delete(key)))
+            except Exception as exc:
+                self.failed("delete", exc)
+                break
+        return removed
+
+    @property
+    def streams_into_destination(self) -> bool:
+        """Whether a read writes into the caller's memory while it runs (see
+        :attr:`~tierkv.backend.StorageBackend.streams_into_destination`)."""
+        return bool(self.backend.streams_into_destination)
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the tier keeps its chunks across processes (a memory tier does not)."""
+        return bool(self.backend.persistent)
+
     # -- writes -----------------------------------------------------------------------------
+    async def chunks_to_copy(self, keys: Sequence[CacheKey]) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """The chunks of ``keys`` to copy elsewhere (None where absent) and the holds to
+        release once the copy is over: an in-place tier lends its memory, pinned; any other
+        is read within the health timeout. Not counted as hits: nobody asked for them."""
+        if self.in_place:
+            holds = self.hold(keys, pin=True)
+            return [None if hold is None else hold.chunk for hold in holds], holds
+        return list(await self.timed(self.backend.batched_get(list(keys)))), []
+
     def hold(self, keys: Sequence[CacheKey], pin: bool) -> list[ChunkHold | None]:
         """Holds on an in-place tier's chunks (see :class:`~tierkv.backend.InPlaceTier`)."""
         return list(self.backend.hold(keys, pin=pin))  # type: ignore[attr-defined]
@@ -256,22 +315,19 @@ class Tier:
             self.speed.observe(nbytes, time.perf_counter() - started)
 
     async def _get_one_checked(self, key: CacheKey) -> torch.Tensor | None:
-        """A get that turns an undecodable value into a miss, a delete and a count (the one
-        place the router drops a corrupt chunk; byte stores drop theirs in
-        :meth:`~tierkv.backend.BlobBackend.get`)."""
+        """A get that turns an undecodable value into a miss, a delete and a count, for a
+        backend that raised instead of dropping it itself (counted by the backend's
+        :meth:`~tierkv.backend.StorageBackend.count_corrupt`, like its own drops)."""
         try:
             return await self.backend.get(key)
         except ChunkFormatError as exc:
-            self.metrics.add("corrupt_chunks")
-            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, key, exc)
+            self.backend.count_corrupt([(key.to_string(), exc)])
             await self.backend.delete(key)
             return None
 
     def stats(self) -> dict[str, Any]:
         """The backend's own stats, the router's counters, health, speed, full and pressure state."""
         entry = {**self.backend.stats(), **self.metrics.snapshot()}
-        entry["corrupt_chunks"] = self.backend.counters.get("corrupt_chunks", 0) + self.metrics.counters[
-            "corrupt_chunks"]
         entry["health"] = self.breaker.state()
         entry["promote"] = self.promote
         entry["speed"] = self.speed.snapshot()

@@ -316,8 +316,7 @@ class LMDBBackend(StorageBackend):
             if hit:
                 self._index.touch(kb)
         if corrupt:
-            self.counters["corrupt_chunks"] += len(corrupt)
-            logger.warning("tier %r: dropping %d corrupt chunk(s)", self.name, len(corrupt))
+            self.count_corrupt([(kb.hex(), "failed its checksum or header check") for kb in corrupt])
             async with self._lock():
                 await self._in_thread(self._delete, corrupt)
                 for kb in corrupt:

@@ -136,7 +136,7 @@ class MemoryTier(StorageBackend):
                         device, " (pinned)" if pinned else "", self._slabs.startup_s)
         else:
             self._slabs = LazySlabs(self.capacity, device, pinned)
-        self.counters.update({"demotions": 0, "demotion_failures": 0})
+        self.counters.update({"demotion_failures": 0})  # demotions: the router's count (Tier.metrics)
 
     # -- accounting --------------------------------------------------------------------
     @property
@@ -316,7 +316,6 @@ class MemoryTier(StorageBackend):
                 self._index.pin(key)
             try:
                 await self.demote_sink(list(residents), [r.view() for r in residents.values()])
-                self.counters["demotions"] += len(residents)
             except Exception as exc:
                 self.counters["demotion_failures"] += len(residents)
                 logger.warning("tier %r: demoting %d chunk(s) failed: %s", self.name, len(residents), exc)

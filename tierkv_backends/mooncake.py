@@ -438,10 +438,9 @@ class MooncakeBackend(StorageBackend):
         return [r if isinstance(r, torch.Tensor) else None for r in results]
 
     def _note_corrupt(self, names: list[str], results: list[Any]) -> None:
-        for name, result in zip(names, results):
-            if isinstance(result, ChunkFormatError):
-                self.counters["corrupt_chunks"] += 1
-                logger.warning("tier %r: dropped corrupt chunk %s: %s", self.name, name, result)
+        """Count the chunks the worker found damaged (and already removed from the store)."""
+        self.count_corrupt([(name, result) for name, result in zip(names, results)
+                            if isinstance(result, ChunkFormatError)])
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
         return (await self.batched_get([key]))[0]

@@ -309,9 +309,7 @@ class S3Backend(BlobBackend):
         """Count, log and delete objects that failed to decode (they are misses)."""
         if not names:
             return
-        for name, problem in zip(names, problems):
-            logger.warning("tier %r: dropping corrupt object %s: %s", self.name, self._object_key(name), problem)
-        self.counters["corrupt_chunks"] += len(names)
+        self.count_corrupt([(self._object_key(name), problem) for name, problem in zip(names, problems)])
         try:
             await self._batch("delete", [lambda d, n=n: self._objects.remove(n, d) for n in names])
         except TierUnavailableError as exc:  # the reads stand; the next reader deletes it

@@ -16,8 +16,6 @@ class FailingTiersStorage(TierKVStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         assert self.engine is not None
-        tiers = self.engine.core.tiers
-        for level, tier in enumerate(tiers):
-            faulty = FaultyBackend(tier)
+        for backend in self.engine.tiers:
+            faulty = self.engine.wrap_tier(backend.name, FaultyBackend)
             faulty.failing = True
-            tiers[level] = faulty

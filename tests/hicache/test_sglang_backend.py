@@ -228,8 +228,7 @@ def test_a_failing_tier_is_a_miss_never_an_exception(tmp_path: Path) -> None:
     try:
         names = keys(2)
         storage.batch_set_v1(names, pool.alloc(2 * PAGE))
-        faulty = FaultyBackend(storage.engine.tiers[0])
-        storage.engine.core.tiers[0] = faulty
+        faulty = storage.engine.wrap_tier(storage.engine.tiers[0].name, FaultyBackend)
         faulty.failing = True
         target = pool.alloc(2 * PAGE)
         assert storage.batch_get_v1(names, target) == [False, False]
@@ -278,9 +277,8 @@ def test_cost_aware_exists_answers_only_the_prefix_worth_loading(tmp_path: Path)
     try:
         names = keys(4)
         storage.batch_set_v1(names, pool.alloc(4 * PAGE))
-        slow = FaultyBackend(storage.engine.tiers[0])
+        slow = storage.engine.wrap_tier(storage.engine.tiers[0].name, FaultyBackend)
         slow.bytes_per_s = 1000.0
-        storage.engine.core.tiers[0] = slow
         target = pool.alloc(4 * PAGE)
         storage.batch_get_v1(names, target)  # measures the tier's speed
         held = storage.batch_exists(names, HiCacheStorageExtraInfo(prefix_keys=[]))
