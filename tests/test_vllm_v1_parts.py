@@ -5,6 +5,7 @@ connector inside a real vLLM.)"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -292,6 +293,51 @@ def test_worker_saves_then_loads_into_other_blocks_and_reports_what_it_could_not
         engine.batched_delete(engine.keys_for(tokens)[1:2])  # the second chunk is gone
         assert not loader.load(LoadSpec("t", tokens, (11, 10, 9, 8, 7), 0, 79))
         assert loader.take_load_errors() == {9, 8, 7}, "blocks from the missing chunk's first token on"
+
+
+def test_worker_lookup_counts_the_planned_prefix_and_the_part_in_memory(tmp_path: Path) -> None:
+    """What worker 0 answers the scheduler: the whole cached prefix, and how much of it a
+    synchronous load can take from memory (up to the first chunk found only on disk)."""
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+
+    chunk = 32
+    config = {"model": "lookup-test", "chunk_size": chunk, "cost_aware": False,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"},
+                        {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "64MiB"}]}
+    layers = [make_layer("cpu", torch.Generator().manual_seed(7)) for _ in range(LAYERS)]
+    tokens = np.arange(1, 97, dtype=np.int32)  # three whole chunks
+    with Engine(config) as engine:
+        worker = WorkerTransfers(engine)
+        worker.register(layers, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        assert worker.lookup(tokens, PLAIN) == LookupResult(0, 0), "nothing stored yet"
+        worker.save(SaveSpec("r", tokens, (0, 1, 2, 3, 4, 5)))
+        worker.wait_for_saves(["r"])
+        engine.flush()
+        assert worker.lookup(tokens, PLAIN) == LookupResult(96, 96)
+        engine.run(engine.tiers[0].delete(engine.keys_for(tokens)[1]))  # chunk 1 now only on disk
+        assert worker.lookup(tokens, PLAIN) == LookupResult(96, 32)
+        assert worker.lookup(tokens, RequestIdentity(salt="other tenant")) == LookupResult(0, 0)
+        worker.disable("test")
+        assert worker.lookup(tokens, PLAIN) == LookupResult(-1, 0), "off: the scheduler stops planning"
+
+
+def test_stats_file_is_replaced_whole_per_rank_and_only_on_change(tmp_path: Path) -> None:
+    from tierkv.integrations.vllm_v1.stats_file import StatsFile
+
+    path = tmp_path / "stats.json"
+    StatsFile(None, 0).write({"tokens_loaded": 1})  # no path configured: nothing written
+    assert list(tmp_path.iterdir()) == []
+    first, second = StatsFile(str(path), 0), StatsFile(str(path), 3)
+    first.write({"tokens_loaded": 5})
+    second.write({"tokens_loaded": 7})
+    assert json.loads(path.read_text()) == {"tokens_loaded": 5}
+    assert json.loads((tmp_path / "stats.json.rank3").read_text()) == {"tokens_loaded": 7}
+    path.write_text("changed behind its back")
+    first.write({"tokens_loaded": 5})
+    assert path.read_text() == "changed behind its back", "unchanged counters are not written again"
+    first.write({"tokens_loaded": 6})
+    assert json.loads(path.read_text()) == {"tokens_loaded": 6}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json", "stats.json.rank3"], "no temporary left"
 
 
 def test_planner_stops_offering_a_request_whose_load_failed() -> None:

@@ -34,6 +34,7 @@ from tierkv.errors import ConfigError
 from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_token_array
 from tierkv.kvlayout import KVCache
+from tierkv.locate import Levels
 from tierkv.metadata import EngineMetadata, KVShape, check_capacities
 from tierkv.planner import PrefixPlan
 from tierkv.prefix_plans import PrefixPlans
@@ -129,9 +130,16 @@ class AsyncEngine:
         """Remove ``keys`` from every tier; how many (key, tier) copies were removed."""
         return await self.router.batched_delete(keys)
 
-    async def locate_keys(self, keys: Sequence[CacheKey]) -> list[int | None]:
-        """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
-        return await self.router.locate(keys)
+    async def locate_keys(self, keys: Sequence[CacheKey]) -> list[str | None]:
+        """The name of the highest tier holding each key (:data:`~tierkv.locate.FILL_QUEUE`
+        for a chunk acknowledged and not yet written); None if nowhere."""
+        return self.router.names(await self.router.levels(keys))
+
+    def locate_keys_nowait(self, keys: Sequence[CacheKey]) -> list[str | None] | None:
+        """:meth:`locate_keys` from in-memory indexes, from any thread; None when a tier
+        available now needs I/O to answer."""
+        levels = self.router.levels_nowait(keys)
+        return None if levels is None else self.router.names(levels)
 
     async def flush(self) -> None:
         """Wait until every background operation (fills, prefetches, demotions) has landed;
@@ -285,11 +293,11 @@ class AsyncEngine:
         return ret_mask
 
     async def _held_prefix(self, keys: list[CacheKey], deadline: float | None
-                           ) -> tuple[list[CacheKey], list[int | None]]:
+                           ) -> tuple[list[CacheKey], Levels]:
         """The leading ``keys`` some tier holds (after the stores in flight for them landed, or
         the deadline passed) and the level each of them was located in."""
         keys = keys[: await self.router.wait_inflight(keys, deadline)]
-        levels = self.router.locate_for_read(keys)
+        levels = self.router.read_levels(keys)
         return keys[: policy.first_missing([level is not None for level in levels])], levels
 
     async def retrieve_keys_into(self, keys: Sequence[CacheKey], ranges: Sequence[tuple[int, int]],
@@ -338,7 +346,7 @@ class AsyncEngine:
         first_chunk = skip // self.chunk_size
         keys, levels = await self._held_prefix(list(self._iter_keys(token_array, identity))[first_chunk:], deadline)
         if plan and keys and self.cost_aware:
-            prefix_plan = self.plans.plan(levels[: len(keys)], num_tokens, first_chunk)
+            prefix_plan = self.plans.plan(self.router.names(levels[: len(keys)]), num_tokens, first_chunk)
             keys = keys[: max(0, -(-prefix_plan.planned_tokens // self.chunk_size) - first_chunk)]
         ranges = transfer.chunk_ranges(skip - skip % self.chunk_size, num_tokens, self.chunk_size)[: len(keys)]
         hits = 0
@@ -367,7 +375,7 @@ class AsyncEngine:
         """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(token_array, await self._locate_prefix(token_array, identity),
+        return self._record_lookup(token_array, await self._prefix_levels(token_array, identity),
                                    identity).planned_tokens
 
     def lookup_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int | None:
@@ -375,35 +383,32 @@ class AsyncEngine:
         None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        levels = self._locate_prefix_nowait(token_array, identity)
+        levels = self._prefix_levels_nowait(token_array, identity)
         return None if levels is None else self._record_lookup(token_array, levels, identity).planned_tokens
 
     async def locate_prefix(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str]:
         """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
         counts), highest first; ``"fill-queue"`` for a chunk only waiting to be written."""
         self.router.ensure_open()
-        return self._tier_names(await self._locate_prefix(as_token_array(tokens), identity))
+        return self._tier_names(await self._prefix_levels(as_token_array(tokens), identity))
 
     def locate_prefix_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str] | None:
         """:meth:`locate_prefix` from in-memory indexes, from any thread; None when that needs I/O."""
         self.router.ensure_open()
-        levels = self._locate_prefix_nowait(as_token_array(tokens), identity)
+        levels = self._prefix_levels_nowait(as_token_array(tokens), identity)
         return None if levels is None else self._tier_names(levels)
 
-    def _tier_names(self, levels: list[int | None]) -> list[str]:
+    def _tier_names(self, levels: Levels) -> list[str]:
         prefix = levels[: policy.first_missing([level is not None for level in levels])]
-        return [self._level_name(level) for level in prefix if level is not None]
+        return [name for name in self.router.names(prefix) if name is not None]
 
-    def _level_name(self, level: int) -> str:
-        return self.router.level_name(level)
+    async def _prefix_levels(self, token_array: np.ndarray, identity: RequestIdentity) -> Levels:
+        return await self.plans.prefix_levels(self._iter_keys(token_array, identity))
 
-    async def _locate_prefix(self, token_array: np.ndarray, identity: RequestIdentity) -> list[int | None]:
-        return await self.plans.locate(self._iter_keys(token_array, identity))
+    def _prefix_levels_nowait(self, token_array: np.ndarray, identity: RequestIdentity) -> Levels | None:
+        return self.plans.prefix_levels_nowait(self._iter_keys(token_array, identity))
 
-    def _locate_prefix_nowait(self, token_array: np.ndarray, identity: RequestIdentity) -> list[int | None] | None:
-        return self.plans.locate_nowait(self._iter_keys(token_array, identity))
-
-    def _record_lookup(self, token_array: np.ndarray, levels: list[int | None],
+    def _record_lookup(self, token_array: np.ndarray, levels: Levels,
                        identity: RequestIdentity) -> PrefixPlan:
         """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
         return self.plans.record(len(token_array), levels, lambda: next(self._iter_keys(token_array, identity)))
@@ -430,7 +435,7 @@ class AsyncEngine:
         (any thread); None when a tier needs I/O to answer (then use :meth:`plan`)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        levels = self._locate_prefix_nowait(token_array, identity)
+        levels = self._prefix_levels_nowait(token_array, identity)
         if levels is None:
             return None
         return self._record_lookup(token_array, levels, identity)
@@ -442,12 +447,18 @@ class AsyncEngine:
         recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
-        return self._record_lookup(token_array, await self._locate_prefix(token_array, identity), identity)
+        return self._record_lookup(token_array, await self._prefix_levels(token_array, identity), identity)
+
+    def plan_located(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
+        """The plan (see :meth:`plan`) for cached chunks already located: ``tier_names`` holds
+        the tier of each (as :meth:`locate_keys` answers), starting at chunk ``first_chunk``
+        of a prompt of ``num_tokens`` tokens whose earlier chunks the caller already has (an
+        integration that located a page range itself)."""
+        return self.plans.plan(tier_names, num_tokens, first_chunk)
 
     async def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
         """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
-        levels = await self.router.locate(self.keys_for(as_token_array(tokens), identity))
-        return [None if level is None else self._level_name(level) for level in levels]
+        return await self.locate_keys(self.keys_for(as_token_array(tokens), identity))
 
     async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
         """Start moving the cached prefix of ``tokens`` up to the top tier; returns at once.
@@ -456,7 +467,7 @@ class AsyncEngine:
         """
         self.router.ensure_open()
         keys = self.keys_for(as_token_array(tokens), identity)
-        levels = await self.router.locate(keys)
+        levels = await self.router.levels(keys)
         held = policy.first_missing([level is not None for level in levels])
         await self.router.prefetch(keys[:held], levels[:held])
 

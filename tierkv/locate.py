@@ -1,9 +1,14 @@
 """Where chunks are: the level of the highest tier holding each key.
 
-Three questions, one answer format (a level per key; -1 for a chunk acknowledged but still
-in the fill queue; None for nowhere): :func:`locate` asks every available tier (I/O where a
-tier needs it), :func:`locate_nowait` answers from in-memory indexes only (None when a tier
-available now would need I/O), :func:`locate_for_read` plans a read without I/O (chunks no
+Inside the engine a place is a :data:`Level` (an index into the tiers, fastest first;
+:data:`FILL_QUEUE_LEVEL` for a chunk acknowledged but still waiting in the fill queue; None
+for nowhere). Callers of the engine see tier names instead (:func:`names`; the fill queue is
+:data:`FILL_QUEUE`): every ``locate*`` method of the engine answers with names, and nothing
+inside it does.
+
+Three questions, one answer format: :func:`levels` asks every available tier (I/O where a
+tier needs it), :func:`levels_nowait` answers from in-memory indexes only (None when a tier
+available now would need I/O), :func:`read_levels` plans a read without I/O (chunks no
 indexed tier holds go to the first tier without an index, asked with gets).
 """
 
@@ -16,11 +21,23 @@ from tierkv.fill import FillQueue
 from tierkv.keys import CacheKey
 from tierkv.tier import Tier
 
-Levels = list[int | None]
+Level = int
+"""An index into the tiers, fastest first, or :data:`FILL_QUEUE_LEVEL`."""
+Levels = list[Level | None]
+FILL_QUEUE_LEVEL: Level = -1
+"""The level of a chunk acknowledged but not yet written to any tier (still in the fill queue)."""
+FILL_QUEUE = "fill-queue"
+"""What callers of the engine see for :data:`FILL_QUEUE_LEVEL`."""
 
 
-async def locate(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels:
-    """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
+def names(tiers: Sequence[Tier], found: Sequence[Level | None]) -> list[str | None]:
+    """The name callers see for each level: the tier's, or :data:`FILL_QUEUE` (None stays None)."""
+    return [None if level is None else FILL_QUEUE if level == FILL_QUEUE_LEVEL else tiers[level].name
+            for level in found]
+
+
+async def levels(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels:
+    """The level of the highest tier holding each key (or the fill queue); None if nowhere."""
     found: Levels = [None] * len(keys)
     missing = list(range(len(keys)))
     for tier in tiers:
@@ -35,8 +52,8 @@ async def locate(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey
     return _or_fill_queue(fill, found, missing, keys)
 
 
-def locate_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels | None:
-    """:func:`locate` from in-memory indexes only (reads shared state, changes nothing)."""
+def levels_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels | None:
+    """:func:`levels` from in-memory indexes only (reads shared state, changes nothing)."""
     now = time.monotonic()
     top: list[bool] | None = None
     if keys and tiers[0].breaker.available(now):
@@ -64,7 +81,7 @@ def locate_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKe
     return _or_fill_queue(fill, found, missing, keys)
 
 
-def locate_for_read(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels:
+def read_levels(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels:
     """Where to read each chunk from, without I/O: the highest tier whose in-memory index
     holds it; chunks no indexed tier holds go to the first available tier without an
     index (read directly: a miss there is a get that finds nothing), else the fill queue."""
@@ -79,17 +96,17 @@ def locate_for_read(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[Cache
         flags = tier.contains_nowait([keys[i] for i in missing])
         if flags is None:
             for index in missing:
-                found[index] = -1 if fill.pending(keys[index]) is not None else tier.level
+                found[index] = FILL_QUEUE_LEVEL if fill.pending(keys[index]) is not None else tier.level
             return found
         missing = _place(found, missing, flags, tier.level)
     return _or_fill_queue(fill, found, missing, keys)
 
 
 def _or_fill_queue(fill: FillQueue, found: Levels, missing: list[int], keys: Sequence[CacheKey]) -> Levels:
-    """Mark the chunks no tier holds that are still waiting in the fill queue (level -1)."""
+    """Mark the chunks no tier holds that are still waiting in the fill queue (:data:`FILL_QUEUE_LEVEL`)."""
     for index in missing:
         if fill.pending(keys[index]) is not None:
-            found[index] = -1
+            found[index] = FILL_QUEUE_LEVEL
     return found
 
 

@@ -16,6 +16,7 @@ from tierkv import policy
 from tierkv.chunk_layout import ChunkLayout
 from tierkv.config import EngineConfig
 from tierkv.keys import CacheKey
+from tierkv.locate import FILL_QUEUE_LEVEL, Levels
 from tierkv.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
 from tierkv.router import TierRouter
 
@@ -30,7 +31,7 @@ class PrefixPlans:
         self.chunk_size = config.chunk_size
         self._policy = config.cost_aware  # None: on once a recompute speed is known
         self.recompute = RecomputeModel(config.recompute.tokens_per_s, config.recompute.curve or None)
-        self._last: tuple[int, int, list[int | None], PrefixPlan] | None = None
+        self._last: tuple[int, int, Levels, PrefixPlan] | None = None
 
     @property
     def cost_aware(self) -> bool:
@@ -48,39 +49,40 @@ class PrefixPlans:
                             f"got {value!r}")
         self._policy = value
 
-    async def locate(self, keys: Iterator[CacheKey]) -> list[int | None]:
+    async def prefix_levels(self, keys: Iterator[CacheKey]) -> Levels:
         """Levels of a prompt's chunks (``keys`` made as needed): the first chunk is located on
         its own, and when no tier holds it (a new prompt) the rest is neither hashed nor asked."""
-        levels = await self.router.locate(list(itertools.islice(keys, 1)))
+        levels = await self.router.levels(list(itertools.islice(keys, 1)))
         if levels and levels[0] is not None:
-            levels += await self.router.locate(list(keys))
+            levels += await self.router.levels(list(keys))
         return levels
 
-    def locate_nowait(self, keys: Iterator[CacheKey]) -> list[int | None] | None:
-        """:meth:`locate` from in-memory indexes only; None when a tier needs I/O."""
-        levels = self.router.locate_nowait(list(itertools.islice(keys, 1)))
+    def prefix_levels_nowait(self, keys: Iterator[CacheKey]) -> Levels | None:
+        """:meth:`prefix_levels` from in-memory indexes only; None when a tier needs I/O."""
+        levels = self.router.levels_nowait(list(itertools.islice(keys, 1)))
         if levels and levels[0] is not None:
-            rest = self.router.locate_nowait(list(keys))
+            rest = self.router.levels_nowait(list(keys))
             levels = None if rest is None else levels + rest
         return levels
 
-    def record(self, num_tokens: int, levels: list[int | None], first_key: Callable[[], CacheKey]) -> PrefixPlan:
+    def record(self, num_tokens: int, levels: Levels, first_key: Callable[[], CacheKey]) -> PrefixPlan:
         """The plan of a lookup of ``num_tokens`` tokens whose chunks are at ``levels``: the
         length a scheduler should count as cached; kept for ``stats()``. A lookup that finds
         a chunk before the layout is known starts learning it from that chunk (``first_key``)."""
-        if self.layout.value is None and levels and levels[0] is not None and levels[0] >= 0:
+        if self.layout.value is None and levels and levels[0] not in (None, FILL_QUEUE_LEVEL):
             self.layout.learn_soon(first_key(), levels[0])
         hit_chunks = policy.first_missing([level is not None for level in levels])
         cached = min(hit_chunks * self.chunk_size, num_tokens)
-        prefix_plan = self.plan(levels[:hit_chunks], num_tokens)
+        prefix_plan = self.plan(self.router.names(levels[:hit_chunks]), num_tokens)
         self._last = (num_tokens, cached, levels[:hit_chunks], prefix_plan)
         return prefix_plan
 
-    def plan(self, levels: Sequence[int | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
-        """The plan for the cached chunks at ``levels``, which start at chunk ``first_chunk`` of
+    def plan(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
+        """The plan for the cached chunks held by ``tier_names`` (a tier's name, or
+        :data:`~tierkv.locate.FILL_QUEUE`, per chunk), which start at chunk ``first_chunk`` of
         the prompt (the chunks before it are the caller's already: not loaded, not counted)."""
         base = min(first_chunk * self.chunk_size, num_tokens)
-        names = [self.router.level_name(level) for level in levels if level is not None]
+        names = [name for name in tier_names if name is not None]
         sizes = [min(self.chunk_size, num_tokens - (first_chunk + i) * self.chunk_size) for i in range(len(names))]
         if not self.cost_aware:
             return load_everything(names, sizes, "cost_aware is off" if self._policy is False else
@@ -103,8 +105,8 @@ class PrefixPlans:
             return None
         num_tokens, cached, levels, prefix_plan = self._last
         per_tier = {tier.name: 0 for tier in self.router.tiers}
-        for level in levels:
-            if level is not None and level >= 0:
-                per_tier[self.router.level_name(level)] += 1
+        for name in self.router.names(levels):
+            if name in per_tier:  # not the fill queue
+                per_tier[name] += 1
         return {"tokens": num_tokens, "cached_tokens": cached, "chunks_per_tier": per_tier,
                 "plan": prefix_plan.summary()}

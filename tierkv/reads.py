@@ -21,6 +21,7 @@ from tierkv import ownership, policy, transfer
 from tierkv.backend import fits_destination
 from tierkv.fill import FillQueue
 from tierkv.keys import CacheKey
+from tierkv.locate import FILL_QUEUE_LEVEL
 from tierkv.memory import empty_host
 from tierkv.offload import off_loop
 from tierkv.tier import Tier
@@ -43,12 +44,12 @@ class Reader:
                         sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None,
                         deadline: float | None = None) -> int:
         """Read each chunk into ``sink`` from the tier it was located in (``levels``, from
-        :func:`tierkv.locate.locate_for_read`); the number of leading chunks delivered."""
+        :func:`tierkv.locate.read_levels`); the number of leading chunks delivered."""
         done = [False] * len(keys)
         staged: dict[int, torch.Tensor] = {}
         if preloaded is not None:
             staged[0], done[0] = preloaded, True
-        self._from_fill_queue([i for i in range(len(keys)) if levels[i] == -1], keys, ranges, sink, done)
+        self._from_fill_queue([i for i in range(len(keys)) if levels[i] == FILL_QUEUE_LEVEL], keys, ranges, sink, done)
         first_round: dict[int, list[int]] = {}
         for index in range(len(keys)):
             level = levels[index]

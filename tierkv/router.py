@@ -28,6 +28,7 @@ from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
 from tierkv.keys import CacheKey
+from tierkv.locate import FILL_QUEUE, Level, Levels
 from tierkv.offload import gathered, source_writer
 from tierkv.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.pressure import MemoryProbe
@@ -38,8 +39,6 @@ from tierkv.write_back import DirtyChunks
 
 logger = logging.getLogger("tierkv.engine")
 
-FILL_QUEUE = "fill-queue"
-"""Where a chunk is that was acknowledged but not yet written to the tiers below (level -1)."""
 _FLUSH_BATCH = 64  # dirty chunks read and written down together by a write-back flush
 
 
@@ -222,26 +221,26 @@ class TierRouter:
                 logger.exception("closing tier %r", tier.name)
 
     # -- where chunks are -------------------------------------------------------------------
-    async def locate(self, keys: Sequence[CacheKey]) -> list[int | None]:
-        """Index of the highest tier holding each key; -1 for the fill queue; None if nowhere."""
+    async def levels(self, keys: Sequence[CacheKey]) -> Levels:
+        """The level of the highest tier holding each key (:mod:`tierkv.locate`); None if nowhere."""
         self.ensure_open()
-        return await locate.locate(self.tiers, self._fill, keys)
+        return await locate.levels(self.tiers, self._fill, keys)
 
-    def locate_nowait(self, keys: Sequence[CacheKey]) -> list[int | None] | None:
-        """:meth:`locate` from in-memory indexes, from any thread; None when that needs I/O."""
-        return locate.locate_nowait(self.tiers, self._fill, keys)
+    def levels_nowait(self, keys: Sequence[CacheKey]) -> Levels | None:
+        """:meth:`levels` from in-memory indexes, from any thread; None when that needs I/O."""
+        return locate.levels_nowait(self.tiers, self._fill, keys)
 
-    def locate_for_read(self, keys: Sequence[CacheKey]) -> list[int | None]:
+    def read_levels(self, keys: Sequence[CacheKey]) -> Levels:
         """Where :meth:`read_into` should look for each chunk, without I/O (see :mod:`tierkv.locate`)."""
-        return locate.locate_for_read(self.tiers, self._fill, keys)
+        return locate.read_levels(self.tiers, self._fill, keys)
 
-    def level_name(self, level: int) -> str:
-        """The tier at ``level``, or ``"fill-queue"`` (-1) for a chunk only waiting to be written."""
-        return FILL_QUEUE if level < 0 else self.tiers[level].name
+    def names(self, levels: Sequence[Level | None]) -> list[str | None]:
+        """The tier name (or :data:`~tierkv.locate.FILL_QUEUE`) of each level, for callers."""
+        return locate.names(self.tiers, levels)
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Whether each key is held by any tier (or waits in the fill queue)."""
-        return [level is not None for level in await self.locate(keys)]
+        return [level is not None for level in await self.levels(keys)]
 
     # -- stores -----------------------------------------------------------------------------
     async def put(self, keys: Sequence[CacheKey], source: transfer.ChunkSource,
@@ -346,7 +345,7 @@ class TierRouter:
     async def read_into(self, keys: list[CacheKey], levels: Sequence[int | None], ranges: list[tuple[int, int]],
                         sink: transfer.ChunkSink, *, caller_owned: bool, preloaded: torch.Tensor | None = None,
                         deadline: float | None = None) -> int:
-        """Read each chunk into ``sink`` from where :meth:`locate_for_read` put it (the one-pass
+        """Read each chunk into ``sink`` from where :meth:`read_levels` put it (the one-pass
         read of :mod:`tierkv.reads`); the number of leading chunks delivered. ``caller_owned``:
         the sink's memory is the caller's (a tier that streams before it verifies reads into
         staging); ``preloaded``: chunk 0, already read."""

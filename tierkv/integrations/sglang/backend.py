@@ -120,10 +120,10 @@ class TierKVStorage(HiCacheStorage):
         where every tier keeps an in-memory index."""
         try:
             io, _, keyspace = self._ready()
-            levels = io.locate(keyspace.keys(list(keys)))
-            held = io.held_prefix(levels)
+            tiers = io.where(keyspace.keys(list(keys)))
+            held = io.held_prefix(tiers)
             first_page = len(extra_info.prefix_keys or []) if extra_info is not None else 0
-            worth = io.worth_loading(levels[:held], first_page) if held else 0
+            worth = io.worth_loading(tiers[:held], first_page) if held else 0
         except Exception as exc:
             self._failed("exists", exc)
             return 0
@@ -169,8 +169,7 @@ class TierKVStorage(HiCacheStorage):
 
     def _store(self, io: PageIO, keys: list[CacheKey], views: list[torch.Tensor]) -> list[bool]:
         started = time.perf_counter()
-        levels = io.locate(keys)
-        new = [index for index, level in enumerate(levels) if level is None]
+        new = [index for index, tier in enumerate(io.where(keys)) if tier is None]
         if new:
             io.write([keys[i] for i in new], ViewSource([views[i] for i in new], io.page_size))
             with self._lock:
@@ -232,7 +231,7 @@ class TierKVStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         try:
             io, _, keyspace = self._ready()
-            return io.locate([keyspace.key(key)])[0] is not None
+            return io.where([keyspace.key(key)])[0] is not None
         except Exception as exc:
             self._failed("exists", exc)
             return False

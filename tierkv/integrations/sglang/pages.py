@@ -7,12 +7,10 @@ connectors use (:mod:`tierkv.connectors.engine_io`): a memory tier copies a page
 or out of it once, a disk tier reads or writes the page's contiguous runs in place. Page ``j``
 of a batch stands at "tokens" ``[j * page, (j + 1) * page)`` of the batch.
 
-The engine's public API reads prompts by their tokens; SGLang asks for pages by hash. The
-key-level read, locate and plan used here (:class:`PageIO`) are the steps the engine's
-``retrieve_to`` / ``lookup_nowait`` / ``plan_nowait`` take after hashing the tokens, called
-with SGLang's keys instead; they are the only place this package touches the engine's
-internals (a public ``retrieve_keys_to`` / ``locate_keys_nowait`` / ``plan_keys`` would
-replace them).
+The engine's public API reads prompts by their tokens; SGLang asks for pages by hash, so
+:class:`PageIO` uses the engine's key-level calls: ``locate_keys_nowait`` / ``locate_keys``
+(where each page is), ``plan_located`` (how many of them are worth loading),
+``retrieve_keys_into`` and ``store_from`` (the pages themselves).
 """
 
 from __future__ import annotations
@@ -86,29 +84,29 @@ class PageIO:
         return chunk_ranges(0, count * self.page_size, self.page_size)
 
     # -- where pages are ---------------------------------------------------------------------------
-    def locate(self, keys: Sequence[CacheKey]) -> list[int | None]:
-        """The tier level holding each page (-1: acknowledged, still in the fill queue; None:
+    def where(self, keys: Sequence[CacheKey]) -> list[str | None]:
+        """The tier holding each page (``"fill-queue"``: acknowledged, not yet written; None:
         nowhere), from in-memory indexes on the calling thread; a tier without an index (S3)
         is asked on the engine's loop."""
         if not keys:
             return []
-        levels = self.core.router.locate_nowait(keys)
-        if levels is None:
-            levels = self.engine.run(self.core.locate_keys(keys))
-        return levels
+        tiers = self.core.locate_keys_nowait(keys)
+        if tiers is None:
+            tiers = self.engine.run(self.core.locate_keys(keys))
+        return tiers
 
-    def held_prefix(self, levels: Sequence[int | None]) -> int:
-        return policy.first_missing([level is not None for level in levels])
+    def held_prefix(self, tiers: Sequence[str | None]) -> int:
+        return policy.first_missing([tier is not None for tier in tiers])
 
-    def worth_loading(self, levels: Sequence[int | None], first_page: int) -> int:
+    def worth_loading(self, tiers: Sequence[str | None], first_page: int) -> int:
         """How many of the held leading pages are faster to load than to recompute, under the
         engine's plan (all of them when the engine is not cost-aware); ``first_page``: pages
         of the prompt before these (SGLang has them already: context, not load)."""
-        if not levels or not self.engine.cost_aware:
-            return len(levels)
-        num_tokens = (first_page + len(levels)) * self.page_size
-        plan = self.core.plans.plan(list(levels), num_tokens, first_page)
-        return max(0, min(len(levels), -(-plan.planned_tokens // self.page_size) - first_page))
+        if not tiers or not self.engine.cost_aware:
+            return len(tiers)
+        num_tokens = (first_page + len(tiers)) * self.page_size
+        plan = self.core.plan_located(tiers, num_tokens, first_page)
+        return max(0, min(len(tiers), -(-plan.planned_tokens // self.page_size) - first_page))
 
     # -- moving pages ------------------------------------------------------------------------------
     def write(self, keys: Sequence[CacheKey], source: ViewSource) -> int:

