@@ -67,18 +67,18 @@ GiB = 1 << 30
 # host tier, the NVML state in stats) and the nvcc compile test. Node ids, so that a renamed test
 # fails the dry run's selection part instead of silently dropping out.
 KERNEL_TESTS = (
-    "tests/test_ops.py::test_cuda_paged_gather_scatter_bit_exact",
-    "tests/test_ops.py::test_cuda_blend_ops",
+    "tests/ops/test_ops.py::test_cuda_paged_gather_scatter_bit_exact",
+    "tests/ops/test_ops.py::test_cuda_blend_ops",
 )
 DEVICE_TESTS = (
-    "tests/test_connectors.py::test_cuda_paged_round_trip",
-    "tests/test_tiering.py::test_gpu_tier_on_cuda_round_trips_through_streams_and_pinned_staging",
-    "tests/test_tiering.py::test_host_tier_is_pinned_when_cuda_is_present",
-    "tests/test_tiering.py::test_stats_report_nvml_state_and_per_tier_counters",
+    "tests/connectors/test_connectors.py::test_cuda_paged_round_trip",
+    "tests/engine/test_tiering.py::test_gpu_tier_on_cuda_round_trips_through_streams_and_pinned_staging",
+    "tests/engine/test_tiering.py::test_host_tier_is_pinned_when_cuda_is_present",
+    "tests/engine/test_tiering.py::test_stats_report_nvml_state_and_per_tier_counters",
 )
-NVCC_TESTS = ("tests/test_cuda_ext_build.py::test_cuda_source_compiles_with_nvcc",)
-RACECHECK_TESTS = ("tests/test_ops.py::test_cuda_blend_ops",)  # kv_deviation is the kernel with shared memory
-CPU_OPS_TESTS = ("tests/test_ops.py",)
+NVCC_TESTS = ("tests/ops/test_cuda_ext_build.py::test_cuda_source_compiles_with_nvcc",)
+RACECHECK_TESTS = ("tests/ops/test_ops.py::test_cuda_blend_ops",)  # kv_deviation is the kernel with shared memory
+CPU_OPS_TESTS = ("tests/ops/test_ops.py",)
 CPU_OPS_FILTER = "not extension and not cuda and not opcheck"  # the reference ops: no build needed
 KERNEL_NAMES = ("paged_copy_kernel", "kv_deviation_kernel", "blend_scatter_kernel", "rope_rerotate_kernel")
 SHARED_MEMORY_KERNELS = ("kv_deviation_kernel",)

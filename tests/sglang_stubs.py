@@ -21,7 +21,7 @@ cannot load or run; each stand-in below replaces exactly one of them, and nothin
   defined for CUDA/HIP/XPU; pure-torch versions with the same semantics stand in.
 
 :func:`install` applies them; it must run before SGLang is imported, in every process SGLang
-starts (``tests/hicache/site/sitecustomize.py`` calls it when ``SGLANG_CPU_TEST_STUBS=1``).
+starts (``tests/integrations/sglang_hicache/site/sitecustomize.py`` calls it when ``SGLANG_CPU_TEST_STUBS=1``).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ def tokens(seed: int, count: int) -> list[int]:
 
 DOC = tokens(3, 2 * CHUNK)
 PROMPTS = {
-    # tests/test_vllm_exact.py: the last loaded block partly filled, or the load ending on a block edge
+    # tests/integrations/vllm_v1/test_vllm_exact.py: the last loaded block partly filled, or the load ending on a block edge
     "partial_600": tokens(11, 600), "block_edge_513": tokens(12, 513), "partial_1000": tokens(13, 1000),
-    # tests/test_vllm_v1.py
+    # tests/integrations/vllm_v1/test_vllm_v1.py
     "repeated": tokens(1, 600),  # two chunks and a partial one
     "doc_q1": DOC + tokens(4, 40),
     "doc_q2": DOC + tokens(5, 40),  # shares the two document chunks with doc_q1

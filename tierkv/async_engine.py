@@ -33,14 +33,14 @@ from tierkv.config import EngineConfig, load_config
 from tierkv.errors import ConfigError
 from tierkv.identity import PLAIN, RequestIdentity
 from tierkv.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_token_array
-from tierkv.kvlayout import KVCache
+from tierkv.kvlayout import KVCache, nbytes_of
 from tierkv.locate import Levels
 from tierkv.metadata import EngineMetadata, KVShape, check_capacities
 from tierkv.planner import PrefixPlan
 from tierkv.prefix_plans import PrefixPlans
 from tierkv.pressure import MemoryProbe
 from tierkv.router import TierRouter
-from tierkv.tier import B, nbytes_of
+from tierkv.tier import B
 
 __all__ = ["AsyncEngine", "EngineMetadata", "KVShape"]  # EngineMetadata lives in tierkv.metadata
 

@@ -16,9 +16,9 @@ import torch
 
 from tierkv import kvlayout, transfer
 from tierkv.keys import CacheKey
+from tierkv.kvlayout import nbytes_of
 from tierkv.memory import empty_host
 from tierkv.router import TierRouter
-from tierkv.tier import nbytes_of
 
 Layout = tuple[tuple[int, ...], torch.dtype]
 

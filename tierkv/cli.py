@@ -75,6 +75,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tierkv`` command line with ``argv`` (default: the process's); the exit status."""
     parser = argparse.ArgumentParser(prog="tierkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     backends = commands.add_parser("backends", help="list installed storage backends")

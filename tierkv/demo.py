@@ -50,6 +50,7 @@ def demo_engine(chunk_size: int = 256, capacity: str = "2GiB") -> Any:
 
 
 def random_tokens(count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` token ids drawn from the demo model's vocabulary."""
     return torch.randint(0, DEMO_VOCAB, (count,), generator=generator)
 
 
@@ -119,6 +120,7 @@ def run_demo(prefix_tokens: int = 2048, document_tokens: int = 1024, question_to
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, added to ``parser`` (the ``tierkv demo`` subcommand)."""
     parser.add_argument("--prefix-tokens", type=int, default=2048, help="shared prefix length (scenario 1)")
     parser.add_argument("--document-tokens", type=int, default=1024, help="length of each document (scenario 2)")
     parser.add_argument("--question-tokens", type=int, default=64, help="uncached tokens at the end of each prompt")
@@ -127,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run both demo scenarios and print what tierkv saved; the exit status."""
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -130,3 +130,11 @@ def suffix_mask_skip(mask: torch.Tensor | None, num_tokens: int) -> int:
     if not bool(mask[skip:].all()):
         raise ValueError("mask must be a suffix mask: False for a prefix of the tokens, True for all the rest")
     return skip
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * dtype.itemsize

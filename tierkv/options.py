@@ -41,6 +41,7 @@ def parse_size(value: Any, path: str = "size") -> int:
 
 
 def format_size(nbytes: int) -> str:
+    """``nbytes`` for people: the largest binary unit it reaches, one decimal."""
     for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= factor:
             return f"{nbytes / factor:.1f}{unit}"
@@ -145,6 +146,7 @@ def _convert(option: Option, value: Any, path: str) -> Any:
 
 
 def unknown_key_error(key: str, valid: list[str], path: str) -> ConfigError:
+    """The ConfigError for an unknown key at ``path``: the closest valid key, and all of them."""
     hint = difflib.get_close_matches(key, valid, n=1)
     suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
     return ConfigError(f"{path}: unknown key {key!r}{suggestion}; valid keys: {', '.join(sorted(valid))}")

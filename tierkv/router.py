@@ -28,12 +28,13 @@ from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
 from tierkv.keys import CacheKey
+from tierkv.kvlayout import nbytes_of
 from tierkv.locate import FILL_QUEUE, Level, Levels
 from tierkv.offload import gathered, source_writer
 from tierkv.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.pressure import MemoryProbe
 from tierkv.reads import Reader
-from tierkv.tier import B, Layouts, Tier, Writer, nbytes_of, rejection, release_all
+from tierkv.tier import B, Layouts, Tier, Writer, rejection, release_all
 from tierkv.tier_pressure import nvml_status, watch
 from tierkv.write_back import DirtyChunks
 

@@ -23,6 +23,7 @@ from tierkv.config import HealthConfig
 from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
 from tierkv.health import CooldownBreaker
 from tierkv.keys import CacheKey
+from tierkv.kvlayout import nbytes_of
 from tierkv.metrics import TierMetrics
 from tierkv.planner import TierSpeed
 from tierkv.tier_pressure import TierPressure
@@ -346,14 +347,6 @@ def _copier(tier: StorageBackend, keys: list[CacheKey], chunks: list[torch.Tenso
     async def write(views: dict[CacheKey, torch.Tensor]) -> None:
         await tier.copy_chunks([(view, latest[key].detach()) for key, view in views.items()])  # type: ignore[attr-defined]
     return write
-
-
-def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
-    """Bytes of a tensor of ``shape`` and ``dtype``."""
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * dtype.itemsize
 
 
 def release_all(holds: Sequence[Any]) -> None:

@@ -37,6 +37,7 @@ from tierkv import offload
 from tierkv.backend import DemoteSink, StorageBackend, check_batch, check_destinations, fits_destination
 from tierkv.errors import CapacityError
 from tierkv.keys import CacheKey, count_by_scope
+from tierkv.kvlayout import nbytes_of
 from tierkv.memory import can_pin_memory, empty_host, size_class
 from tierkv.options import Option, format_size
 from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
@@ -53,13 +54,6 @@ ChunkLayout = tuple[tuple[int, ...], torch.dtype]
 EVICTION_OPTION = Option("str", "lru", choices=EVICTION_POLICIES, doc="eviction policy")
 PREALLOCATE_OPTION = Option("bool", True, doc="allocate and touch the whole capacity at start-up "
                                               "(false: grow slab by slab on first use)")
-
-
-def layout_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * dtype.itemsize
 
 
 @dataclass
@@ -192,7 +186,7 @@ class MemoryTier(StorageBackend):
         if len(keys) != len(layouts):
             raise ValueError(f"reserve got {len(keys)} keys but {len(layouts)} layouts")
         latest = dict(zip(keys, layouts))
-        sizes = {key: size_class(layout_nbytes(*layout)) for key, layout in latest.items()}
+        sizes = {key: size_class(nbytes_of(*layout)) for key, layout in latest.items()}
         for size in sizes.values():
             self._check_fits(size)
             if size > self.capacity_limit:
@@ -211,7 +205,7 @@ class MemoryTier(StorageBackend):
                                         "exhausted (the rest is held by readers or background fills)")
                 self._reserved += slab.numel()
                 reservations.append(Reservation(key, Resident(slab, dtype, tuple(shape),
-                                                              layout_nbytes(shape, dtype))))
+                                                              nbytes_of(shape, dtype))))
         except BaseException:  # failed or cancelled: nothing was written yet, give back what was set aside
             self.abort(reservations)
             raise

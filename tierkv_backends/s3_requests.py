@@ -83,6 +83,7 @@ def error_code(exc: BaseException) -> str:
 
 
 def http_status(exc: BaseException) -> int:
+    """The HTTP status of a botocore ClientError (0 for any other exception)."""
     if isinstance(exc, botocore.exceptions.ClientError):
         return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     return 0
@@ -97,6 +98,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def is_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says the object (or bucket) does not exist."""
     return error_code(exc) in MISSING_CODES
 
 

@@ -49,6 +49,7 @@ def make_chunk(seed: int, shape: tuple[int, ...] = (2, 2, 16, 2, 8), dtype: torc
 
 
 def chunk_nbytes(chunk: torch.Tensor) -> int:
+    """Bytes of ``chunk``'s elements."""
     return chunk.numel() * chunk.element_size()
 
 

@@ -60,6 +60,7 @@ def find_binary(name: str) -> str | None:
 
 
 def free_port() -> int:
+    """A TCP port on the loopback that is free now (a server started next may take it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((_LOOPBACK, 0))
         return int(sock.getsockname()[1])

@@ -111,6 +111,7 @@ def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None
 
 
 def main(spec_path: str) -> int:
+    """Run the vLLM job described by the JSON spec at ``spec_path`` and write its results; the exit status."""
     with open(spec_path) as handle:
         spec = json.load(handle)
     from vllm import LLM, SamplingParams

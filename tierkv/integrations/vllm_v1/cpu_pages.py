@@ -50,26 +50,32 @@ OffsetFormula = Callable[[np.ndarray, np.ndarray, int, int], np.ndarray]
 
 
 def vec_key(t: np.ndarray, d: np.ndarray, block_size: int, head_size: int) -> np.ndarray:
+    """Element offset of K[token t, dim d] in a ``vec`` page (head_size-major: d * block + t)."""
     return d * block_size + t
 
 
 def vec_value(t: np.ndarray, d: np.ndarray, block_size: int, head_size: int) -> np.ndarray:
+    """Element offset of V[token t, dim d] in a ``vec`` page (token-major rows)."""
     return t * head_size + d
 
 
 def amx_key(t: np.ndarray, d: np.ndarray, block_size: int, head_size: int) -> np.ndarray:
+    """Element offset of K[t, d] in an ``amx`` page: 16-token tiles of dim pairs."""
     return (t // 16) * 16 * head_size + (d // 2) * 32 + (t % 16) * 2 + d % 2
 
 
 def amx_value(t: np.ndarray, d: np.ndarray, block_size: int, head_size: int) -> np.ndarray:
+    """Element offset of V[t, d] in an ``amx`` page: 16-dim tiles of token pairs."""
     return (d // 16) * block_size * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2
 
 
 def bfmmla_key(t: np.ndarray, d: np.ndarray, block_size: int, head_size: int) -> np.ndarray:
+    """Element offset of K[t, d] in a neon ``bfmmla`` page: 8-token tiles of 4-dim groups."""
     return (t // 8) * 8 * head_size + (d // 4) * 32 + (t % 8) * 4 + d % 4
 
 
 def bfmmla_value(t: np.ndarray, d: np.ndarray, block_size: int, head_size: int) -> np.ndarray:
+    """Element offset of V[t, d] in a neon ``bfmmla`` page: dim pairs of 4-token groups."""
     return (d // 2) * 2 * block_size + (t // 4) * 8 + (d % 2) * 4 + t % 4
 
 

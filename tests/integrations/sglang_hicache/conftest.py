@@ -1,7 +1,9 @@
 """SGLang tests: run in the tox ``sglang`` env (SGLang 0.5.23 with the CPU torch), skipped elsewhere.
 
 The CPU stand-ins of ``tests/sglang_stubs.py`` are applied here, before SGLang is imported
-(and in SGLang's own processes through ``tests/hicache/site/sitecustomize.py``).
+(and in SGLang's own processes through ``tests/integrations/sglang_hicache/site/sitecustomize.py``).
+The folder is not called ``sglang``: pytest puts ``tests/integrations`` on ``sys.path``, where a
+folder of that name would pass for the ``sglang`` package wherever SGLang is not installed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from tierkv.keys import CacheKey
 
-_TESTS = str(Path(__file__).resolve().parent.parent)
+_TESTS = str(Path(__file__).resolve().parents[2])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 

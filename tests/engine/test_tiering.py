@@ -94,7 +94,7 @@ def test_write_back_writes_only_the_top_tier_until_flushed(tmp_path: Path) -> No
 def test_write_through_flush_then_sigkill_leaves_every_acked_chunk_on_disk(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         from test_tiering import config, kv_of, prompt
         from pathlib import Path
         from tierkv import Engine

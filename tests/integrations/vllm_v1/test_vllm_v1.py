@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_registry import make_distribution
+from distributions import make_distribution
 from vllm_marks import VLLM_PROCESSES
 from vllm_truth import CHUNK, PROMPTS, assert_exact, spec, vllm
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NEEDS_REDIS = "examples/tierkv-redis/tests/test_redis_backend.py::test_options_reach_the_backend"
 
 

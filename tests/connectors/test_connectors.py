@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ops import build_extension_for_tests, make_cache, same_bytes
+from paged_caches import build_extension_for_tests, make_cache, same_bytes
 
 from tierkv import AsyncEngine, Engine, ops
 from tierkv.connectors import (

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_registry import PLUGIN, make_distribution  # sibling test module: real dist-info helpers
+from distributions import PLUGIN, make_dict_plugin, make_distribution
 
 from tierkv import BackendNotFoundError, Engine, registry
 
@@ -17,11 +17,7 @@ from tierkv import BackendNotFoundError, Engine, registry
 def dotted_and_dashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Two distributions claiming ``dict``: one named with dashes, one with dots."""
     root = tmp_path / "site"
-    make_distribution(root, "tierkv-dict", "tierkv_dict", {
-        "dict": "tierkv_dict:DictBackend",
-        "notabackend": "tierkv_dict:NotABackend",
-        "broken": "tierkv_dict_missing_module:Thing",
-    }, PLUGIN)
+    make_dict_plugin(root)
     other = tmp_path / "site2"
     make_distribution(other, "acme.kv", "acme_kv", {"dict": "acme_kv:DictBackend"}, PLUGIN)
     monkeypatch.syspath_prepend(str(root))

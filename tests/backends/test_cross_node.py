@@ -24,7 +24,7 @@ import pytest
 from tierkv.testing.mooncake_server import MooncakeCluster, MooncakeServerError, mooncake_importable
 from tierkv.testing.requirements import missing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REDIS_SRC = ROOT / "examples" / "tierkv-redis" / "src"
 pytestmark = pytest.mark.slow  # engine processes sharing a tier, servers killed and restarted
 

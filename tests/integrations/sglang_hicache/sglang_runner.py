@@ -11,7 +11,7 @@ writes in flight have landed, so the next request's prefix can only come from L3
 and wall time.
 
 It must run with the CPU stand-ins of ``tests/sglang_stubs.py`` loaded in every process
-(``SGLANG_CPU_TEST_STUBS=1`` and ``tests/hicache/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
+(``SGLANG_CPU_TEST_STUBS=1`` and ``tests/integrations/sglang_hicache/site`` on ``PYTHONPATH``): :func:`run_spec` sets that up.
 """
 
 from __future__ import annotations

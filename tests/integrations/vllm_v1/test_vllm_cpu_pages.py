@@ -2,7 +2,7 @@
 mapped copy kernel that moves tokens through them.
 
 The orders vLLM's op can write on an x86 CPU (vec, amx, fp8) are checked against that op in
-tests/test_vllm_layouts.py; the ones it cannot (neon's BFMMLA order) are checked here against
+tests/integrations/vllm_v1/test_vllm_layouts.py; the ones it cannot (neon's BFMMLA order) are checked here against
 their formula: every page element is addressed exactly once, and the kernel moves each token
 where the formula says, in both directions, for 1-, 2- and 4-byte elements.
 """

@@ -21,7 +21,7 @@ from tierkv import Engine
 CHUNK = 16
 PROMPTS = 12
 TOKENS = 4 * CHUNK
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WRITER = textwrap.dedent("""
     import sys, time, torch

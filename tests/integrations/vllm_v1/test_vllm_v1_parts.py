@@ -1,5 +1,5 @@
 """The vLLM v1 connector's parts that need no vLLM: paged layouts, the scheduler-side planner,
-the lookup channel between processes, and settings. (tests/test_vllm_v1.py runs the whole
+the lookup channel between processes, and settings. (tests/integrations/vllm_v1/test_vllm_v1.py runs the whole
 connector inside a real vLLM.)"""
 
 from __future__ import annotations

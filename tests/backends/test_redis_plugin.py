@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tierkv-redis"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tierkv-redis"
 
 pytest.importorskip("tierkv_redis.testing", reason="tierkv-redis is not installed in this environment (tox installs it)")
 from tierkv_redis.testing import RedisServer, server_binary  # noqa: E402

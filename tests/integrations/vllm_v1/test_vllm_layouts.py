@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from test_ops import build_extension_for_tests
+from paged_caches import build_extension_for_tests
 from vllm_marks import needs_vllm
 
 from tierkv import ops
@@ -35,7 +35,7 @@ HEADS, LAYERS = 2, 2
 @pytest.fixture(params=["extension", "torch"])
 def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every layout test runs through both copy paths: the extension's strided kernel (built
-    here, as tests/test_ops.py builds it) and the pure-torch run-by-run copies."""
+    here, as tests/ops/test_ops.py builds it) and the pure-torch run-by-run copies."""
     if request.param == "extension":
         build_extension_for_tests(request.config)
         monkeypatch.delenv("TIERKV_NO_EXT", raising=False)

@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
@@ -84,7 +84,7 @@ def test_dry_run_passes_the_cpu_parts(dry_run: tuple) -> None:
     per_id = parts["test_selection"]["figures"]["per_id"]
     assert set(per_id) == {*gc.KERNEL_TESTS, *gc.DEVICE_TESTS, *gc.NVCC_TESTS, *gc.RACECHECK_TESTS}
     assert all(count >= 1 for count in per_id.values()), per_id
-    assert per_id["tests/test_ops.py::test_cuda_paged_gather_scatter_bit_exact"] >= 36  # 6 dtypes x 3 layouts x 2 orders
+    assert per_id["tests/ops/test_ops.py::test_cuda_paged_gather_scatter_bit_exact"] >= 36  # 6 dtypes x 3 layouts x 2 orders
     ops_tests = parts["cpu_ops_tests"]["figures"]
     assert ops_tests["passed"] >= 5 and ops_tests["failed"] == 0 and ops_tests["skipped"] == 0
     checks = {check["check"]: check["ok"] for check in parts["pressure_rehearsal"]["figures"]["checks"]}

@@ -6,7 +6,7 @@ import os
 import sys
 
 if os.environ.get("SGLANG_CPU_TEST_STUBS") == "1":
-    _tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if _tests not in sys.path:
         sys.path.append(_tests)
     import sglang_stubs  # noqa: E402  (tests/ is on the path via the conftest too)
