@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tierkv import copies, locate, ownership, policy, registry, transfer
-from tierkv.backend import StorageBackend, SupportsDemotion, check_batch
+from tierkv.backend import StorageBackend, check_batch
 from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
@@ -35,7 +35,7 @@ from tierkv.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.pressure import MemoryProbe
 from tierkv.reads import Reader
 from tierkv.tier import B, Layouts, Tier, Writer, rejection, release_all
-from tierkv.tier_pressure import nvml_status, watch
+from tierkv.tier_pressure import nvml_status
 from tierkv.write_back import DirtyChunks
 
 logger = logging.getLogger("tierkv.engine")
@@ -105,8 +105,7 @@ class TierRouter:
         self._dirty: DirtyChunks | None = DirtyChunks() if self.write_policy == "write_back" else None
         if self.write_policy == "write_back":
             for level, tier in enumerate(self.tiers[:-1]):
-                if isinstance(tier.backend, SupportsDemotion):
-                    tier.backend.demote_sink = functools.partial(self._demote, level)
+                tier.demote_to(functools.partial(self._demote, level))
 
     @property
     def backends(self) -> tuple[StorageBackend, ...]:
@@ -132,7 +131,7 @@ class TierRouter:
         self._started = True
         self._fill_worker = asyncio.get_running_loop().create_task(self._fills.run())
         for tier in self.tiers:
-            tier.pressure = watch(tier.backend, self._probes.get(tier.name), self.config.pressure, self.spawn)
+            tier.watch_pressure(self._probes.get(tier.name), self.config.pressure, self.spawn)
 
     def ensure_open(self) -> None:
         if self._closed:
@@ -213,13 +212,9 @@ class TierRouter:
             self._fill_worker.cancel()
             await asyncio.gather(self._fill_worker, return_exceptions=True)
         for tier in self.tiers:
-            if tier.pressure is not None:
-                await tier.pressure.monitor.stop()
+            await tier.stop_watching()
         for tier in self.tiers:
-            try:
-                await tier.backend.close()
-            except Exception:
-                logger.exception("closing tier %r", tier.name)
+            await tier.close()
 
     # -- where chunks are -------------------------------------------------------------------
     async def levels(self, keys: Sequence[CacheKey]) -> Levels:

@@ -18,15 +18,16 @@ from typing import Any, TypeVar
 import torch
 
 from tierkv import ownership
-from tierkv.backend import ChunkHold, InPlaceTier, StorageBackend
-from tierkv.config import HealthConfig
+from tierkv.backend import ChunkHold, DemoteSink, InPlaceTier, StorageBackend, SupportsDemotion
+from tierkv.config import HealthConfig, PressureConfig
 from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
 from tierkv.health import CooldownBreaker
 from tierkv.keys import CacheKey
 from tierkv.kvlayout import nbytes_of
 from tierkv.metrics import TierMetrics
 from tierkv.planner import TierSpeed
-from tierkv.tier_pressure import TierPressure
+from tierkv.pressure import MemoryProbe
+from tierkv.tier_pressure import Spawn, TierPressure, watch
 
 logger = logging.getLogger("tierkv.engine")
 
@@ -144,6 +145,31 @@ class Tier:
         if run_to_end:
             awaitable = ownership.finish(awaitable)
         return await ownership.finish(asyncio.wait_for(awaitable, timeout))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def demote_to(self, sink: DemoteSink) -> bool:
+        """Write-back: chunks the tier evicts go to ``sink`` (the router's demotion) instead of
+        being dropped; False when the backend cannot demote (:class:`SupportsDemotion`)."""
+        if not isinstance(self.backend, SupportsDemotion):
+            return False
+        self.backend.demote_sink = sink
+        return True
+
+    def watch_pressure(self, probe: MemoryProbe | None, config: PressureConfig, spawn: Spawn) -> None:
+        """Start following memory pressure, when the backend can (see :func:`tier_pressure.watch`)."""
+        self.pressure = watch(self.backend, probe, config, spawn)
+
+    async def stop_watching(self) -> None:
+        """Stop the pressure monitor, if one runs."""
+        if self.pressure is not None:
+            await self.pressure.monitor.stop()
+
+    async def close(self) -> None:
+        """Close the backend; an error is logged, not raised (every other tier still closes)."""
+        try:
+            await self.backend.close()
+        except Exception:
+            logger.exception("closing tier %r", self.name)
 
     # -- questions without data -------------------------------------------------------------
     async def contains(self, keys: Sequence[CacheKey]) -> list[bool] | None:
