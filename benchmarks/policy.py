@@ -51,14 +51,24 @@ class Trace:
     unique_chunks: int
 
 
+def zipf_weights(count: int, s: float) -> np.ndarray:
+    """Probabilities of ``count`` items by Zipf popularity of exponent ``s`` (rank 1 first)."""
+    ranks = np.arange(1, count + 1, dtype=np.float64)
+    return ranks ** -s / (ranks ** -s).sum()
+
+
+def distinct_chunks(requests: list[np.ndarray]) -> int:
+    """Distinct chunk prefixes among ``requests``: the KV a cache of all of them holds."""
+    return len({tuple(r[: (i + 1) * CHUNK]) for r in requests for i in range(len(r) // CHUNK)})
+
+
 def make_trace(num_systems: int = 16, num_conversations: int = 48, turns: int = 4, seed: int = 0,
                zipf_s: float = 1.1) -> Trace:
     """Conversations pick a system prompt by Zipf popularity and are interleaved at random
     (requests of popular conversations arrive more often, as in a chat service)."""
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, 30_000, size=4 * CHUNK, dtype=np.int64) for _ in range(num_systems)]
-    ranks = np.arange(1, num_systems + 1, dtype=np.float64)
-    popularity = ranks ** -zipf_s / (ranks ** -zipf_s).sum()
+    popularity = zipf_weights(num_systems, zipf_s)
     histories = []
     for _ in range(num_conversations):
         system = systems[rng.choice(num_systems, p=popularity)]
@@ -71,8 +81,7 @@ def make_trace(num_systems: int = 16, num_conversations: int = 48, turns: int = 
     for conversation in order:
         requests.append(histories[conversation][position[conversation]])
         position[conversation] += 1
-    unique = {tuple(r[: (i + 1) * CHUNK]) for r in requests for i in range(len(r) // CHUNK)}
-    return Trace(requests, len(unique))
+    return Trace(requests, distinct_chunks(requests))
 
 
 def kv_for(num_tokens: int) -> torch.Tensor:

@@ -72,6 +72,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts of 4,096 tokens per pass (prompt benchmark)")
     parser.add_argument("--policy", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
+    parser.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the admission benchmark (bytes written below and hit rate, per admission rule)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the paged gather/scatter kernel benchmark (builds the C++ extension)")
     parser.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,
@@ -113,6 +115,16 @@ def main() -> int:
         print("\n== tier policy: Zipf trace replay (cpu+lmdb), bookkeeping overhead, memory pressure ==")
         print_rows(policy_rows)
         write_results(out, "policy", policy_rows, {**meta, "seconds": round(time.time() - started, 1)})
+
+    if args.admission:
+        from admission import COLUMNS as ADMISSION_COLUMNS
+        from admission import run_admission
+
+        started = time.time()
+        admission_rows = run_admission()
+        print("\n== admission: MiB written to the lower tier and token hit rate, against admission: all ==")
+        print_table(admission_rows, ADMISSION_COLUMNS)
+        write_results(out, "admission", admission_rows, {**meta, "seconds": round(time.time() - started, 1)})
 
     if args.kernels:
         print("\n== kernels: paged gather/scatter, extension vs pure-torch reference ==")

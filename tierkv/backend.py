@@ -251,6 +251,18 @@ class SupportsDemotion(Protocol):
     demote_sink: DemoteSink | None
 
 
+@runtime_checkable
+class NamesVictims(Protocol):
+    """A bounded tier that can say which chunks it would evict next (``tinylfu`` admission
+    compares a candidate with them)."""
+
+    def next_victims(self, chunk_nbytes: Sequence[int]) -> Sequence[CacheKey] | None:
+        """The chunks the tier would evict to make room for chunks of ``chunk_nbytes`` bytes
+        (its own overhead added), in eviction order: empty when it has room, None when it
+        cannot say (or nothing would make room)."""
+        ...
+
+
 #: write errors that mean "the disk takes no more": full, over quota, or failing
 FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 

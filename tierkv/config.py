@@ -19,6 +19,8 @@ import torch
 import yaml
 
 from tierkv import registry
+from tierkv.admission import Admission, parse_admission
+from tierkv.backend import InPlaceTier, NamesVictims
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS
 from tierkv.options import Option, OptionValues, parse_options, parse_size, redacted_repr, unknown_key_error
@@ -53,7 +55,7 @@ _HEALTH_OPTIONS = {
     "timeout_s": Option("float", None, minimum=0.0, doc="limit on one tier operation (none by default)"),
 }
 _RECOMPUTE_KEYS = ("tokens_per_s", "curve")
-_TIER_COMMON = ("name", "backend", "capacity", "promote")
+_TIER_COMMON = ("name", "backend", "capacity", "promote", "admission")
 _TOP_LEVEL = (
     "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
     "background", "health", "recompute", "cost_aware", "model_revision",
@@ -77,12 +79,14 @@ class TierConfig:
     options: Mapping[str, Any]
     path: str  # where in the YAML it came from, for error messages
     promote: bool = True  # copy hits from lower tiers up into this tier
+    admission: Admission = Admission()  # which chunks may be copied in (tierkv.admission)
 
     def __repr__(self) -> str:
         """Options declared secret (and any named like a credential) show as ``<redacted>``."""
         secret = self.options.secret if isinstance(self.options, OptionValues) else ()
         return (f"TierConfig(name={self.name!r}, backend={self.backend!r}, capacity={self.capacity!r}, "
-                f"options={redacted_repr(self.options, secret)}, path={self.path!r}, promote={self.promote!r})")
+                f"options={redacted_repr(self.options, secret)}, path={self.path!r}, promote={self.promote!r}, "
+                f"admission={self.admission.describe()!r})")
 
     __str__ = __repr__
 
@@ -205,7 +209,22 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
     promote = raw.get("promote", True)
     if not isinstance(promote, bool):
         raise ConfigError(f"{path}.promote: expected true or false, got {promote!r}")
-    return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path, promote=promote)
+    admission = parse_admission(raw.get("admission", default_admission(backend_cls)), f"{path}.admission")
+    if admission.policy == "tinylfu" and not issubclass(backend_cls, NamesVictims):
+        raise ConfigError(f"{path}.admission: tinylfu compares a chunk with the one the tier would evict, and "
+                          f"backend {backend_name!r} cannot name it; use reused(n) (or a cpu, gpu, lmdb or fs tier)")
+    return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path, promote=promote,
+                      admission=admission)
+
+
+def default_admission(backend_cls: type) -> str:
+    """``tinylfu`` for a bounded tier below memory that can name its victims (lmdb, fs): once
+    full it keeps the chunks seen most often instead of the latest ones (benchmarks/admission.py:
+    fewer bytes written and a higher hit rate than taking every chunk); ``all`` for memory
+    tiers and for tiers that cannot say what they would evict (s3, mooncake, redis)."""
+    if issubclass(backend_cls, NamesVictims) and not issubclass(backend_cls, InPlaceTier):
+        return "tinylfu"
+    return "all"
 
 
 def _section(raw: Mapping[str, Any], name: str, spec: Mapping[str, Option]) -> dict[str, Any]:

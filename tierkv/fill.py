@@ -185,7 +185,8 @@ class FillWorker:
         return self.write_through and level + 1 < len(self.tiers)
 
     async def add(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], owned: list[bool],
-                  taken: list[Any] | None = None, *, cancelled: asyncio.Event | None = None) -> None:
+                  taken: list[Any] | None = None, *, cancelled: asyncio.Event | None = None,
+                  targets: list[int] | None = None) -> None:
         """Queue copies of what tier ``level`` just took for the tiers below.
 
         From an in-place tier the fill reads the tier's own copy, held since the commit
@@ -193,11 +194,12 @@ class FillWorker:
         tier evicts the chunk before the fill runs; otherwise chunks that are views of the
         caller's memory (``owned`` False) are snapshotted first, since the caller may reuse it.
         ``cancelled`` (set when the store's caller was cancelled): the fill does not wait for
-        room in a full queue but is dropped (:meth:`FillQueue.put`).
+        room in a full queue but is dropped (:meth:`FillQueue.put`). ``targets``: only these
+        tiers below (a late fill of chunks that became worth admitting), else all of them.
         """
         if not self.fills_below(level):
             return
-        below = list(range(level + 1, len(self.tiers)))
+        below = targets if targets is not None else list(range(level + 1, len(self.tiers)))
         release = None
         tier = self.tiers[level]
         if tier.in_place:
@@ -243,6 +245,12 @@ class FillWorker:
         if not tier.admits():
             tier.metrics.add("dropped_fills", len(keys))
             return
+        flags = tier.admit(keys, [chunk.nbytes for chunk in chunks])
+        if not all(flags):  # not reused enough to be worth this tier (counted as rejected)
+            keys = [key for key, flag in zip(keys, flags) if flag]
+            chunks = [chunk for chunk, flag in zip(chunks, flags) if flag]
+            if not keys:
+                return
         with copies.on_path(self.counter, "fill"):
             try:
                 await tier.put(keys, chunks)

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from tierkv import copies, locate, ownership, policy, registry, transfer
+from tierkv.admission import FrequencySketch
 from tierkv.backend import StorageBackend, check_batch
 from tierkv.config import EngineConfig
 from tierkv.errors import BackendClosedError, ConfigError, TierKVError, TierUnavailableError
 from tierkv.fill import FillQueue, FillWorker
 from tierkv.keys import CacheKey
 from tierkv.kvlayout import nbytes_of
-from tierkv.locate import FILL_QUEUE, Level, Levels
+from tierkv.locate import FILL_QUEUE, FILL_QUEUE_LEVEL, Level, Levels
 from tierkv.offload import gathered, source_writer
 from tierkv.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.pressure import MemoryProbe
@@ -86,7 +87,9 @@ class TierRouter:
     def __init__(self, config: EngineConfig, probes: Mapping[str, MemoryProbe] | None = None) -> None:
         self.config = config
         self.write_policy = config.write_policy
-        self.tiers = [Tier(backend, level, tier.promote, config.health)
+        # counts of sightings (stores, reads that found a chunk), kept only when a tier filters by them
+        self.sketch = FrequencySketch() if any(tier.admission.filters for tier in config.tiers) else None
+        self.tiers = [Tier(backend, level, tier.promote, config.health, tier.admission, self.sketch)
                       for level, (backend, tier) in enumerate(zip(build_tiers(config), config.tiers))]
         """The handles of the tiers, fastest first: every call into a backend goes through one."""
         self._speeds = {tier.name: tier.speed for tier in self.tiers}
@@ -272,6 +275,8 @@ class TierRouter:
         await self.start()
         if not keys:
             return 0
+        if self.sketch is not None:
+            self.sketch.add(keys)
         with copies.on_path(self.copies, "store"):
             self.copies.add_delivered("store", nbytes)
             skipped: dict[str, str] = {}
@@ -345,7 +350,9 @@ class TierRouter:
         read of :mod:`tierkv.reads`); the number of leading chunks delivered. ``caller_owned``:
         the sink's memory is the caller's (a tier that streams before it verifies reads into
         staging); ``preloaded``: chunk 0, already read."""
-        return await self._reader.read_into(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
+        delivered = await self._reader.read_into(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
+        self._sighted(keys[:delivered], levels[:delivered])
+        return delivered
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """Chunks for ``keys`` in order (None for misses), each from the highest tier holding it,
@@ -353,7 +360,10 @@ class TierRouter:
         self.ensure_open()
         await self.start()
         await self.wait_inflight(keys)
-        return await self._reader.get(keys)
+        chunks = await self._reader.get(keys)
+        if self.sketch is not None:
+            self.sketch.add([key for key, chunk in zip(keys, chunks) if chunk is not None])
+        return chunks
 
     async def get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """:meth:`batched_get` without waiting for prefetches (fresh tensors, safe to abandon)."""
@@ -397,6 +407,26 @@ class TierRouter:
                 if future is not None and not future.done():
                     future.set_result(None)
 
+    def _sighted(self, keys: Sequence[CacheKey], levels: Sequence[Level | None]) -> None:
+        """Count a read's hits; under write-through, a chunk held by a memory tier whose count
+        just reached a lower tier's ``reused`` threshold is filled down now (it was turned
+        away when it was stored)."""
+        if self.sketch is None or not keys:
+            return
+        self.sketch.add(keys)
+        if self.write_policy != "write_through":
+            return
+        counts = self.sketch.estimate(keys)
+        due: dict[tuple[int, tuple[int, ...]], list[CacheKey]] = {}
+        for key, level, count in zip(keys, levels, counts):
+            if level is None or level == FILL_QUEUE_LEVEL or not self.tiers[level].in_place:
+                continue
+            targets = tuple(tier.level for tier in self.tiers[level + 1:] if tier.admission.just_reached([count])[0])
+            if targets:
+                due.setdefault((level, targets), []).append(key)
+        for (level, targets), late in due.items():
+            self.spawn(self._fills.add(level, late, [], [], targets=list(targets)))
+
     # -- moving chunks between tiers ----------------------------------------------------------
     async def _promote_hits(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
         with copies.on_path(self.copies, "promote"):
@@ -404,11 +434,15 @@ class TierRouter:
                 tier = self.tiers[target]
                 if not tier.promote or not tier.admits():
                     continue
+                flags = tier.admit(keys, [chunk.nbytes for chunk in chunks], unrecorded=1)  # this hit
+                taken = [(key, chunk) for key, chunk, flag in zip(keys, chunks, flags) if flag]
+                if not taken:
+                    continue
                 try:
-                    await tier.put(keys, chunks)
+                    await tier.put([key for key, _ in taken], [chunk for _, chunk in taken])
                 except Exception:
                     continue  # counted by Tier.put; the hit is still served
-                tier.metrics.add("promotions", len(keys))
+                tier.metrics.add("promotions", len(taken))
 
     def _mark_dirty(self, level: int, keys: Sequence[CacheKey]) -> None:
         """Write-back: chunks just stored in a memory tier with tiers below are dirty there."""
@@ -431,7 +465,9 @@ class TierRouter:
             if not tier.admits():
                 continue
             present = await tier.contains(keys) or [False] * len(keys)
-            dirty = [i for i, flag in enumerate(present) if not flag]
+            missing = [i for i, flag in enumerate(present) if not flag]
+            admitted = tier.admit([keys[i] for i in missing], [chunks[i].nbytes for i in missing])
+            dirty = [i for i, flag in zip(missing, admitted) if flag]  # the rest is dropped: not reused enough
             if dirty:
                 try:
                     await tier.put([keys[i] for i in dirty], [chunks[i] for i in dirty])

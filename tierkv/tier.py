@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import torch
 
 from tierkv import ownership
-from tierkv.backend import ChunkHold, DemoteSink, InPlaceTier, StorageBackend, SupportsDemotion
+from tierkv.admission import Admission, FrequencySketch
+from tierkv.backend import ChunkHold, DemoteSink, InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion
 from tierkv.config import HealthConfig, PressureConfig
 from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
 from tierkv.health import CooldownBreaker
@@ -39,14 +40,18 @@ Writer = Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]
 """Fills an in-place tier's reserved chunks (key -> view of its memory)."""
 Layouts = list[tuple[tuple[int, ...], torch.dtype]]
 
+ADMIT_ALL = Admission()
 _IN_PLACE: dict[type, bool] = {}  # isinstance of a runtime Protocol is slow: once per class
 
 
 class Tier:
     """A backend at one level of the stack, with everything the router tracks about it."""
 
-    def __init__(self, backend: StorageBackend, level: int, promote: bool, health: HealthConfig) -> None:
+    def __init__(self, backend: StorageBackend, level: int, promote: bool, health: HealthConfig,
+                 admission: Admission = ADMIT_ALL, sketch: FrequencySketch | None = None) -> None:
         self.backend = backend
+        self.admission = admission
+        self.sketch = sketch  # the engine's counts of sightings, shared by its tiers
         self.name = backend.name
         self.level = level
         self.promote = promote
@@ -109,6 +114,26 @@ class Tier:
         if skipped is not None:
             skipped[self.name] = self.unhealthy_reason()
         return False
+
+    def admit(self, keys: Sequence[CacheKey], chunk_nbytes: Sequence[int], unrecorded: int = 0) -> list[bool]:
+        """Which of ``keys`` (chunks of ``chunk_nbytes`` bytes) may be copied into this tier by
+        its admission rule (:mod:`tierkv.admission`); counted as admitted / rejected.
+        ``unrecorded``: sightings of each not counted yet (a hit being served)."""
+        if not self.admission.filters or self.sketch is None or not keys:
+            flags = [True] * len(keys)
+        else:
+            counts = [count + unrecorded for count in self.sketch.estimate(keys)]
+            victim_counts = None
+            if self.admission.policy == "tinylfu" and isinstance(self.backend, NamesVictims):
+                victims = self.backend.next_victims(chunk_nbytes)
+                if victims:  # the i-th chunk in would displace the i-th victim (the last, past the end)
+                    seen = self.sketch.estimate(victims)
+                    victim_counts = [seen[min(i, len(seen) - 1)] for i in range(len(keys))]
+            flags = self.admission.admits(counts, victim_counts)
+        admitted = sum(flags)
+        self.metrics.add("admitted", admitted)
+        self.metrics.add("rejected", len(flags) - admitted)
+        return flags
 
     def unhealthy_reason(self) -> str:
         health = self.breaker
@@ -357,6 +382,7 @@ class Tier:
         entry = {**self.backend.stats(), **self.metrics.snapshot()}
         entry["health"] = self.breaker.state()
         entry["promote"] = self.promote
+        entry["admission"] = self.admission.describe()
         entry["speed"] = self.speed.snapshot()
         full = self.full
         entry["full"] = None if full is None else {"for_s": round(time.monotonic() - full[0], 3), "error": full[1]}

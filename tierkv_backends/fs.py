@@ -139,6 +139,7 @@ class FSBackend(BlobBackend):
             raise ConfigError(f"tier {name!r} path: cannot write into {path!r}: {exc.strerror}") from exc
         self._index: LRUIndex[str] = LRUIndex()
         self._digests: dict[str, str] = {}
+        self._named: dict[str, CacheKey] = {}  # digest -> key, for the chunks this process wrote
         self._lock: asyncio.Lock | None = None
         self._scan()
 
@@ -215,7 +216,7 @@ class FSBackend(BlobBackend):
             return
         present = {digest for _, digest, _ in listed}
         for digest in [d for d in known if d not in present and d in self._index and not self._index.is_pinned(d)]:
-            self._index.remove(digest)  # deleted by another process
+            self._forget(digest)  # deleted by another process
         for _, digest, size in sorted(listed):
             if size >= 0 and digest not in self._index:
                 self._index.add(digest, size)
@@ -252,6 +253,7 @@ class FSBackend(BlobBackend):
         check_batch(keys, chunks)
         self._note_loop()
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
+        self._named.update((digest, key) for digest, (key, _) in latest.items())
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         parts = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
         sizes = {digest: file.size for digest, file in parts.items()}
@@ -304,7 +306,7 @@ class FSBackend(BlobBackend):
         settled = []
         for name, digest, result in zip(names, digests, results):
             if isinstance(result, ChunkFormatError):
-                self._index.remove(digest)
+                self._forget(digest)
                 await self._drop_corrupt(name, result)
                 result = None
             elif result is not None and result is not False:
@@ -481,7 +483,24 @@ class FSBackend(BlobBackend):
             if isinstance(outcome, BaseException):
                 logger.warning("tier %r: could not evict %s: %s", self.name, self._file(victim), outcome)
                 continue
-            self._count_eviction(self._index.remove(victim))
+            self._count_eviction(self._forget(victim))
+
+    def _forget(self, digest: str) -> int:
+        """Drop ``digest`` from the index (and its name); the bytes it held."""
+        self._named.pop(digest, None)
+        return self._index.remove(digest)
+
+    def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
+        """The chunks an eviction for chunks of ``chunk_nbytes`` bytes (and their headers)
+        would take, in order (see :class:`~tierkv.backend.NamesVictims`). Files another
+        process wrote have no name here and are left out (nobody here has seen them)."""
+        if self.capacity is None:
+            return []
+        victims = self._index.victims(sum(nbytes + payload_offset(serde.MAX_HEADER_BYTES, nbytes) for nbytes in chunk_nbytes),
+                                       self.capacity)
+        if victims is None:
+            return None
+        return [self._named[digest] for digest in victims if digest in self._named]
 
     async def _unlink(self, digest: str) -> bool:
         """Remove a chunk file off the loop thread (aiofiles); whether it was there."""
@@ -514,7 +533,7 @@ class FSBackend(BlobBackend):
     async def delete_bytes(self, key: str) -> bool:
         digest = self._digest(key)
         existed = await self._unlink(digest)
-        self._index.remove(digest)
+        self._forget(digest)
         return existed
 
     async def exists(self, key: str) -> bool:

@@ -227,6 +227,18 @@ class LMDBBackend(StorageBackend):
                         self._index.add(kb, size)
         return len(keys)
 
+    def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
+        """The chunks an eviction for chunks of ``chunk_nbytes`` bytes would take, in order
+        (see :class:`~tierkv.backend.NamesVictims`; each counted with a chunk header of up to
+        8 dimensions, as a put accounts it); a key stored as a digest (too long for LMDB)
+        cannot be named and is left out."""
+        if self.capacity is None:
+            return []
+        victims = self._index.victims(sum(nbytes + 64 + 8 * 8 for nbytes in chunk_nbytes), self.capacity)
+        if victims is None:
+            return None
+        return [CacheKey.from_string(kb.decode()) for kb in victims if not kb.startswith(b"#")]
+
     def _more_victims(self, victims: list[bytes], protect: dict[bytes, Any], need: int) -> list[bytes]:
         """After MapFullError (free pages too fragmented for a large value): commit the planned
         evictions plus a quarter of the remaining evictable chunks, then retry with none."""

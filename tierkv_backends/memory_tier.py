@@ -284,6 +284,12 @@ class MemoryTier(StorageBackend):
         await self.put_with(list(latest), [(tuple(c.shape), c.dtype) for c in latest.values()], write)
         return len(keys)
 
+    def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
+        """The chunks an eviction for chunks of ``chunk_nbytes`` bytes would take, in order
+        (see :class:`~tierkv.backend.NamesVictims`); slabs are rounded up to size classes."""
+        need = sum(size_class(nbytes) for nbytes in chunk_nbytes)
+        return self._index.victims(need + self._reserved, self.capacity_limit)
+
     async def _make_room(self, need: int, protect: Any) -> None:
         for _ in range(_MAX_ROOM_ATTEMPTS):
             victims = self._index.victims(need + self._reserved, self.capacity_limit, protect=protect)

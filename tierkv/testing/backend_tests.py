@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from tierkv.backend import InPlaceTier, StorageBackend, SupportsDemotion, SupportsPressure
+from tierkv.backend import InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion, SupportsPressure
 from tierkv.errors import BackendClosedError, CapacityError
 from tierkv.keys import CacheKey
 from tierkv.serde import SUPPORTED_DTYPES
@@ -406,4 +406,25 @@ class BackendTests:
                 assert not await backend.contains(key), "a demoted chunk is gone from the tier"
             still = sum(await backend.batched_contains([make_key(i) for i in range(total)]))
             assert still + len(demoted) == total, "a chunk was evicted without being demoted"
+        self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
+
+    def test_named_victims_are_the_chunks_a_put_evicts(self, tmp_path: Path) -> None:
+        """NamesVictims (``tinylfu`` admission): empty while there is room; once full, the
+        chunks it names for the next chunk's bytes are the ones that put evicts."""
+        async def body(backend: StorageBackend) -> None:
+            if not isinstance(backend, NamesVictims):
+                pytest.skip(f"{type(backend).__name__} does not name its victims")
+            one = chunk_nbytes(make_chunk(0))
+            assert list(backend.next_victims([one]) or []) == [], "an empty tier has room"
+            index = 0
+            while not backend.next_victims([one]):
+                await backend.put(make_key(index), make_chunk(index))
+                index += 1
+                assert index <= self.capacity_in_chunks * 2, "a full tier must name a victim"
+            named = list(backend.next_victims([one]) or [])
+            held = await backend.batched_contains(named)
+            assert all(held), "it names chunks it holds"
+            await backend.put(make_key(index), make_chunk(index))
+            assert not any(await backend.batched_contains(named)), "the put evicted the named chunks"
+            assert await backend.contains(make_key(index))
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())

@@ -189,8 +189,7 @@ class RedisBackend(BlobBackend):
         try:
             return serde.decode(data)
         except ChunkFormatError as exc:
-            self.counters["corrupt_chunks"] += 1
-            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+            self.count_corrupt([(name, exc)])  # counted and reported as every tier does; deleted by the caller
             corrupt.append(name)
             return None
 
@@ -269,8 +268,7 @@ class RedisBackend(BlobBackend):
             header = serde.decode_header(data)
             hit = serde.copy_payload_into(header, memoryview(data)[header.header_len :], target)
         except ChunkFormatError as exc:
-            self.counters["corrupt_chunks"] += 1
-            logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, name, exc)
+            self.count_corrupt([(name, exc)])  # counted and reported as every tier does; deleted by the caller
             corrupt.append(name)
             return False
         if hit and staged:
