@@ -27,10 +27,13 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from tierkv.admission import Admission, FrequencySketch
 from tierkv.backend import InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion, SupportsPressure
+from tierkv.config import HealthConfig
 from tierkv.errors import BackendClosedError, CapacityError
 from tierkv.keys import CacheKey
 from tierkv.serde import SUPPORTED_DTYPES
+from tierkv.tier import Tier
 
 T = TypeVar("T")
 
@@ -427,4 +430,49 @@ class BackendTests:
             await backend.put(make_key(index), make_chunk(index))
             assert not any(await backend.batched_contains(named)), "the put evicted the named chunks"
             assert await backend.contains(make_key(index))
+        self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
+
+    # -- admission (tierkv.admission): what the engine lets reach this backend ---------------------
+    def test_admission_decides_what_reaches_this_backend(self, tmp_path: Path) -> None:
+        """``reused(2)`` in front of this backend, through the engine's tier handle: the chunks
+        seen twice are stored and read back exact, the ones seen once never reach it."""
+        async def body(backend: StorageBackend) -> None:
+            sketch = FrequencySketch()
+            tier = Tier(backend, 1, False, HealthConfig(), Admission("reused", 2), sketch)
+            keys = [make_key(60 + i) for i in range(4)]
+            chunks = [make_chunk(60 + i) for i in range(4)]
+            sketch.add(keys + keys[:2])  # the first two seen twice
+            flags = tier.admit(keys, [chunk_nbytes(c) for c in chunks])
+            assert flags == [True, True, False, False]
+            await tier.put([k for k, f in zip(keys, flags) if f], [c for c, f in zip(chunks, flags) if f])
+            assert await backend.batched_contains(keys) == flags
+            for key, chunk in zip(keys[:2], chunks[:2]):
+                assert same_bytes(await backend.get(key), chunk)
+            counters = tier.metrics.counters
+            assert (counters["admitted"], counters["rejected"]) == (2, 2)
+        self.with_backend(tmp_path, body)
+
+    def test_tinylfu_keeps_what_was_seen_more_than_the_newcomer(self, tmp_path: Path) -> None:
+        """``tinylfu`` on a full tier that names its victims: a chunk seen less often than the
+        next victim is turned away; one seen more often is admitted and the victim goes."""
+        async def body(backend: StorageBackend) -> None:
+            if not isinstance(backend, NamesVictims):
+                pytest.skip(f"{type(backend).__name__} does not name its victims")
+            sketch = FrequencySketch()
+            tier = Tier(backend, 1, False, HealthConfig(), Admission("tinylfu"), sketch)
+            one = chunk_nbytes(make_chunk(0))
+            held: list[CacheKey] = []
+            while not backend.next_victims([one]):
+                key = make_key(70 + len(held))
+                sketch.add([key] * 3)
+                await backend.put(key, make_chunk(70 + len(held)))
+                held.append(key)
+                assert len(held) <= self.capacity_in_chunks * 2, "a full tier must name a victim"
+            rare, popular = make_key(200), make_key(201)
+            sketch.add([rare] + [popular] * 5)
+            assert tier.admit([rare], [one]) == [False], "seen once against a victim seen three times"
+            victims = list(backend.next_victims([one]) or [])
+            assert tier.admit([popular], [one]) == [True]
+            await tier.put([popular], [make_chunk(201)])
+            assert await backend.contains(popular) and not any(await backend.batched_contains(victims))
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
