@@ -474,7 +474,8 @@ class TierRouter:
                 except Exception:
                     continue
                 self._mark_dirty(tier.level, [keys[i] for i in dirty])  # a memory tier in the middle
-            self.tiers[level].metrics.add(metric, len(keys))  # moved below (clean ones were there)
+            # moved below (clean ones were there); what the tier turned away is its "rejected"
+            self.tiers[level].metrics.add(metric, len(keys) - (len(missing) - len(dirty)))
             return
         raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} "
                                    f"{'demoted' if metric == 'demotions' else 'flushed'} chunk(s)")

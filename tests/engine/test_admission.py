@@ -125,8 +125,9 @@ def test_write_back_demotes_only_reused_chunks_and_flush_drops_the_rest(tmp_path
         eng.flush()
         assert on_disk(eng, hot) == [True]
         assert sum(on_disk(eng, tokens)[0] for tokens in cold) == 0
-        disk = eng.stats()["tiers"]["disk"]
+        disk, host = eng.stats()["tiers"]["disk"], eng.stats()["tiers"]["host"]
         assert disk["admitted"] == 1 and disk["rejected"] >= 4
+        assert host["demotions"] + host["flushed"] == 1, "only what went below counts as moved"
         out, mask = eng.retrieve(hot, return_tuple=False)
         assert mask.all() and torch.equal(out, kv_of(hot))
 
