@@ -89,6 +89,9 @@ class TierRouter:
         self.write_policy = config.write_policy
         # counts of sightings (stores, reads that found a chunk), kept only when a tier filters by them
         self.sketch = FrequencySketch() if any(tier.admission.filters for tier in config.tiers) else None
+        # write-through tiers that take a chunk once it is reused (a hit may owe them a late fill)
+        self._late_fill_levels = [level for level, tier in enumerate(config.tiers)
+                                  if tier.admission.policy == "reused" and self.write_policy == "write_through"]
         self.tiers = [Tier(backend, level, tier.promote, config.health, tier.admission, self.sketch)
                       for level, (backend, tier) in enumerate(zip(build_tiers(config), config.tiers))]
         """The handles of the tiers, fastest first: every call into a backend goes through one."""
@@ -414,14 +417,15 @@ class TierRouter:
         if self.sketch is None or not keys:
             return
         self.sketch.add(keys)
-        if self.write_policy != "write_through":
+        if not self._late_fill_levels:
             return
         counts = self.sketch.estimate(keys)
+        reached = {target: self.tiers[target].admission.just_reached(counts) for target in self._late_fill_levels}
         due: dict[tuple[int, tuple[int, ...]], list[CacheKey]] = {}
-        for key, level, count in zip(keys, levels, counts):
+        for index, (key, level) in enumerate(zip(keys, levels)):
             if level is None or level == FILL_QUEUE_LEVEL or not self.tiers[level].in_place:
                 continue
-            targets = tuple(tier.level for tier in self.tiers[level + 1:] if tier.admission.just_reached([count])[0])
+            targets = tuple(target for target, flags in reached.items() if target > level and flags[index])
             if targets:
                 due.setdefault((level, targets), []).append(key)
         for (level, targets), late in due.items():

@@ -46,7 +46,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -253,7 +253,6 @@ class FSBackend(BlobBackend):
         check_batch(keys, chunks)
         self._note_loop()
         latest = {self._digest(key.to_string()): (key, chunk) for key, chunk in zip(keys, chunks)}
-        self._named.update((digest, key) for digest, (key, _) in latest.items())
         # encode on the loop thread: bad dtypes fail before anything is written or evicted
         parts = {digest: _encode_parts(key, chunk) for digest, (key, chunk) in latest.items()}
         sizes = {digest: file.size for digest, file in parts.items()}
@@ -261,7 +260,7 @@ class FSBackend(BlobBackend):
             self._check_fits(size)
         async with self._write_lock():
             await self._make_room(sizes)
-            await self._write_indexed(list(parts.items()), sizes)
+            await self._write_indexed(list(parts.items()), sizes, {digest: key for digest, (key, _) in latest.items()})
         return len(keys)
 
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
@@ -272,15 +271,19 @@ class FSBackend(BlobBackend):
         payload starts on a page boundary (see :func:`~tierkv_backends.fs_files.payload_offset`)."""
         return (await self.batched_get([key]))[0]
 
-    async def _write_indexed(self, items: list[tuple[str, FileParts]], sizes: dict[str, int]) -> None:
+    async def _write_indexed(self, items: list[tuple[str, FileParts]], sizes: dict[str, int],
+                             named: Mapping[str, CacheKey] | None = None) -> None:
         """Write files in worker threads; index every file renamed into place, even when
-        another failed or the call was cancelled (the threads are waited for either way)."""
+        another failed or the call was cancelled (the threads are waited for either way).
+        ``named``: the key of each digest, kept for the files written (:meth:`next_victims`)."""
         written: list[str] = []
         try:
             await self._in_threads(items, lambda part: self._write_files(part, written))
         finally:
             for digest in written:
                 self._index.add(digest, sizes[digest])
+                if named is not None:
+                    self._named[digest] = named[digest]
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         self._ensure_open()

@@ -119,6 +119,8 @@ class WorkerTransfers:
         self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink]] = {}
         self._load_errors: set[int] = set()
         self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
+        # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
+        self._in_memory = {backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE}
 
     # -- set-up ----------------------------------------------------------------------------------
     def register(self, layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
@@ -161,8 +163,7 @@ class WorkerTransfers:
         chunk = engine.core.chunk_size
         plan = engine.plan(tokens, identity)
         tiers = engine.locate_prefix(tokens, identity)[: -(-plan.planned_tokens // chunk)]
-        memory = {backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE}
-        in_memory = next((i for i, name in enumerate(tiers) if name not in memory), len(tiers))
+        in_memory = next((i for i, name in enumerate(tiers) if name not in self._in_memory), len(tiers))
         return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
 
     def _connector(self) -> PagedLayerConnector | MappedPageConnector:
