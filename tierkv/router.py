@@ -92,7 +92,7 @@ class TierRouter:
         # write-through tiers that take a chunk once it is reused (a hit may owe them a late fill)
         self._late_fill_levels = [level for level, tier in enumerate(config.tiers)
                                   if tier.admission.policy == "reused" and self.write_policy == "write_through"]
-        self.tiers = [Tier(backend, level, tier.promote, config.health, tier.admission, self.sketch)
+        self.tiers = [Tier(backend, level, tier.promote, config.health, tier.admission, self.sketch, tier.codec)
                       for level, (backend, tier) in enumerate(zip(build_tiers(config), config.tiers))]
         """The handles of the tiers, fastest first: every call into a backend goes through one."""
         self._speeds = {tier.name: tier.speed for tier in self.tiers}
@@ -433,11 +433,12 @@ class TierRouter:
 
     # -- moving chunks between tiers ----------------------------------------------------------
     async def _promote_hits(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
+        lossy = self.tiers[level].lossy
         with copies.on_path(self.copies, "promote"):
             for target in policy.promotion_targets(level):
                 tier = self.tiers[target]
-                if not tier.promote or not tier.admits():
-                    continue
+                if not tier.promote or (lossy and tier.persistent) or not tier.admits():
+                    continue  # a lossy chunk goes up into this process's memory only, never under an exact key others read
                 flags = tier.admit(keys, [chunk.nbytes for chunk in chunks], unrecorded=1)  # this hit
                 taken = [(key, chunk) for key, chunk, flag in zip(keys, chunks, flags) if flag]
                 if not taken:

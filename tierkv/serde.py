@@ -58,6 +58,19 @@ _CODE_FORMATS = {code: fmt for fmt, code in _FORMAT_CODES.items()}
 SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """The stored code of ``dtype`` (ValueError naming the supported ones for any other)."""
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"cannot store dtype {dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}") from None
+
+
+def code_dtype(code: int) -> torch.dtype | None:
+    """The dtype a stored code stands for, None for a code this tierkv does not know."""
+    return _CODE_DTYPES.get(code)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
     """What the header of a stored chunk says about its payload."""

@@ -20,6 +20,7 @@ import torch
 from tierkv import ownership
 from tierkv.admission import Admission, FrequencySketch
 from tierkv.backend import ChunkHold, DemoteSink, InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion
+from tierkv.coded import CodedBackend
 from tierkv.config import HealthConfig, PressureConfig
 from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
 from tierkv.health import CooldownBreaker
@@ -48,7 +49,7 @@ class Tier:
     """A backend at one level of the stack, with everything the router tracks about it."""
 
     def __init__(self, backend: StorageBackend, level: int, promote: bool, health: HealthConfig,
-                 admission: Admission = ADMIT_ALL, sketch: FrequencySketch | None = None) -> None:
+                 admission: Admission = ADMIT_ALL, sketch: FrequencySketch | None = None, codec: str = "none") -> None:
         self.backend = backend
         self.admission = admission
         self.sketch = sketch  # the engine's counts of sightings, shared by its tiers
@@ -62,18 +63,27 @@ class Tier:
         self.full_retry_s = health.retry_after_s
         self.full: tuple[float, str] | None = None  # (when it said full, what it said)
         self.pressure: TierPressure | None = None
+        self.coded: CodedBackend | None = None
+        if codec != "none":  # the tier's reads feed its speed line with the bytes moved, not decoded
+            self.backend = self.coded = CodedBackend(backend, codec, self.speed.transfer_seconds, self.speed.observe)
+            self.speed.coding = self.coded
 
     def wrap(self, wrapper: Callable[[StorageBackend], B]) -> B:
         """Put ``wrapper(backend)`` in the backend's place: every later call of the engine into
         this tier goes through it (a fault injector, a throttle, a tracer). It must keep the
-        tier's name; the wrapped backend is returned."""
-        wrapped = wrapper(self.backend)
+        tier's name; the wrapped backend is returned. On a coded tier it wraps the store under
+        the codec: it sees the bytes that are stored and moved (frames), as the medium does."""
+        inner = self.coded.inner if self.coded is not None else self.backend
+        wrapped = wrapper(inner)
         if not isinstance(wrapped, StorageBackend):
             raise TypeError(f"tier {self.name!r}: a wrapper must return a StorageBackend, got {type(wrapped).__name__}")
         if wrapped.name != self.name:
             raise ValueError(f"tier {self.name!r}: the wrapped backend is named {wrapped.name!r}; "
                              "expected the tier's own name")
-        self.backend = wrapped
+        if self.coded is not None:
+            self.coded.inner = wrapped
+        else:
+            self.backend = wrapped
         return wrapped
 
     @property
@@ -231,6 +241,11 @@ class Tier:
         return bool(self.backend.streams_into_destination)
 
     @property
+    def lossy(self) -> bool:
+        """Whether the tier keeps its chunks with a lossy codec (what it serves is not exact)."""
+        return self.coded is not None and self.coded.marker != ""
+
+    @property
     def persistent(self) -> bool:
         """Whether the tier keeps its chunks across processes (a memory tier does not)."""
         return bool(self.backend.persistent)
@@ -363,7 +378,7 @@ class Tier:
         self.metrics.add("hits", len(hits))
         self.metrics.add("misses", asked - len(hits))
         self.metrics.add("bytes_out", nbytes)
-        if nbytes:
+        if nbytes and self.coded is None:  # a coded tier times its transfers itself
             self.speed.observe(nbytes, time.perf_counter() - started)
 
     async def _get_one_checked(self, key: CacheKey) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ import torch
 
 from tierkv.admission import Admission, FrequencySketch
 from tierkv.backend import InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion, SupportsPressure
+from tierkv.coded import CodedBackend
 from tierkv.config import HealthConfig
 from tierkv.errors import BackendClosedError, CapacityError
 from tierkv.keys import CacheKey
@@ -49,6 +50,12 @@ def make_chunk(seed: int, shape: tuple[int, ...] = (2, 2, 16, 2, 8), dtype: torc
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator).to(dtype)
     return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+def compressible_chunk(seed: int) -> torch.Tensor:
+    """A bf16 chunk whose values take few distinct values (multiples of 1/4): a lossless codec
+    shrinks it whatever the backend (random bf16 barely compresses)."""
+    return (make_chunk(seed, dtype=torch.float32) * 4).round().div(4).to(torch.bfloat16)
 
 
 def chunk_nbytes(chunk: torch.Tensor) -> int:
@@ -431,6 +438,34 @@ class BackendTests:
             assert not any(await backend.batched_contains(named)), "the put evicted the named chunks"
             assert await backend.contains(make_key(index))
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
+
+    # -- codecs (tierkv.coded): what a tier with `codec:` stores in this backend --------------------
+    def test_coded_chunks_round_trip_and_lossy_ones_are_keyed_apart(self, tmp_path: Path) -> None:
+        """``codec: lz4`` over this backend: frames are stored and decode to the exact chunk (into
+        given memory and as new tensors); a reader without the codec finds no chunk it would
+        take for them; ``fp8`` chunks live under other keys, so the exact chunk stays exact."""
+        async def body(backend: StorageBackend) -> None:
+            if isinstance(backend, InPlaceTier):
+                pytest.skip(f"{type(backend).__name__} keeps chunks in place: codecs are for byte tiers")
+            exact, lossy = CodedBackend(backend, "lz4"), CodedBackend(backend, "fp8")
+            keys = [make_key(80), make_key(81)]
+            chunks = [compressible_chunk(80), compressible_chunk(81)]
+            assert await exact.batched_put(keys, chunks) == 2
+            assert exact.coding["frames_written"] == 2 and exact.coding["bytes_stored"] < sum(map(chunk_nbytes, chunks))
+            outs = [torch.zeros_like(chunk) for chunk in chunks]
+            assert await exact.batched_get_into(keys, outs) == [True, True]
+            assert all(same_bytes(out, chunk) for out, chunk in zip(outs, chunks))
+            assert same_bytes(await exact.get(keys[1]), chunks[1])
+            plain = torch.zeros_like(chunks[0])
+            assert await backend.batched_get_into([keys[0]], [plain]) == [False], "a frame is not the chunk"
+            assert await lossy.batched_contains(keys) == [False, False], "lossy keys are apart"
+            await lossy.put(keys[0], chunks[0])
+            approx = torch.zeros_like(chunks[0])
+            assert await lossy.batched_get_into([keys[0]], [approx]) == [True]
+            error = (approx.float() - chunks[0].float()).norm() / chunks[0].float().norm()
+            assert 0 < error < 0.05, f"fp8 relative error {error:.4f}"
+            assert same_bytes(await exact.get(keys[0]), chunks[0]), "the exact chunk is untouched"
+        self.with_backend(tmp_path, body)
 
     # -- admission (tierkv.admission): what the engine lets reach this backend ---------------------
     def test_admission_decides_what_reaches_this_backend(self, tmp_path: Path) -> None:

@@ -1,0 +1,280 @@
+"""KV codecs for byte tiers: a chunk as it is kept on a slow medium, and back.
+
+A coded chunk is stored as a *frame*, a 1-D ``uint8`` chunk whose bytes are a small header
+and the codec's body; the tier stores and checksums the frame like any chunk, so the
+checksum covers exactly what is stored and every backend -- a plugin too -- carries coded
+chunks without knowing codecs exist.
+
+    magic "TKVZ" | version u8 | codec u8 | dtype u8 | ndim u8 | raw_len u64 | body_len u64 |
+    shape u64 * ndim | body
+
+Codecs (ids are part of the stored format: append only):
+
+- ``1`` Blosc (lossless): byte- or bit-shuffle then LZ4 or Zstd, from the ``blosc``
+  package. The body is a Blosc buffer, which names its own compressor, so a reader decodes
+  whatever lossless codec a writer chose.
+- ``2`` fp8 (lossy, opt-in): e4m3 values with one float32 scale per (layer, K/V, head). The
+  body is ``keep u8 | n u32 | scales f32 * n | values``; ``keep`` is the bitmask of the
+  chunk's dimensions the scales vary along.
+
+Decoding writes each byte of the destination once (Blosc decompresses straight into a
+contiguous host destination). Nothing here unpickles: every header field is checked
+before a byte is decoded, and a frame that does not parse is a :class:`ChunkFormatError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tierkv import copies, serde
+from tierkv.errors import ChunkFormatError
+from tierkv.kvlayout import nbytes_of
+from tierkv.memory import contiguous_host, copy_into, empty_host
+
+FRAME_MAGIC = b"TKVZ"
+FRAME_VERSION = 1
+_FRAME = struct.Struct("<4sBBBBQQ")
+_FP8_BODY = struct.Struct("<BI")
+_BLOSC_ID, _FP8_ID = 1, 2
+_MAX_NDIM = 8
+FP8_E4M3_MAX = 448.0
+BLOSC_MAX_BYTES = 2**31 - 256  # a Blosc buffer holds at most 2 GiB (minus its overhead)
+WORTH_IT = 0.97
+"""A lossless frame is stored only when it is at most this fraction of the chunk's size;
+otherwise the chunk is stored raw (decoding would cost time and save almost nothing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """What a frame says about the chunk it holds."""
+
+    codec: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    raw_len: int
+    header_len: int
+
+
+class Codec:
+    """How a tier keeps chunks: ``encode`` a chunk into a frame (None: store it raw), and
+    ``decode_into`` a frame's body into the destination. ``lossy`` codecs change the bytes,
+    so their chunks live under keys marked ``marker`` (an exact reader never sees them)."""
+
+    name: ClassVar[str] = "none"
+    lossy: ClassVar[bool] = False
+    marker: ClassVar[str] = ""
+
+    def encode(self, chunk: torch.Tensor, kv_format: str | None) -> torch.Tensor | None:
+        return None
+
+    def describe(self) -> str:
+        return self.name
+
+
+class BloscCodec(Codec):
+    """Lossless: shuffle the bytes of each element so the exponents sit together, then LZ4
+    (fast to decode) or Zstd (smaller). On bf16 KV of a trained model this keeps the sign and
+    exponent bytes, not the mantissas, compressible: about 1.2-1.4x (benchmarks/compression.py)."""
+
+    lossy = False
+
+    def __init__(self, name: str, cname: str, shuffle: str, clevel: int) -> None:
+        self.name = name  # type: ignore[misc]  # the config's name for this setting
+        self.cname, self.shuffle, self.clevel = cname, shuffle, clevel
+
+    def encode(self, chunk: torch.Tensor, kv_format: str | None) -> torch.Tensor | None:
+        blosc = _blosc()
+        source = contiguous_host(chunk.detach())
+        nbytes = source.numel() * source.element_size()
+        if nbytes == 0 or nbytes > BLOSC_MAX_BYTES:
+            return None
+        shuffle = blosc.BITSHUFFLE if self.shuffle == "bit" else blosc.SHUFFLE
+        body = blosc.compress_ptr(source.data_ptr(), source.numel(), source.element_size(), self.clevel, shuffle,
+                                  self.cname)
+        if len(body) > WORTH_IT * nbytes:
+            return None
+        return _frame(_BLOSC_ID, chunk, [body])
+
+    def describe(self) -> str:
+        return f"{self.name} (blosc {self.cname}, {self.shuffle}-shuffle, level {self.clevel})"
+
+
+class Fp8Codec(Codec):
+    """Lossy, opt-in: e4m3 with a float32 scale per (layer, K/V, head), half the bytes of
+    bf16. Its chunks are keyed apart (``marker``): a reader without it never takes them."""
+
+    name = "fp8"
+    lossy = True
+    marker = "fp8"
+
+    def encode(self, chunk: torch.Tensor, kv_format: str | None) -> torch.Tensor | None:
+        if not chunk.is_floating_point() or chunk.element_size() < 2 or chunk.dim() > _MAX_NDIM:
+            return None  # already 8-bit (an fp8 cache): nothing to gain
+        keep = _scale_dims(chunk.dim(), kv_format)
+        source = chunk.detach().to("cpu", torch.float32)
+        reduce = tuple(d for d in range(chunk.dim()) if d not in keep)
+        amax = source.abs().amax(dim=reduce, keepdim=True) if reduce else source.abs()
+        scales = (amax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        values = (source / scales).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        mask = sum(1 << d for d in keep)
+        head = _FP8_BODY.pack(mask, scales.numel())
+        return _frame(_FP8_ID, chunk, [head, scales.contiguous().view(torch.uint8).numpy().data,
+                                       values.view(torch.uint8).numpy().data])
+
+
+@functools.cache
+def _blosc() -> Any:
+    """The ``blosc`` module, set to release the GIL (chunks are decoded in worker threads)
+    with its own threads per chunk, or an ImportError naming the package to install."""
+    try:
+        import blosc
+    except ImportError as exc:
+        raise ImportError("lossless codecs need the 'blosc' package: pip install blosc (or tierkv[compress])") from exc
+    blosc.set_releasegil(True)
+    blosc.set_nthreads(max(1, min(4, os.cpu_count() or 1)))
+    return blosc
+
+
+_CODECS: dict[str, Codec] = {
+    "lz4": BloscCodec("lz4", "lz4", "bit", 1),
+    "zstd": BloscCodec("zstd", "zstd", "byte", 1),
+    "fp8": Fp8Codec(),
+}
+CODEC_NAMES = ("none", "auto", *_CODECS)
+AUTO_CANDIDATES = ("lz4", "zstd")
+
+
+def codec(name: str) -> Codec:
+    """The codec called ``name`` (``none`` stores chunks raw)."""
+    if name == "none":
+        return Codec()
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}") from None
+
+
+def check_available(name: str) -> None:
+    """Raise ImportError, naming the package, when ``name`` needs a library not installed."""
+    if name in ("auto", "lz4", "zstd"):
+        _blosc()
+
+
+def _scale_dims(ndim: int, kv_format: str | None) -> tuple[int, ...]:
+    """The dimensions fp8 scales vary along: layer, K/V and head of a KV blob
+    (``vllm``: ``[layers, 2, tokens, heads, head_size]``, ``huggingface``: heads before
+    tokens), the first dimension of anything else."""
+    if ndim == 5 and kv_format == "vllm":
+        return (0, 1, 3)
+    if ndim == 5 and kv_format == "huggingface":
+        return (0, 1, 2)
+    return (0,) if ndim else ()
+
+
+def _frame(codec_id: int, chunk: torch.Tensor, parts: list[Any]) -> torch.Tensor:
+    """A frame tensor holding the header for ``chunk`` and the body ``parts`` (one copy of each)."""
+    shape = tuple(chunk.shape)
+    body_len = sum(memoryview(part).nbytes for part in parts)
+    header = _FRAME.pack(FRAME_MAGIC, FRAME_VERSION, codec_id, serde.dtype_code(chunk.dtype), len(shape),
+                         nbytes_of(shape, chunk.dtype), body_len) + struct.pack(f"<{len(shape)}Q", *shape)
+    frame = torch.empty(len(header) + body_len, dtype=torch.uint8)
+    target = frame.numpy()
+    offset = 0
+    for part in (header, *parts):
+        raw = np.frombuffer(part, dtype=np.uint8)
+        target[offset : offset + raw.size] = raw
+        offset += raw.size
+    return frame
+
+
+def is_frame(stored: torch.Tensor) -> bool:
+    """Whether a stored chunk is a frame (a 1-D uint8 chunk that starts with the magic)."""
+    return (stored.dtype == torch.uint8 and stored.dim() == 1 and stored.numel() >= _FRAME.size
+            and bytes(stored[:4].numpy()) == FRAME_MAGIC)
+
+
+def read_header(frame: torch.Tensor) -> FrameHeader:
+    """Parse and check a frame's header; ChunkFormatError names what is wrong."""
+    data = frame.numpy()
+    if data.size < _FRAME.size:
+        raise ChunkFormatError(f"truncated coded chunk: {data.size} bytes, shorter than its {_FRAME.size}-byte header")
+    magic, version, codec_id, dtype_code, ndim, raw_len, body_len = _FRAME.unpack_from(data.data)
+    if magic != FRAME_MAGIC or version != FRAME_VERSION:
+        raise ChunkFormatError(f"not a tierkv coded chunk (magic {bytes(magic)!r}, version {version}); this tierkv "
+                               f"reads {FRAME_MAGIC!r} version {FRAME_VERSION}")
+    dtype = serde.code_dtype(dtype_code)
+    if codec_id not in (_BLOSC_ID, _FP8_ID) or dtype is None or ndim > _MAX_NDIM:
+        raise ChunkFormatError(f"corrupt coded chunk header (codec {codec_id}, dtype code {dtype_code}, ndim {ndim})")
+    header_len = _FRAME.size + 8 * ndim
+    if data.size != header_len + body_len:
+        raise ChunkFormatError(f"truncated coded chunk: {data.size} bytes, its header says {header_len + body_len}")
+    shape = struct.unpack_from(f"<{ndim}Q", data.data, _FRAME.size)
+    if nbytes_of(shape, dtype) != raw_len:
+        raise ChunkFormatError(f"corrupt coded chunk header: shape {shape} of {dtype} is not {raw_len} bytes")
+    return FrameHeader(codec_id, dtype, tuple(shape), raw_len, header_len)
+
+
+def decode_into(frame: torch.Tensor, out: torch.Tensor, header: FrameHeader | None = None) -> bool:
+    """Decode ``frame`` into ``out``; False (``out`` untouched) when it holds another chunk
+    (shape or dtype), ChunkFormatError when it is damaged (checked before ``out`` is written)."""
+    header = read_header(frame) if header is None else header
+    if out.dtype != header.dtype or tuple(out.shape) != header.shape:
+        return False
+    body = frame[header.header_len :].numpy()
+    if header.codec == _BLOSC_ID:
+        _blosc_into(body, out, header)
+    else:
+        _fp8_into(body, out, header)
+    return True
+
+
+def decode(frame: torch.Tensor) -> torch.Tensor:
+    """A frame decoded into a fresh host tensor."""
+    header = read_header(frame)
+    out = empty_host(header.shape, header.dtype)
+    decode_into(frame, out, header)
+    return out
+
+
+def _blosc_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> None:
+    blosc = _blosc()
+    data = body  # python-blosc's size query takes an array, not a memoryview
+    try:
+        nbytes, cbytes, _ = blosc.get_cbuffer_sizes(data)
+    except Exception as exc:
+        raise ChunkFormatError(f"corrupt coded chunk: not a Blosc buffer ({exc})") from exc
+    if nbytes != header.raw_len or cbytes != body.size or not blosc.cbuffer_validate(data):
+        raise ChunkFormatError(f"corrupt coded chunk: Blosc buffer of {nbytes} bytes ({cbytes} stored) for a "
+                               f"{header.raw_len}-byte chunk in {body.size} bytes")
+    direct = out.device.type == "cpu" and out.is_contiguous()
+    target = out if direct else empty_host(header.shape, header.dtype)
+    if header.raw_len:
+        copies.count(header.raw_len)
+        blosc.decompress_ptr(data, target.data_ptr())
+    if not direct:
+        copy_into(out, target)
+
+
+def _fp8_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> None:
+    if body.size < _FP8_BODY.size:
+        raise ChunkFormatError("corrupt fp8 chunk: body shorter than its scale header")
+    mask, count = _FP8_BODY.unpack_from(body.data)
+    ndim = len(header.shape)
+    scale_shape = tuple(size if mask >> d & 1 else 1 for d, size in enumerate(header.shape))
+    values = int(np.prod(header.shape, dtype=np.int64))
+    if mask >> ndim or int(np.prod(scale_shape, dtype=np.int64)) != count or \
+            body.size != _FP8_BODY.size + 4 * count + values:
+        raise ChunkFormatError(f"corrupt fp8 chunk: {count} scales over dims mask {mask:#x} and {body.size} body "
+                               f"bytes do not describe shape {header.shape}")
+    start = _FP8_BODY.size
+    scales = torch.from_numpy(body[start : start + 4 * count].copy()).view(torch.float32).reshape(scale_shape)
+    quantized = torch.from_numpy(body[start + 4 * count :]).view(torch.float8_e4m3fn).reshape(header.shape)
+    copies.count(header.raw_len)
+    out.copy_(quantized.to(torch.float32).mul_(scales))
