@@ -107,9 +107,7 @@ def object_store(wanted: bool) -> Iterator[dict[str, Any] | None]:
     from tierkv.testing.s3server import S3Server
 
     with S3Server() as server:
-        bucket = f"tierkv-admission-{uuid.uuid4().hex[:8]}"
-        server.boto3_client().create_bucket(Bucket=bucket)
-        yield {"bucket": bucket, **server.client_options()}
+        yield server.new_bucket("tierkv-admission")
 
 
 def run_admission(tiers: tuple[str, ...] = ("lmdb", "fs", "s3")) -> list[dict[str, Any]]:

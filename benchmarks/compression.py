@@ -43,6 +43,10 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tables import print_table  # noqa: E402
+
 from tierkv import Engine, codecs
 from tierkv.config import load_config
 from tierkv.testing import smollm2
@@ -122,35 +126,28 @@ def fp8_quality(model: Any, tokenizer: Any, tokens: torch.Tensor, workdir: Path,
                           "tiers": [{"name": "disk", "backend": "lmdb", "path": str(workdir / "fp8"),
                                      "capacity": "4GiB", "codec": "fp8"}]})
     with Engine(config, hf.metadata_for(model, config)) as engine:
-        exact_cache = model(prompt[None, :cut], use_cache=True).past_key_values
-        hf.store_cache(engine, prompt[:cut], exact_cache)
+        hf.store_cache(engine, prompt[:cut], model(prompt[None, :cut], use_cache=True).past_key_values)
         engine.flush()
-        fp8_cache, cached = hf.retrieve_cache(engine, prompt[:cut])
-        assert cached == cut, f"fp8 tier served {cached} of {cut} tokens"
-        exact_cache = model(prompt[None, :cut], use_cache=True).past_key_values  # the first was extended by nothing
-
-        def continue_from(cache: Any) -> tuple[torch.Tensor, Any]:
-            out = model(prompt[None, cut:], past_key_values=cache, use_cache=True)
-            return out.logits[0, -1], out.past_key_values
-
-        exact_logits, exact_rest = continue_from(exact_cache)
         answer = model.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False)[0, len(prompt):]
         teacher = torch.cat([prompt[cut:], answer])
 
         def scored(cache: Any) -> torch.Tensor:
+            """Log-probabilities of each answer token, teacher-forced after ``cache``."""
             out = model(teacher[None], past_key_values=cache, use_cache=True)
             return torch.log_softmax(out.logits[0, -len(answer) - 1 : -1].float(), dim=-1)
 
+        def fp8_cache() -> Any:
+            cache, cached = hf.retrieve_cache(engine, prompt[:cut])
+            assert cached == cut, f"fp8 tier served {cached} of {cut} tokens"
+            return cache
+
         exact_lp = scored(model(prompt[None, :cut], use_cache=True).past_key_values)
-        fp8_cache, _ = hf.retrieve_cache(engine, prompt[:cut])
-        fp8_lp = scored(fp8_cache)
+        fp8_lp = scored(fp8_cache())
         chosen = answer[:, None]
         drift = (exact_lp.gather(1, chosen) - fp8_lp.gather(1, chosen)).abs()[:, 0]
         agree = (exact_lp.argmax(-1) == fp8_lp.argmax(-1)).float().mean().item()
-        fp8_cache, _ = hf.retrieve_cache(engine, prompt[:cut])
-        free = model.generate(prompt[None], past_key_values=fp8_cache, max_new_tokens=new_tokens,
+        free = model.generate(prompt[None], past_key_values=fp8_cache(), max_new_tokens=new_tokens,
                               do_sample=False)[0, len(prompt):]
-    del exact_logits, exact_rest
     return {"prefix_tokens": cut, "answer_tokens": len(answer),
             "max_abs_logprob_drift": round(drift.max().item(), 4),
             "mean_abs_logprob_drift": round(drift.mean().item(), 4),
@@ -164,9 +161,7 @@ def object_store() -> Iterator[dict[str, Any]]:
     from tierkv.testing.s3server import S3Server
 
     with S3Server() as server:
-        bucket = f"tierkv-codec-{uuid.uuid4().hex[:8]}"
-        server.boto3_client().create_bucket(Bucket=bucket)
-        yield {"bucket": bucket, **server.client_options()}
+        yield server.new_bucket("tierkv-codec")
 
 
 def tier_spec(kind: str, workdir: Path, s3: dict[str, Any] | None, proxy: Any, codec: str) -> dict[str, Any]:
@@ -254,24 +249,14 @@ def ready_sweep(blob: torch.Tensor, tokens: torch.Tensor, warmup: tuple[torch.Te
     return rows
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    columns = list(rows[0])
-    widths = [max(len(column), *(len(str(row[column])) for row in rows)) for column in columns]
-    print("  ".join(column.ljust(width) for column, width in zip(columns, widths)))
-    for row in rows:
-        print("  ".join(str(row[column]).ljust(width) for column, width in zip(columns, widths)))
-
-
 def print_compression(result: dict[str, Any]) -> None:
     """The three tables of :func:`run_compression` and whether the target held."""
     print("\n== compression: codecs on SmolLM2-135M KV (bf16, 256-token chunks) ==")
-    print_table(result["codecs"])
+    print_table(result["codecs"], list(result["codecs"][0]))
     print("\n== compression: fp8 KV against exact KV (HF, greedy continuation) ==")
     print(json.dumps(result["fp8"], indent=1))
     print("\n== compression: time to ready KV, codec auto vs none ==")
-    print_table(result["ready"])
+    print_table(result["ready"], list(result["ready"][0]))
     print(f"\nauto never worse than none by more than 2%: {'met' if result['target_met'] else 'MISSED'} "
           f"(worst {result['worst_auto_vs_none']:.3f}x)")
 

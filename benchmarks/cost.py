@@ -46,7 +46,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -249,9 +248,7 @@ def object_store() -> Iterator[dict[str, Any]]:
     from tierkv.testing.s3server import S3Server
 
     with S3Server() as server:
-        bucket = f"tierkv-cost-{uuid.uuid4().hex[:8]}"
-        server.boto3_client().create_bucket(Bucket=bucket)
-        yield {"bucket": bucket, "prefix": "cost", **server.client_options()}
+        yield {**server.new_bucket("tierkv-cost"), "prefix": "cost"}
 
 
 def run_cost(lengths: list[int], bandwidths_mbps: list[float], latencies_ms: list[float], tiers: list[str],

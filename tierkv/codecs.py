@@ -36,7 +36,7 @@ import torch
 from tierkv import copies, serde
 from tierkv.errors import ChunkFormatError
 from tierkv.kvlayout import nbytes_of
-from tierkv.memory import contiguous_host, copy_into, empty_host
+from tierkv.memory import contiguous_host, copy_into, empty_host, gather_bytes
 
 FRAME_MAGIC = b"TKVZ"
 FRAME_VERSION = 1
@@ -161,6 +161,11 @@ def codec(name: str) -> Codec:
         raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}") from None
 
 
+def is_lossy(name: str) -> bool:
+    """Whether the codec setting ``name`` changes the bytes it stores (``auto`` never does)."""
+    return name in _CODECS and _CODECS[name].lossy
+
+
 def check_available(name: str) -> None:
     """Raise ImportError, naming the package, when ``name`` needs a library not installed."""
     if name in ("auto", "lz4", "zstd"):
@@ -185,12 +190,7 @@ def _frame(codec_id: int, chunk: torch.Tensor, parts: list[Any]) -> torch.Tensor
     header = _FRAME.pack(FRAME_MAGIC, FRAME_VERSION, codec_id, serde.dtype_code(chunk.dtype), len(shape),
                          nbytes_of(shape, chunk.dtype), body_len) + struct.pack(f"<{len(shape)}Q", *shape)
     frame = torch.empty(len(header) + body_len, dtype=torch.uint8)
-    target = frame.numpy()
-    offset = 0
-    for part in (header, *parts):
-        raw = np.frombuffer(part, dtype=np.uint8)
-        target[offset : offset + raw.size] = raw
-        offset += raw.size
+    gather_bytes([memoryview(part).cast("B") for part in (header, *parts)], frame.numpy().data)
     return frame
 
 
@@ -257,7 +257,10 @@ def _blosc_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> Non
     target = out if direct else empty_host(header.shape, header.dtype)
     if header.raw_len:
         copies.count(header.raw_len)
-        blosc.decompress_ptr(data, target.data_ptr())
+        try:
+            blosc.decompress_ptr(data, target.data_ptr())
+        except Exception as exc:  # the Blosc header was sound, the blocks were not
+            raise ChunkFormatError(f"corrupt coded chunk: Blosc could not decode it ({exc})") from exc
     if not direct:
         copy_into(out, target)
 

@@ -20,8 +20,10 @@ a prefix's bytes into stored bytes and decode time.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ import torch
 from tierkv import codecs, ownership
 from tierkv.backend import NamesVictims, StorageBackend, check_batch, check_destinations
 from tierkv.errors import ChunkFormatError
-from tierkv.keys import CacheKey
+from tierkv.keys import KV_FORMATS, CacheKey
 from tierkv.memory import copy_into
 
 AUTO_MARGIN = 0.95
@@ -61,6 +63,32 @@ class CodingEstimate:
             last = self.frame_decode_s_per_byte
             self.frame_decode_s_per_byte = speed if last is None else last + _EMA * (speed - last)
         self.reads += 1
+
+
+@dataclass
+class ReadTally:
+    """What one read moved and decoded, counted in the decoding thread and applied to the
+    backend's counters and estimates on the event loop (:meth:`CodedBackend._account`)."""
+
+    stored_bytes: int = 0  # bytes that came from the tier for the chunks served
+    raw_bytes: int = 0  # bytes served
+    frame_bytes: int = 0  # bytes served out of frames
+    decode_s: float = 0.0
+    frames: int = 0
+    raw_chunks: int = 0
+    corrupt: list[tuple[CacheKey, ChunkFormatError]] = field(default_factory=list)
+
+    def raw(self, nbytes: int) -> None:
+        self.raw_chunks += 1
+        self.stored_bytes += nbytes
+        self.raw_bytes += nbytes
+
+    def frame(self, stored: int, nbytes: int, seconds: float) -> None:
+        self.frames += 1
+        self.stored_bytes += stored
+        self.raw_bytes += nbytes
+        self.frame_bytes += nbytes
+        self.decode_s += seconds
 
 
 class Trial:
@@ -123,6 +151,7 @@ class CodedBackend(StorageBackend):
         self.codec: codecs.Codec = codecs.Codec() if self.auto else codecs.codec(codec)
         self.marker = self.codec.marker
         self.trials: dict[str, Trial] = {}
+        self._choosing = threading.Lock()  # concurrent puts encode in worker threads: one trial, one choice
         self.estimate = CodingEstimate()
         self._transfer_seconds = transfer_seconds or (lambda nbytes: nbytes / inner.speed_seed.bytes_per_s)
         self.on_transfer = on_transfer  # (stored bytes, seconds) of each read: the tier's speed line
@@ -152,20 +181,21 @@ class CodedBackend(StorageBackend):
         candidate with the shortest expected read (none when coding does not pay)."""
         if not self.auto:
             return self.codec
-        if not self.trials:
-            self.trials = {name: trial(name, chunk, kv_format) for name in codecs.AUTO_CANDIDATES}
-        measured_speed = self.estimate.frame_decode_s_per_byte
-        if measured_speed is not None and self.codec.name in self.trials:  # reads measured the codec in use
-            self.trials[self.codec.name].decode_s_per_byte = measured_speed
-        raw = chunk.numel() * chunk.element_size()
-        best, best_s = "none", self._transfer_seconds(raw) * AUTO_MARGIN
-        for name, measured in self.trials.items():
-            seconds = self._transfer_seconds(int(raw * measured.fraction)) + raw * measured.decode_s_per_byte
-            if measured.fraction < 1.0 and seconds < best_s:
-                best, best_s = name, seconds
-        if best != self.codec.name:
-            self.codec = codecs.codec(best)
-        return self.codec
+        with self._choosing:
+            if not self.trials:
+                self.trials = {name: trial(name, chunk, kv_format) for name in codecs.AUTO_CANDIDATES}
+            measured_speed = self.estimate.frame_decode_s_per_byte
+            if measured_speed is not None and self.codec.name in self.trials:  # reads measured the codec in use
+                self.trials[self.codec.name].decode_s_per_byte = measured_speed
+            raw = chunk.numel() * chunk.element_size()
+            best, best_s = "none", self._transfer_seconds(raw) * AUTO_MARGIN
+            for name, measured in self.trials.items():
+                seconds = self._transfer_seconds(int(raw * measured.fraction)) + raw * measured.decode_s_per_byte
+                if measured.fraction < 1.0 and seconds < best_s:
+                    best, best_s = name, seconds
+            if best != self.codec.name:
+                self.codec = codecs.codec(best)
+            return self.codec
 
     def split(self, nbytes: int) -> tuple[int, float]:
         """A read of chunks of ``nbytes`` bytes as (bytes it moves from the tier, seconds it
@@ -181,21 +211,17 @@ class CodedBackend(StorageBackend):
         return int(nbytes * fraction), 0.0
 
     def _encode(self, chunks: Sequence[torch.Tensor], kv_formats: Sequence[str | None]) -> list[torch.Tensor]:
-        stored: list[torch.Tensor] = []
-        codec = self.choose(chunks[0], kv_formats[0]) if chunks else self.codec
-        for chunk, fmt in zip(chunks, kv_formats):
-            frame = codec.encode(chunk, fmt)  # None: kept raw (exact, so harmless under a lossy key too)
-            raw = chunk.numel() * chunk.element_size()
-            self.coding["bytes_before_coding"] += raw
-            if frame is None:
-                self.coding["raw_written"] += 1
-                self.coding["bytes_stored"] += raw
-                stored.append(chunk)
-            else:
-                self.coding["frames_written"] += 1
-                self.coding["bytes_stored"] += frame.numel()
-                stored.append(frame)
-        return stored
+        """Each chunk as it will be stored: its frame, or the chunk itself where coding does not
+        pay (exact, so harmless under a lossy key too). Runs in a worker thread."""
+        codec = self.choose(chunks[0], kv_formats[0])
+        return [frame if (frame := codec.encode(chunk, fmt)) is not None else chunk
+                for chunk, fmt in zip(chunks, kv_formats)]
+
+    def _count_written(self, chunks: Sequence[torch.Tensor], stored: Sequence[torch.Tensor]) -> None:
+        for chunk, kept in zip(chunks, stored):
+            self.coding["bytes_before_coding"] += chunk.nbytes
+            self.coding["bytes_stored"] += kept.nbytes
+            self.coding["raw_written" if kept is chunk else "frames_written"] += 1
 
     # -- writes -----------------------------------------------------------------------------
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
@@ -206,8 +232,9 @@ class CodedBackend(StorageBackend):
         check_batch(keys, chunks)
         if not keys:
             return 0
-        formats = [key.fmt if key.fmt in ("vllm", "huggingface") else None for key in keys]
+        formats = [key.fmt if key.fmt in KV_FORMATS else None for key in keys]
         stored = await ownership.in_thread(self._encode, chunks, formats)
+        self._count_written(chunks, stored)
         return await self.inner.batched_put(self._stored(keys), stored)
 
     # -- reads ------------------------------------------------------------------------------
@@ -219,8 +246,8 @@ class CodedBackend(StorageBackend):
         started = time.perf_counter()
         found = await self.inner.batched_get(self._stored(keys))
         transfer_s = time.perf_counter() - started
-        results, corrupt = await ownership.in_thread(self._decode_found, keys, found, None, transfer_s)
-        await self._drop(corrupt)
+        results, tally = await ownership.in_thread(self._decode_found, keys, found, None)
+        await self._account(tally, transfer_s)
         return results
 
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
@@ -236,12 +263,11 @@ class CodedBackend(StorageBackend):
         if self.codec.name == "none":  # auto, now writing raw chunks: those are read in place
             started = time.perf_counter()
             direct = await self.inner.batched_get_into(stored_keys, outs)
-            raw_bytes = sum(out.nbytes for out, hit in zip(outs, direct) if hit)
-            if raw_bytes:
-                self.estimate.observe(raw_bytes, raw_bytes, 0.0, 0)
-                if self.on_transfer is not None:
-                    self.on_transfer(raw_bytes, time.perf_counter() - started)
-            self.coding["raw_read"] += sum(direct)
+            tally = ReadTally()
+            for out, hit in zip(outs, direct):
+                if hit:
+                    tally.raw(out.nbytes)
+            await self._account(tally, time.perf_counter() - started)
             hits = list(direct)
             pending = [i for i, hit in enumerate(direct) if not hit]
         if not pending:
@@ -250,74 +276,64 @@ class CodedBackend(StorageBackend):
         found = await self.inner.batched_get([stored_keys[i] for i in pending])
         transfer_s = time.perf_counter() - started
         targets = [outs[i] for i in pending]
-        decoded, corrupt = await ownership.in_thread(self._decode_found, [keys[i] for i in pending], found, targets,
-                                                     transfer_s)
-        await self._drop(corrupt)
+        decoded, tally = await ownership.in_thread(self._decode_found, [keys[i] for i in pending], found, targets)
+        await self._account(tally, transfer_s)
         for i, hit in zip(pending, decoded):
             hits[i] = hit is True
         return hits
 
     def _decode_found(self, keys: Sequence[CacheKey], found: Sequence[torch.Tensor | None],
-                      outs: Sequence[torch.Tensor] | None, transfer_s: float) -> tuple[list[Any], list[CacheKey]]:
+                      outs: Sequence[torch.Tensor] | None) -> tuple[list[Any], ReadTally]:
         """Decode what a read found: into ``outs`` (True / False per key), or into fresh tensors
-        (the tensor / None); and the keys of damaged frames (counted here, a miss, to be dropped)."""
+        (the tensor / None); with the read's tally. A damaged frame is a miss, in the tally's
+        ``corrupt``. Runs in a worker thread: it touches no state of the backend."""
         results: list[Any] = []
-        stored_bytes = raw_bytes = frame_bytes = 0
-        decode_s = 0.0
-        corrupt: list[tuple[CacheKey, ChunkFormatError]] = []
-        for index, stored in enumerate(found):
-            out = outs[index] if outs is not None else None
+        tally = ReadTally()
+        for key, stored, out in zip(keys, found, outs if outs is not None else [None] * len(found)):
             if stored is None:
-                results.append(False if outs is not None else None)
-                continue
-            if not codecs.is_frame(stored) or (out is not None and _fits(out, stored)):
-                self.coding["raw_read"] += 1
-                stored_bytes += stored.nbytes
-                raw_bytes += stored.nbytes
+                results.append(False if out is not None else None)
+            elif out is not None and _fits(out, stored):  # a raw chunk (a frame never fits a chunk)
+                copy_into(out, stored)
+                tally.raw(stored.nbytes)
+                results.append(True)
+            elif not codecs.is_frame(stored):
                 if out is None:
-                    results.append(stored)
-                elif _fits(out, stored):
-                    copy_into(out, stored)
-                    results.append(True)
-                else:
-                    results.append(False)
-                continue
-            started = time.perf_counter()
-            try:
-                if out is None:
-                    decoded = codecs.decode(stored)
-                    results.append(decoded)
-                    nbytes = decoded.nbytes
-                else:
-                    hit = codecs.decode_into(stored, out)
-                    results.append(hit)
-                    nbytes = out.nbytes if hit else 0
-            except ChunkFormatError as exc:
-                corrupt.append((keys[index], exc))
-                results.append(False if outs is not None else None)
-                continue
-            decode_s += time.perf_counter() - started
-            if nbytes:
-                self.coding["frames_read"] += 1
-                self.coding["decoded_bytes"] += nbytes
-                stored_bytes += stored.nbytes
-                raw_bytes += nbytes
-                frame_bytes += nbytes
-        if raw_bytes:
-            self.estimate.observe(raw_bytes, stored_bytes, decode_s, frame_bytes)
-            if self.on_transfer is not None:
-                self.on_transfer(stored_bytes, transfer_s)
-        if corrupt:
-            self.count_corrupt([(key.to_string(), exc) for key, exc in corrupt])
-        return results, [self._stored_key(key) for key, _ in corrupt]
+                    tally.raw(stored.nbytes)
+                results.append(stored if out is None else False)
+            else:
+                started = time.perf_counter()
+                decoded: torch.Tensor | None
+                try:
+                    if out is None:
+                        decoded = codecs.decode(stored)
+                    else:  # None: a frame of another chunk (shape, dtype)
+                        decoded = out if codecs.decode_into(stored, out) else None
+                except ChunkFormatError as exc:
+                    tally.corrupt.append((key, exc))
+                    decoded = None
+                if decoded is not None:
+                    tally.frame(stored.nbytes, decoded.nbytes, time.perf_counter() - started)
+                results.append(decoded if out is None else decoded is not None)
+        return results, tally
 
-    async def _drop(self, keys: list[CacheKey]) -> None:
-        """Delete damaged frames (a failed delete leaves one to be dropped at its next read)."""
-        for key in keys:
-            try:
-                await self.inner.delete(key)
-            except Exception:
-                return
+    async def _account(self, tally: ReadTally, transfer_s: float) -> None:
+        """Apply a read's tally on the event loop: counters, the coding estimate, the tier's speed
+        line (bytes moved over the transfer time); count and delete damaged frames (a failed
+        delete leaves one to be dropped at its next read)."""
+        self.coding["raw_read"] += tally.raw_chunks
+        self.coding["frames_read"] += tally.frames
+        self.coding["decoded_bytes"] += tally.frame_bytes
+        if tally.raw_bytes:
+            self.estimate.observe(tally.raw_bytes, tally.stored_bytes, tally.decode_s, tally.frame_bytes)
+            if self.on_transfer is not None:
+                self.on_transfer(tally.stored_bytes, transfer_s)
+        if tally.corrupt:
+            self.count_corrupt([(key.to_string(), exc) for key, exc in tally.corrupt])
+            for key, _ in tally.corrupt:
+                try:
+                    await self.inner.delete(self._stored_key(key))
+                except Exception:
+                    return
 
     # -- questions, deletes, lifecycle ---------------------------------------------------------
     async def contains(self, key: CacheKey) -> bool:

@@ -18,11 +18,9 @@ from typing import Any
 import torch
 import yaml
 
-from tierkv import registry
+from tierkv import codecs, registry
 from tierkv.admission import Admission, parse_admission
 from tierkv.backend import InPlaceTier, NamesVictims
-from tierkv.codecs import CODEC_NAMES
-from tierkv.codecs import check_available as check_codec
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS
 from tierkv.options import Option, OptionValues, parse_options, parse_size, redacted_repr, unknown_key_error
@@ -224,12 +222,12 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
 def _parse_codec(value: Any, backend_cls: type, path: str) -> str:
     """A tier's ``codec``: one of :data:`tierkv.codecs.CODEC_NAMES`, on a byte tier only (a
     memory tier hands out its chunks in place), with its library installed."""
-    name = _choice(value, CODEC_NAMES, path)
+    name = _choice(value, codecs.CODEC_NAMES, path)
     if name != "none" and issubclass(backend_cls, InPlaceTier):
         raise ConfigError(f"{path}: a memory tier keeps chunks in place and cannot code them; set codec on a "
                           f"byte tier (lmdb, fs, s3, mooncake or a plugin), or leave it out")
     try:
-        check_codec(name)
+        codecs.check_available(name)
     except ImportError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return name
@@ -239,14 +237,15 @@ def _check_lossy_below_exact(tiers: tuple[TierConfig, ...]) -> None:
     """Write-back moves what a memory tier evicts to the first tier below that takes it: a chunk
     read from a lossy tier (and promoted to memory) would reach an exact byte tier above it
     under its exact key. So under write_back a lossy tier has no exact byte tier above it."""
+    lossy = [codecs.is_lossy(tier.codec) for tier in tiers]
     for index, tier in enumerate(tiers):
-        if tier.codec != "fp8":
+        if not lossy[index]:
             continue
-        for above in tiers[:index]:
-            if above.codec != "fp8" and not issubclass(registry.load(above.backend, where=above.path), InPlaceTier):
+        for above, above_lossy in zip(tiers[:index], lossy):
+            if not above_lossy and not issubclass(registry.load(above.backend, where=above.path), InPlaceTier):
                 raise ConfigError(f"{tier.path}.codec: under write_back, chunks read from this lossy tier could be "
-                                  f"demoted into the exact tier {above.name!r} above it; put the fp8 tier above "
-                                  f"{above.name!r}, give {above.name!r} codec fp8 too, or use write_through")
+                                  f"demoted into the exact tier {above.name!r} above it; put this tier above "
+                                  f"{above.name!r}, give {above.name!r} codec {tier.codec} too, or use write_through")
 
 
 def default_admission(backend_cls: type) -> str:

@@ -5,6 +5,7 @@ decoding, and the plan costing a coded tier at the bytes it moves plus the decod
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from tierkv.coded import CodedBackend
 from tierkv.config import load_config
 from tierkv.errors import ChunkFormatError, ConfigError
 from tierkv.keys import CacheKey
+from tierkv_backends.lmdb import LMDBBackend
 
 CHUNK = 32
 SHAPE = (2, 2, CHUNK, 4, 16)  # vllm: layers, K/V, tokens, heads, head_size
@@ -168,23 +170,22 @@ def test_fp8_scales_each_head_so_small_heads_keep_their_precision() -> None:
 
 
 def test_auto_codes_only_where_the_tier_is_slower_than_decoding(tmp_path: Path) -> None:
-    from tierkv_backends.lmdb import LMDBBackend
-
     chunk = kv_like(tokens_of(6, chunks=16), seed=6)  # 512 tokens, 256 KiB: decoding it is not all overhead
     key = CacheKey("vllm", "codecs", 1, 0, "ab" * 16)
+
+    async def round_trip(coded: CodedBackend) -> bool:
+        try:
+            await coded.put(key, chunk)
+            out = torch.zeros_like(chunk)
+            return await coded.batched_get_into([key], [out]) == [True] and torch.equal(out, chunk)
+        finally:
+            await coded.close()
+
     results = {}
     for name, bytes_per_s in (("slow", 20e6), ("fast", 50e9)):
         inner = LMDBBackend(name="disk", capacity=1 << 28, path=str(tmp_path / name))
         coded = CodedBackend(inner, "auto", transfer_seconds=lambda n, bps=bytes_per_s: 1e-4 + n / bps)
-
-        async def round_trip(coded: CodedBackend = coded) -> bool:
-            await coded.put(key, chunk)
-            out = torch.zeros_like(chunk)
-            got = await coded.batched_get_into([key], [out])
-            await coded.close()
-            return got == [True] and torch.equal(out, chunk)
-        import asyncio
-        assert asyncio.run(round_trip())
+        assert asyncio.run(round_trip(coded))
         results[name] = dict(coded.coding)
         assert set(coded.trials) == {"lz4", "zstd"}
     assert results["slow"]["frames_written"] == 1, "behind 20 MB/s, fewer bytes beat the decode"

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -168,6 +169,12 @@ class S3Server:
         """Options for the ``s3`` tier (endpoint, region, credentials) pointing at this server."""
         return {"endpoint_url": self.endpoint_url, "region": "us-east-1",
                 "access_key_id": self.access_key_id, "secret_access_key": self.secret_access_key}
+
+    def new_bucket(self, prefix: str = "tierkv") -> dict[str, str]:
+        """Create a bucket named ``<prefix>-<random>``; the ``s3`` tier's options for it."""
+        bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.boto3_client().create_bucket(Bucket=bucket)
+        return {"bucket": bucket, **self.client_options()}
 
     def boto3_client(self, **config: object):  # type: ignore[no-untyped-def]
         """A raw boto3 client for this server (baselines, garbage writers)."""
