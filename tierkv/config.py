@@ -233,19 +233,28 @@ def _parse_codec(value: Any, backend_cls: type, path: str) -> str:
     return name
 
 
-def _check_lossy_below_exact(tiers: tuple[TierConfig, ...]) -> None:
-    """Write-back moves what a memory tier evicts to the first tier below that takes it: a chunk
-    read from a lossy tier (and promoted to memory) would reach an exact byte tier above it
-    under its exact key. So under write_back a lossy tier has no exact byte tier above it."""
+def _check_lossy_below_exact(tiers: tuple[TierConfig, ...], write_policy: str) -> None:
+    """A chunk read from a lossy tier is promoted into memory tiers only, but from memory two
+    copies go down without knowing where it came from: write-back demotes what a memory tier
+    evicts, and under write-through a ``reused(n)`` tier gets a late fill of a chunk read n
+    times. Either would put the lossy chunk into an exact byte tier under its exact key, so a
+    lossy tier has no exact byte tier above it that such a copy reaches."""
     lossy = [codecs.is_lossy(tier.codec) for tier in tiers]
     for index, tier in enumerate(tiers):
         if not lossy[index]:
             continue
         for above, above_lossy in zip(tiers[:index], lossy):
-            if not above_lossy and not issubclass(registry.load(above.backend, where=above.path), InPlaceTier):
-                raise ConfigError(f"{tier.path}.codec: under write_back, chunks read from this lossy tier could be "
-                                  f"demoted into the exact tier {above.name!r} above it; put this tier above "
-                                  f"{above.name!r}, give {above.name!r} codec {tier.codec} too, or use write_through")
+            if above_lossy or issubclass(registry.load(above.backend, where=above.path), InPlaceTier):
+                continue
+            if write_policy == "write_back":
+                how, fix = "demoted", "or use write_through"
+            elif above.admission.policy == "reused":
+                how, fix = "copied (a late fill of admission reused(n))", f"or another admission on {above.name!r}"
+            else:
+                continue
+            raise ConfigError(f"{tier.path}.codec: chunks read from this lossy tier could be {how} into the exact "
+                              f"tier {above.name!r} above it under their exact keys; put this tier above "
+                              f"{above.name!r}, give {above.name!r} codec {tier.codec} too, {fix}")
 
 
 def default_admission(backend_cls: type) -> str:
@@ -321,8 +330,7 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
         raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
     seen: set[str] = set()
     tiers = tuple(_parse_tier(tier, index, seen) for index, tier in enumerate(tiers_raw))
-    if write_policy == "write_back":
-        _check_lossy_below_exact(tiers)
+    _check_lossy_below_exact(tiers, write_policy)
     pressure = PressureConfig(**_section(raw, "pressure", _PRESSURE_OPTIONS))
     background = BackgroundConfig(**_section(raw, "background", _BACKGROUND_OPTIONS))
     health = HealthConfig(**_section(raw, "health", _HEALTH_OPTIONS))

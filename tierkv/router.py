@@ -353,6 +353,7 @@ class TierRouter:
         read of :mod:`tierkv.reads`); the number of leading chunks delivered. ``caller_owned``:
         the sink's memory is the caller's (a tier that streams before it verifies reads into
         staging); ``preloaded``: chunk 0, already read."""
+        await self.start()  # a read may queue work (late fills) and a reader's memory tiers are watched too
         delivered = await self._reader.read_into(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
         self._sighted(keys[:delivered], levels[:delivered])
         return delivered

@@ -103,6 +103,24 @@ def test_write_through_copies_a_chunk_down_only_once_it_is_reused(tmp_path: Path
         assert mask.all() and torch.equal(out, kv_of(twice))
 
 
+def test_a_reader_that_never_stored_fills_late_and_flushes(tmp_path: Path) -> None:
+    """A process that only reads (its chunks stored by another, promoted from a tier below into
+    its memory) owes the late fill too: its fill worker runs, and flush returns once it landed."""
+    shared = {"name": "shared", "backend": "lmdb", "path": str(tmp_path / "shared"), "capacity": "64MiB"}
+    tokens = prompt(7, 2)
+    writer = load_config({"model": "admission", "chunk_size": CHUNK, "kv_format": "vllm", "tiers": [shared]})
+    with Engine(writer) as eng:
+        eng.store(tokens, kv_of(tokens))
+    reader = config(tmp_path, "reused(2)")
+    reader["tiers"].append(shared)
+    with Engine(reader) as eng:
+        for _ in range(2):  # promoted into host from shared, then a hit there: the second sighting
+            out, mask = eng.retrieve(tokens, return_tuple=False)
+            assert mask.all() and torch.equal(out, kv_of(tokens))
+        eng.flush()
+        assert on_disk(eng, tokens) == [True] * 2, "filled down from memory once reused"
+
+
 def test_write_through_with_all_admits_every_chunk(tmp_path: Path) -> None:
     with Engine(config(tmp_path, "all")) as eng:
         tokens = prompt(2, 2)

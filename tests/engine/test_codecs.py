@@ -234,3 +234,14 @@ def test_a_hit_from_a_lossy_tier_is_promoted_into_memory_only(tmp_path: Path) ->
         host, files = eng.tiers[0], eng.tiers[1]
         assert all(eng.run(host.batched_contains(keys))), "promoted into this process's memory"
         assert not any(eng.run(files.batched_contains(keys))), "never under the exact key of a shared tier"
+
+
+def test_a_lossy_hit_never_reaches_an_exact_tier_through_a_late_fill(tmp_path: Path) -> None:
+    """Under write-through, ``reused(n)`` on a byte tier copies a chunk down from memory once it
+    is read n times: a chunk promoted into memory from an fp8 tier would reach that exact tier
+    under its exact key. The config refuses the stack instead."""
+    files = {"name": "files", "backend": "fs", "path": str(tmp_path / "fs"), "admission": "reused(2)"}
+    stack = [{"name": "host", "backend": "cpu", "capacity": "64MiB"}, files]
+    with pytest.raises(ConfigError, match=r"could be copied \(a late fill .*\) into the exact tier 'files'"):
+        load_config(config(tmp_path, "fp8", above=stack))
+    load_config(config(tmp_path, "fp8", above=[stack[0], {**files, "admission": "all"}]))
