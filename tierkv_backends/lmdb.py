@@ -61,6 +61,12 @@ _PARALLEL_READ_BYTES = 8 << 20  # below this a second thread costs more than it 
 _PARALLEL_CHECKSUM_BYTES = 64 << 20
 
 
+def _accounted(payload_nbytes: int, ndim: int = 8) -> int:
+    """Bytes a chunk counts against the capacity: its payload and header (at ``ndim``
+    dimensions; the largest a header holds when the chunk's own is not known yet)."""
+    return payload_nbytes + 64 + 8 * ndim
+
+
 def _checksum_pool() -> concurrent.futures.ThreadPoolExecutor:
     """One thread that checksums payloads while the writing thread copies them into LMDB."""
     global _checksum_executor
@@ -197,7 +203,7 @@ class LMDBBackend(StorageBackend):
         sizes = {}
         for kb, (_, chunk) in latest.items():
             nbytes = chunk.numel() * chunk.element_size()
-            sizes[kb] = nbytes + 64 + 8 * chunk.dim()  # payload + header, as accounted on disk
+            sizes[kb] = _accounted(nbytes, chunk.dim())
             self._check_fits(sizes[kb])
         async with self._lock():
             self._ensure_open()
@@ -229,12 +235,12 @@ class LMDBBackend(StorageBackend):
 
     def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
         """The chunks an eviction for chunks of ``chunk_nbytes`` bytes would take, in order
-        (see :class:`~tierkv.backend.NamesVictims`; each counted with a chunk header of up to
-        8 dimensions, as a put accounts it); a key stored as a digest (too long for LMDB)
+        (see :class:`~tierkv.backend.NamesVictims`; each counted as a put accounts it, its header
+        at the largest number of dimensions); a key stored as a digest (too long for LMDB)
         cannot be named and is left out."""
         if self.capacity is None:
             return []
-        victims = self._index.victims(sum(nbytes + 64 + 8 * 8 for nbytes in chunk_nbytes), self.capacity)
+        victims = self._index.victims(sum(_accounted(nbytes) for nbytes in chunk_nbytes), self.capacity)
         if victims is None:
             return None
         return [CacheKey.from_string(kb.decode()) for kb in victims if not kb.startswith(b"#")]
