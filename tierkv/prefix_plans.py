@@ -69,12 +69,14 @@ class PrefixPlans:
         """The plan of a lookup of ``num_tokens`` tokens whose chunks are at ``levels``: the
         length a scheduler should count as cached; kept for ``stats()``. A lookup that finds
         a chunk before the layout is known starts learning it from that chunk (``first_key``)."""
-        if self.layout.value is None and levels and levels[0] not in (None, FILL_QUEUE_LEVEL):
-            self.layout.learn_soon(first_key(), levels[0])
         hit_chunks = policy.first_missing([level is not None for level in levels])
         cached = min(hit_chunks * self.chunk_size, num_tokens)
         prefix_plan = self.plan(self.router.names(levels[:hit_chunks]), num_tokens)
         self._last = (num_tokens, cached, levels[:hit_chunks], prefix_plan)
+        # learning starts after this plan is made: on the caller's thread (a lookup from memory
+        # indexes) the loop could otherwise learn the layout midway, and the plan would depend on it
+        if self.layout.value is None and levels and levels[0] not in (None, FILL_QUEUE_LEVEL):
+            self.layout.learn_soon(first_key(), levels[0])
         return prefix_plan
 
     def plan(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
