@@ -10,23 +10,33 @@ chunks without knowing codecs exist.
 
 Codecs (ids are part of the stored format: append only):
 
-- ``1`` Blosc (lossless): byte- or bit-shuffle then LZ4 or Zstd, from the ``blosc``
-  package. The body is a Blosc buffer, which names its own compressor, so a reader decodes
-  whatever lossless codec a writer chose.
+- ``1`` Blosc (lossless), one buffer: byte- or bit-shuffle then LZ4 or Zstd, from the
+  ``blosc`` package. The body is a Blosc buffer, which names its own compressor, so a reader
+  decodes whatever lossless codec a writer chose. Read, no longer written.
 - ``2`` fp8 (lossy, opt-in): e4m3 values with one float32 scale per (layer, K/V, head). The
   body is ``keep u8 | n u32 | scales f32 * n | values``; ``keep`` is the bitmask of the
   chunk's dimensions the scales vary along.
+- ``3`` Blosc (lossless), one buffer per *slab*: the chunk split along its dimensions before
+  the token dimension (``vllm``: one slab per (layer, K/V); ``huggingface``: per (layer, K/V,
+  head)). The body is ``split u8 | n u32 | stored length u32 * n | Blosc buffers``. A token
+  slice of a serving engine's cache is contiguous within each slab, so every slab decompresses
+  straight into its place in the destination, the slabs in parallel.
 
-Decoding writes each byte of the destination once (Blosc decompresses straight into a
-contiguous host destination). Nothing here unpickles: every header field is checked
-before a byte is decoded, and a frame that does not parse is a :class:`ChunkFormatError`.
+Decoding writes each byte of the destination once: Blosc slabs decompress straight into a
+host destination whose slabs are contiguous (a token slice of a larger cache is), fp8 is
+converted into it. Nothing here unpickles: every header field, and every Blosc buffer's
+header, is checked before a byte is decoded; a frame that does not parse is a
+:class:`ChunkFormatError`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,14 +45,17 @@ import torch
 
 from tierkv import copies, serde
 from tierkv.errors import ChunkFormatError
-from tierkv.kvlayout import nbytes_of
+from tierkv.kvlayout import nbytes_of, token_dim
 from tierkv.memory import contiguous_host, copy_into, empty_host, gather_bytes
 
 FRAME_MAGIC = b"TKVZ"
 FRAME_VERSION = 1
 _FRAME = struct.Struct("<4sBBBBQQ")
 _FP8_BODY = struct.Struct("<BI")
-_BLOSC_ID, _FP8_ID = 1, 2
+_SLABS_BODY = struct.Struct("<BI")
+_BLOSC_ID, _FP8_ID, _BLOSC_SLABS_ID = 1, 2, 3
+_CODEC_IDS = (_BLOSC_ID, _FP8_ID, _BLOSC_SLABS_ID)
+_PARALLEL_BYTES = 1 << 20  # chunks smaller than this are coded on the calling thread
 _MAX_NDIM = 8
 FP8_E4M3_MAX = 448.0
 BLOSC_MAX_BYTES = 2**31 - 256  # a Blosc buffer holds at most 2 GiB (minus its overhead)
@@ -93,14 +106,21 @@ class BloscCodec(Codec):
         blosc = _blosc()
         source = contiguous_host(chunk.detach())
         nbytes = source.numel() * source.element_size()
-        if nbytes == 0 or nbytes > BLOSC_MAX_BYTES:
+        split = _slab_split(tuple(source.shape), kv_format)
+        count = math.prod(source.shape[:split])
+        if nbytes == 0 or nbytes // count > BLOSC_MAX_BYTES:
             return None
         shuffle = blosc.BITSHUFFLE if self.shuffle == "bit" else blosc.SHUFFLE
-        body = blosc.compress_ptr(source.data_ptr(), source.numel(), source.element_size(), self.clevel, shuffle,
-                                  self.cname)
-        if len(body) > WORTH_IT * nbytes:
+        items, size, base = source.numel() // count, source.element_size(), source.data_ptr()
+
+        def compress(index: int) -> bytes:
+            return blosc.compress_ptr(base + index * items * size, items, size, self.clevel, shuffle, self.cname)
+
+        bodies = _each_slab(compress, count, nbytes)
+        head = _SLABS_BODY.pack(split, count) + struct.pack(f"<{count}I", *(len(body) for body in bodies))
+        if len(head) + sum(len(body) for body in bodies) > WORTH_IT * nbytes:
             return None
-        return _frame(_BLOSC_ID, chunk, [body])
+        return _frame(_BLOSC_SLABS_ID, chunk, [head, *bodies])
 
     def describe(self) -> str:
         return f"{self.name} (blosc {self.cname}, {self.shuffle}-shuffle, level {self.clevel})"
@@ -138,8 +158,26 @@ def _blosc() -> Any:
     except ImportError as exc:
         raise ImportError("lossless codecs need the 'blosc' package: pip install blosc (or tierkv[compress])") from exc
     blosc.set_releasegil(True)
-    blosc.set_nthreads(max(1, min(4, os.cpu_count() or 1)))
+    blosc.set_nthreads(1)  # parallel across slabs instead (_each_slab): no thread handoff per block
     return blosc
+
+
+_SLAB_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.cache
+def _slab_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=_SLAB_WORKERS, thread_name_prefix="tierkv-codec")
+
+
+def _each_slab(work: Callable[[int], Any], count: int, nbytes: int) -> list[Any]:
+    """``work(i)`` for every slab ``i``, in order: split into one contiguous run of slabs per
+    worker thread when the chunk is large enough to gain from it (Blosc releases the GIL)."""
+    if count == 1 or nbytes < _PARALLEL_BYTES or _SLAB_WORKERS == 1:
+        return [work(index) for index in range(count)]
+    step = -(-count // _SLAB_WORKERS)
+    runs = [range(start, min(count, start + step)) for start in range(0, count, step)]
+    return [result for run in _slab_pool().map(lambda run: [work(i) for i in run], runs) for result in run]
 
 
 _CODECS: dict[str, Codec] = {
@@ -170,6 +208,32 @@ def check_available(name: str) -> None:
     """Raise ImportError, naming the package, when ``name`` needs a library not installed."""
     if name in ("auto", "lz4", "zstd"):
         _blosc()
+
+
+def _slab_split(shape: tuple[int, ...], kv_format: str | None) -> int:
+    """How many leading dimensions a chunk is split along into slabs: those before the token
+    dimension of a KV blob (a token slice of a cache is contiguous within each), none else."""
+    if len(shape) == 5 and kv_format in ("vllm", "huggingface"):
+        return token_dim(kv_format)
+    return 0
+
+
+def _slab_pointers(out: torch.Tensor, split: int) -> list[int] | None:
+    """The address of each slab of ``out`` (split along its first ``split`` dimensions), or
+    None when ``out`` is not host memory, a slab of it is not contiguous or slabs share memory
+    (a broadcast view)."""
+    if out.device.type != "cpu" or any(out.shape[d] > 1 and out.stride(d) == 0 for d in range(split)):
+        return None
+    expected = 1
+    for dim in reversed(range(split, out.dim())):
+        if out.shape[dim] != 1 and out.stride(dim) != expected:
+            return None
+        expected *= out.shape[dim]
+    if split == 0:
+        return [out.data_ptr()]
+    index = np.indices(tuple(out.shape[:split])).reshape(split, -1)
+    offsets = (np.asarray(out.stride()[:split], dtype=np.int64)[:, None] * index).sum(axis=0)
+    return [out.data_ptr() + int(offset) * out.element_size() for offset in offsets]
 
 
 def _scale_dims(ndim: int, kv_format: str | None) -> tuple[int, ...]:
@@ -210,7 +274,7 @@ def read_header(frame: torch.Tensor) -> FrameHeader:
         raise ChunkFormatError(f"not a tierkv coded chunk (magic {bytes(magic)!r}, version {version}); this tierkv "
                                f"reads {FRAME_MAGIC!r} version {FRAME_VERSION}")
     dtype = serde.code_dtype(dtype_code)
-    if codec_id not in (_BLOSC_ID, _FP8_ID) or dtype is None or ndim > _MAX_NDIM:
+    if codec_id not in _CODEC_IDS or dtype is None or ndim > _MAX_NDIM:
         raise ChunkFormatError(f"corrupt coded chunk header (codec {codec_id}, dtype code {dtype_code}, ndim {ndim})")
     header_len = _FRAME.size + 8 * ndim
     if data.size != header_len + body_len:
@@ -228,7 +292,9 @@ def decode_into(frame: torch.Tensor, out: torch.Tensor, header: FrameHeader | No
     if out.dtype != header.dtype or tuple(out.shape) != header.shape:
         return False
     body = frame[header.header_len :].numpy()
-    if header.codec == _BLOSC_ID:
+    if header.codec == _BLOSC_SLABS_ID:
+        _slabs_into(body, out, header)
+    elif header.codec == _BLOSC_ID:
         _blosc_into(body, out, header)
     else:
         _fp8_into(body, out, header)
@@ -262,6 +328,49 @@ def _blosc_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> Non
         except Exception as exc:  # the Blosc header was sound, the blocks were not
             raise ChunkFormatError(f"corrupt coded chunk: Blosc could not decode it ({exc})") from exc
     if not direct:
+        copy_into(out, target)
+
+
+def _slabs_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> None:
+    blosc = _blosc()
+    if body.size < _SLABS_BODY.size:
+        raise ChunkFormatError("corrupt coded chunk: body shorter than its slab table")
+    split, count = _SLABS_BODY.unpack_from(body.data)
+    table_end = _SLABS_BODY.size + 4 * count
+    if split > len(header.shape) or count != math.prod(header.shape[:split]) or not count or \
+            not header.raw_len or body.size < table_end:
+        raise ChunkFormatError(f"corrupt coded chunk: {count} slabs split along {split} dimensions do not describe "
+                               f"shape {header.shape} in {body.size} body bytes")
+    lengths = np.frombuffer(body.data, dtype="<u4", count=count, offset=_SLABS_BODY.size).astype(np.int64)
+    if table_end + int(lengths.sum()) != body.size:
+        raise ChunkFormatError(f"truncated coded chunk: its slabs say {table_end + int(lengths.sum())} body bytes, "
+                               f"it has {body.size}")
+    slab_bytes = header.raw_len // count
+    ends = table_end + np.cumsum(lengths)
+    slabs = [body[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist())]
+    for index, slab in enumerate(slabs):  # every slab's Blosc header, before a byte of ``out`` is written
+        try:
+            nbytes, cbytes, _ = blosc.get_cbuffer_sizes(slab)
+        except Exception as exc:
+            raise ChunkFormatError(f"corrupt coded chunk: slab {index} is not a Blosc buffer ({exc})") from exc
+        if nbytes != slab_bytes or cbytes != slab.size or not blosc.cbuffer_validate(slab):
+            raise ChunkFormatError(f"corrupt coded chunk: slab {index} holds {nbytes} bytes ({cbytes} stored) where "
+                                   f"{slab_bytes} bytes in {slab.size} were expected")
+    pointers = _slab_pointers(out, split)
+    target = out if pointers is not None else empty_host(header.shape, header.dtype)
+    if pointers is None:
+        pointers = _slab_pointers(target, split)
+    assert pointers is not None  # a fresh host tensor is contiguous
+    copies.count(header.raw_len)
+
+    def decompress(index: int) -> None:
+        try:
+            blosc.decompress_ptr(slabs[index], pointers[index])
+        except Exception as exc:  # the Blosc header was sound, the blocks were not
+            raise ChunkFormatError(f"corrupt coded chunk: Blosc could not decode slab {index} ({exc})") from exc
+
+    _each_slab(decompress, count, header.raw_len)
+    if target is not out:
         copy_into(out, target)
 
 

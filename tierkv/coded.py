@@ -13,13 +13,14 @@ appends its marker to the key's hash (``<hash>.fp8``): an exact reader never fin
 ``auto``: the first put times LZ4 and Zstd on a chunk (ratio, encode and decode speed);
 each batch then picks the candidate, or none, that gives the shortest expected read --
 ``transfer(stored bytes) + decode`` on the tier's measured speed line -- and codes only
-when that is at least 5% shorter than reading the chunk raw. The cost model sees the same
+when that is at least 10% shorter than reading the chunk raw. The cost model sees the same
 numbers: :meth:`CodedBackend.split` is what :class:`~tierkv.planner.TierSpeed` uses to turn
 a prefix's bytes into stored bytes and decode time.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,11 +33,14 @@ from tierkv import codecs, ownership
 from tierkv.backend import NamesVictims, StorageBackend, check_batch, check_destinations
 from tierkv.errors import ChunkFormatError
 from tierkv.keys import KV_FORMATS, CacheKey
+from tierkv.kvlayout import token_dim
 from tierkv.memory import copy_into
 
-AUTO_MARGIN = 0.95
-"""``auto`` codes only when the expected read is at most this fraction of the raw one: near the
-break-even point a misjudged decode speed would cost more than coding saves."""
+AUTO_MARGIN = 0.90
+"""``auto`` codes only when the expected read is at most this fraction of the raw one. The
+expectation leaves out the CPU time decoding takes from the transfer running beside it (5-10%
+near the break-even point on two cores), and near that point a misjudged decode speed would
+cost more than coding saves."""
 _EMA = 0.2  # weight of the newest batch in the running ratio and decode speed
 
 
@@ -44,7 +48,7 @@ class CodingEstimate:
     """Running estimates of what coding does to this tier's reads: the share of a chunk's bytes
     that is stored (``stored_fraction``, raw chunks count as 1), seconds spent decoding per
     byte read (``decode_s_per_byte``) and per byte of a frame (``frame_decode_s_per_byte``:
-    the codec's real speed on this read path, staging copy included)."""
+    the codec's real speed on this read path, a staging copy included where there is one)."""
 
     def __init__(self) -> None:
         self.stored_fraction = 1.0
@@ -104,28 +108,33 @@ class Trial:
                 "decode_GBps": round(1e-9 / self.decode_s_per_byte, 3) if self.decode_s_per_byte else 0.0}
 
 
-def trial(name: str, chunk: torch.Tensor, kv_format: str | None) -> Trial:
-    """Encode and decode ``chunk`` with codec ``name``, timed (the slower of two runs: a trial
-    that flatters the codec would code chunks whose reads then take longer). Each decode goes
-    into a token slice of a fresh cache twice the chunk's length, as a read into a serving
-    engine's memory does (staging copy and first touch included): the speed the read path
-    sees, not the codec's peak on memory in the CPU cache, which is twice as fast here."""
+def trial(name: str, chunk: torch.Tensor, kv_format: str | None, runs: int = 3) -> Trial:
+    """Encode and decode ``chunk`` with codec ``name``, timed (the median of ``runs``). Each
+    decode goes into a token slice of a cache twice the chunk's length, touched once before,
+    as a read into a serving engine's preallocated cache does: the speed the read path sees
+    (slabs scattered across the cache), not the codec's peak on one contiguous buffer."""
     codec = codecs.codec(name)
     raw = max(1, chunk.numel() * chunk.element_size())
-    encode_s = decode_s = 0.0
+    along = token_dim(kv_format) if kv_format in KV_FORMATS and chunk.dim() == 5 else 0
+    if chunk.dim():
+        wide = list(chunk.shape)
+        wide[along] *= 2
+        destination = torch.zeros(wide, dtype=chunk.dtype).narrow(along, chunk.shape[along], chunk.shape[along])
+    else:
+        destination = torch.zeros((), dtype=chunk.dtype)
+    encodes, decodes = [], []
     frame = None
-    for _ in range(2):
+    for _ in range(runs):
         started = time.perf_counter()
         frame = codec.encode(chunk, kv_format)
-        encode_s = max(encode_s, time.perf_counter() - started)
+        encodes.append(time.perf_counter() - started)
         if frame is None:
-            return Trial(name, 1.0, encode_s / raw, 0.0)
-        cache = torch.empty((2 * chunk.shape[0], *chunk.shape[1:]) if chunk.dim() else (2,), dtype=chunk.dtype)
-        destination = cache[1::2] if chunk.dim() else cache[0]  # strided, like a slice of a larger cache
+            return Trial(name, 1.0, statistics.median(encodes) / raw, 0.0)
         started = time.perf_counter()
         codecs.decode_into(frame, destination)
-        decode_s = max(decode_s, time.perf_counter() - started)
+        decodes.append(time.perf_counter() - started)
     assert frame is not None
+    encode_s, decode_s = statistics.median(encodes), statistics.median(decodes)
     return Trial(name, frame.numel() / raw, encode_s / raw, decode_s / raw)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierkv import Engine, codecs
+from tierkv import Engine, codecs, copies
 from tierkv.coded import CodedBackend
 from tierkv.config import load_config
 from tierkv.errors import ChunkFormatError, ConfigError
@@ -69,24 +69,76 @@ def test_lossless_codecs_store_frames_and_read_back_exact(tmp_path: Path, codec:
         assert not stats["lossy"]
 
 
-def test_frames_decode_into_strided_destinations_exact() -> None:
+def copied_while(work: Any) -> int:
+    """Bytes :mod:`tierkv.copies` counted while ``work()`` ran on the retrieve path."""
+    counter = copies.CopyCounter()
+    with copies.on_path(counter, "retrieve"):
+        work()
+    return int(counter.copied["retrieve"])
+
+
+@pytest.mark.parametrize("kv_format", ["vllm", "huggingface"])
+def test_frames_decode_straight_into_a_token_slice_of_a_cache(kv_format: str) -> None:
+    """A token slice of a larger cache is contiguous within each slab of the frame, so each
+    slab is decompressed into its place: the destination is written once, nothing staged."""
     chunk = kv_like(tokens_of(1, chunks=1), seed=1)
-    frame = codecs.codec("lz4").encode(chunk, "vllm")
+    if kv_format == "huggingface":
+        chunk = chunk.transpose(2, 3).contiguous()  # [layers, 2, heads, tokens, head_size]
+    frame = codecs.codec("lz4").encode(chunk, kv_format)
     assert frame is not None and codecs.is_frame(frame)
-    wide = torch.zeros((2, 2, CHUNK * 2, 4, 16), dtype=torch.bfloat16)
-    view = wide[:, :, CHUNK:]  # a token slice of a larger cache: not contiguous
+    token_dim = 2 if kv_format == "vllm" else 3
+    wide = torch.zeros(chunk.shape[:token_dim] + (CHUNK * 2,) + chunk.shape[token_dim + 1 :], dtype=torch.bfloat16)
+    view = wide.narrow(token_dim, CHUNK, CHUNK)  # a token slice of a larger cache: not contiguous
     assert not view.is_contiguous()
-    assert codecs.decode_into(frame, view)
-    assert torch.equal(view, chunk) and not wide[:, :, :CHUNK].any()
-    assert not codecs.decode_into(frame, torch.zeros(SHAPE, dtype=torch.float16)), "another dtype is a miss"
+    assert copied_while(lambda: codecs.decode_into(frame, view)) == chunk.nbytes, "one write, no staging"
+    assert torch.equal(view, chunk) and not wide.narrow(token_dim, 0, CHUNK).any()
+    assert not codecs.decode_into(frame, torch.zeros(chunk.shape, dtype=torch.float16)), "another dtype is a miss"
 
 
-@pytest.mark.parametrize("damage", ["magic", "codec", "shape", "truncated", "body"])
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_a_large_chunk_codes_its_slabs_in_parallel_exactly(codec: str) -> None:
+    """Chunks of 1 MiB and more are encoded and decoded a run of slabs per worker thread."""
+    generator = torch.Generator().manual_seed(8)
+    chunk = ((torch.randn((4, 2, 256, 8, 64), generator=generator) * 8).round() / 8).to(torch.bfloat16)
+    assert chunk.nbytes >= 1 << 20
+    frame = codecs.codec(codec).encode(chunk, "vllm")
+    assert frame is not None and frame.numel() < chunk.nbytes
+    wide = torch.zeros((4, 2, 512, 8, 64), dtype=torch.bfloat16)
+    assert codecs.decode_into(frame, wide[:, :, 256:])
+    assert torch.equal(wide[:, :, 256:], chunk) and not wide[:, :, :256].any()
+
+
+def test_a_destination_whose_slabs_are_scattered_is_staged_and_still_exact() -> None:
+    chunk = kv_like(tokens_of(1, chunks=1), seed=5)
+    frame = codecs.codec("zstd").encode(chunk, "vllm")
+    assert frame is not None
+    backing = torch.zeros(SHAPE[:3] + (SHAPE[4], SHAPE[3]), dtype=torch.bfloat16)
+    out = backing.transpose(3, 4)  # heads and head_size swapped in memory: no slab is contiguous
+    assert copied_while(lambda: codecs.decode_into(frame, out)) == 2 * chunk.nbytes, "decoded, then copied in"
+    assert torch.equal(out, chunk)
+
+
+def test_single_buffer_frames_of_the_first_format_still_decode() -> None:
+    """Codec id 1 (one Blosc buffer for the whole chunk) was written before slabs; a tier may hold it."""
+    import blosc
+
+    chunk = kv_like(tokens_of(1, chunks=1), seed=6)
+    body = blosc.compress(chunk.view(torch.int16).numpy().tobytes(), typesize=2, clevel=1, shuffle=blosc.BITSHUFFLE,
+                          cname="lz4")
+    frame = codecs._frame(1, chunk, [body])
+    out = torch.zeros_like(chunk)
+    assert codecs.decode_into(frame, out) and torch.equal(out, chunk)
+
+
+@pytest.mark.parametrize("damage", ["magic", "codec", "shape", "truncated", "slab table", "slab header", "body"])
 def test_a_damaged_frame_is_refused_before_the_destination_is_written(damage: str) -> None:
     chunk = kv_like(tokens_of(2, chunks=1), seed=2)
     frame = codecs.codec("lz4").encode(chunk, "vllm")
     assert frame is not None
     raw = bytearray(frame.numpy().tobytes())
+    body = codecs.read_header(frame).header_len
+    slabs = SHAPE[0] * SHAPE[1]
+    first_slab = body + 5 + 4 * slabs
     if damage == "magic":
         raw[0:4] = b"NOPE"
     elif damage == "codec":
@@ -95,14 +147,20 @@ def test_a_damaged_frame_is_refused_before_the_destination_is_written(damage: st
         struct.pack_into("<Q", raw, 24, SHAPE[0] + 1)  # first shape entry: no longer the stored size
     elif damage == "truncated":
         raw = raw[:-10]
-    else:  # the Blosc header inside the body says another size
-        header = codecs.read_header(frame)
-        struct.pack_into("<I", raw, header.header_len + 4, 12345)
+    elif damage == "slab table":  # two slab lengths swapped for wrong ones, the total kept
+        first, second = struct.unpack_from("<II", raw, body + 5)
+        struct.pack_into("<II", raw, body + 5, first + 3, second - 3)
+    elif damage == "slab header":  # the last slab's Blosc header says another size
+        last = len(raw) - struct.unpack_from("<I", raw, body + 5 + 4 * (slabs - 1))[0]
+        struct.pack_into("<I", raw, last + 4, 12345)
+    else:  # the first slab's compressed blocks overwritten: only Blosc can tell
+        raw[first_slab + 64 : first_slab + 96] = bytes(range(32))
     broken = torch.frombuffer(raw, dtype=torch.uint8)
     out = torch.full(SHAPE, 7.0, dtype=torch.bfloat16)
     with pytest.raises(ChunkFormatError):
         codecs.decode_into(broken, out)
-    assert bool((out == 7).all()), "nothing written before the frame was checked"
+    if damage != "body":  # blocks are checked as they are decoded: sound slabs may be in out by then
+        assert bool((out == 7).all()), "nothing written before the frame was checked"
 
 
 def test_a_damaged_frame_in_the_tier_is_a_miss_counted_and_dropped(tmp_path: Path) -> None:
@@ -114,7 +172,7 @@ def test_a_damaged_frame_in_the_tier_is_a_miss_counted_and_dropped(tmp_path: Pat
         inner = eng.tiers[0].inner  # type: ignore[attr-defined]
         frame = eng.run(inner.get(key))
         bogus = frame.clone()  # well-formed for the tier (its checksum is over these bytes), not for Blosc:
-        start = codecs.read_header(frame).header_len + 4  # the Blosc header's uncompressed size
+        start = codecs.read_header(frame).header_len + 1  # the slab table's count of slabs
         bogus[start : start + 4] = torch.frombuffer(bytearray(struct.pack("<I", 1 << 30)), dtype=torch.uint8)
         eng.run(inner.put(key, bogus))
         out, hit = retrieved(eng, tokens, kv)
