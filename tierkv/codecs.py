@@ -151,8 +151,8 @@ class Fp8Codec(Codec):
 
 @functools.cache
 def _blosc() -> Any:
-    """The ``blosc`` module, set to release the GIL (chunks are decoded in worker threads)
-    with its own threads per chunk, or an ImportError naming the package to install."""
+    """The ``blosc`` module, set to release the GIL (slabs are coded in worker threads) and to
+    use no threads of its own, or an ImportError naming the package to install."""
     try:
         import blosc
     except ImportError as exc:
