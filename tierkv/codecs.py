@@ -31,12 +31,12 @@ header, is checked before a byte is decoded; a frame that does not parse is a
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
 import struct
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,6 +45,7 @@ import torch
 
 from tierkv import copies, serde
 from tierkv.errors import ChunkFormatError
+from tierkv.keys import KV_FORMATS
 from tierkv.kvlayout import nbytes_of, token_dim
 from tierkv.memory import contiguous_host, copy_into, empty_host, gather_bytes
 
@@ -106,7 +107,7 @@ class BloscCodec(Codec):
         blosc = _blosc()
         source = contiguous_host(chunk.detach())
         nbytes = source.numel() * source.element_size()
-        split = _slab_split(tuple(source.shape), kv_format)
+        split = slab_split(tuple(source.shape), kv_format)
         count = math.prod(source.shape[:split])
         if nbytes == 0 or nbytes // count > BLOSC_MAX_BYTES:
             return None
@@ -166,18 +167,22 @@ _SLAB_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 @functools.cache
-def _slab_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=_SLAB_WORKERS, thread_name_prefix="tierkv-codec")
+def _slab_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=_SLAB_WORKERS, thread_name_prefix="tierkv-codec")
 
 
 def _each_slab(work: Callable[[int], Any], count: int, nbytes: int) -> list[Any]:
     """``work(i)`` for every slab ``i``, in order: split into one contiguous run of slabs per
-    worker thread when the chunk is large enough to gain from it (Blosc releases the GIL)."""
+    worker thread when the chunk is large enough to gain from it (Blosc releases the GIL).
+    Every run has finished before this returns or raises, so no worker writes into (or reads
+    from) the caller's memory after a slab failed."""
     if count == 1 or nbytes < _PARALLEL_BYTES or _SLAB_WORKERS == 1:
         return [work(index) for index in range(count)]
     step = -(-count // _SLAB_WORKERS)
-    runs = [range(start, min(count, start + step)) for start in range(0, count, step)]
-    return [result for run in _slab_pool().map(lambda run: [work(i) for i in run], runs) for result in run]
+    runs = [_slab_pool().submit(lambda run: [work(i) for i in run], range(start, min(count, start + step)))
+            for start in range(0, count, step)]
+    concurrent.futures.wait(runs)
+    return [result for run in runs for result in run.result()]
 
 
 _CODECS: dict[str, Codec] = {
@@ -210,10 +215,10 @@ def check_available(name: str) -> None:
         _blosc()
 
 
-def _slab_split(shape: tuple[int, ...], kv_format: str | None) -> int:
+def slab_split(shape: tuple[int, ...], kv_format: str | None) -> int:
     """How many leading dimensions a chunk is split along into slabs: those before the token
     dimension of a KV blob (a token slice of a cache is contiguous within each), none else."""
-    if len(shape) == 5 and kv_format in ("vllm", "huggingface"):
+    if len(shape) == 5 and kv_format in KV_FORMATS:
         return token_dim(kv_format)
     return 0
 
@@ -292,12 +297,10 @@ def decode_into(frame: torch.Tensor, out: torch.Tensor, header: FrameHeader | No
     if out.dtype != header.dtype or tuple(out.shape) != header.shape:
         return False
     body = frame[header.header_len :].numpy()
-    if header.codec == _BLOSC_SLABS_ID:
-        _slabs_into(body, out, header)
-    elif header.codec == _BLOSC_ID:
-        _blosc_into(body, out, header)
-    else:
+    if header.codec == _FP8_ID:
         _fp8_into(body, out, header)
+    else:
+        _blosc_into(body, out, header)
     return True
 
 
@@ -309,48 +312,38 @@ def decode(frame: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _blosc_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> None:
-    blosc = _blosc()
-    data = body  # python-blosc's size query takes an array, not a memoryview
-    try:
-        nbytes, cbytes, _ = blosc.get_cbuffer_sizes(data)
-    except Exception as exc:
-        raise ChunkFormatError(f"corrupt coded chunk: not a Blosc buffer ({exc})") from exc
-    if nbytes != header.raw_len or cbytes != body.size or not blosc.cbuffer_validate(data):
-        raise ChunkFormatError(f"corrupt coded chunk: Blosc buffer of {nbytes} bytes ({cbytes} stored) for a "
-                               f"{header.raw_len}-byte chunk in {body.size} bytes")
-    direct = out.device.type == "cpu" and out.is_contiguous()
-    target = out if direct else empty_host(header.shape, header.dtype)
-    if header.raw_len:
-        copies.count(header.raw_len)
-        try:
-            blosc.decompress_ptr(data, target.data_ptr())
-        except Exception as exc:  # the Blosc header was sound, the blocks were not
-            raise ChunkFormatError(f"corrupt coded chunk: Blosc could not decode it ({exc})") from exc
-    if not direct:
-        copy_into(out, target)
-
-
-def _slabs_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> None:
-    blosc = _blosc()
+def _blosc_slabs(body: np.ndarray, header: FrameHeader) -> tuple[int, list[np.ndarray]]:
+    """A Blosc body as (dimensions split along, its Blosc buffers): codec id 1 is one buffer
+    for the whole chunk, id 3 a table of one buffer per slab."""
+    if header.codec == _BLOSC_ID:
+        return 0, [body]
     if body.size < _SLABS_BODY.size:
         raise ChunkFormatError("corrupt coded chunk: body shorter than its slab table")
     split, count = _SLABS_BODY.unpack_from(body.data)
     table_end = _SLABS_BODY.size + 4 * count
     if split > len(header.shape) or count != math.prod(header.shape[:split]) or not count or \
-            not header.raw_len or body.size < table_end:
+            body.size < table_end:
         raise ChunkFormatError(f"corrupt coded chunk: {count} slabs split along {split} dimensions do not describe "
                                f"shape {header.shape} in {body.size} body bytes")
     lengths = np.frombuffer(body.data, dtype="<u4", count=count, offset=_SLABS_BODY.size).astype(np.int64)
     if table_end + int(lengths.sum()) != body.size:
         raise ChunkFormatError(f"truncated coded chunk: its slabs say {table_end + int(lengths.sum())} body bytes, "
                                f"it has {body.size}")
-    slab_bytes = header.raw_len // count
     ends = table_end + np.cumsum(lengths)
-    slabs = [body[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist())]
-    for index, slab in enumerate(slabs):  # every slab's Blosc header, before a byte of ``out`` is written
+    return split, [body[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist())]
+
+
+def _blosc_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> None:
+    """Each Blosc buffer of the body decompressed at its slab's address in ``out`` (through one
+    staging buffer where ``out``'s slabs are not contiguous host memory)."""
+    blosc = _blosc()
+    split, slabs = _blosc_slabs(body, header)
+    if not header.raw_len:
+        raise ChunkFormatError("corrupt coded chunk: a Blosc frame of an empty chunk (empty chunks are stored raw)")
+    slab_bytes = header.raw_len // len(slabs)
+    for index, slab in enumerate(slabs):  # every Blosc header, before a byte of ``out`` is written
         try:
-            nbytes, cbytes, _ = blosc.get_cbuffer_sizes(slab)
+            nbytes, cbytes, _ = blosc.get_cbuffer_sizes(slab)  # takes an array, not a memoryview
         except Exception as exc:
             raise ChunkFormatError(f"corrupt coded chunk: slab {index} is not a Blosc buffer ({exc})") from exc
         if nbytes != slab_bytes or cbytes != slab.size or not blosc.cbuffer_validate(slab):
@@ -369,7 +362,7 @@ def _slabs_into(body: np.ndarray, out: torch.Tensor, header: FrameHeader) -> Non
         except Exception as exc:  # the Blosc header was sound, the blocks were not
             raise ChunkFormatError(f"corrupt coded chunk: Blosc could not decode slab {index} ({exc})") from exc
 
-    _each_slab(decompress, count, header.raw_len)
+    _each_slab(decompress, len(slabs), header.raw_len)
     if target is not out:
         copy_into(out, target)
 

@@ -33,7 +33,6 @@ from tierkv import codecs, ownership
 from tierkv.backend import NamesVictims, StorageBackend, check_batch, check_destinations
 from tierkv.errors import ChunkFormatError
 from tierkv.keys import KV_FORMATS, CacheKey
-from tierkv.kvlayout import token_dim
 from tierkv.memory import copy_into
 
 AUTO_MARGIN = 0.90
@@ -115,7 +114,7 @@ def trial(name: str, chunk: torch.Tensor, kv_format: str | None, runs: int = 3) 
     (slabs scattered across the cache), not the codec's peak on one contiguous buffer."""
     codec = codecs.codec(name)
     raw = max(1, chunk.numel() * chunk.element_size())
-    along = token_dim(kv_format) if kv_format in KV_FORMATS and chunk.dim() == 5 else 0
+    along = codecs.slab_split(tuple(chunk.shape), kv_format)  # the token dimension of a KV blob, else 0
     if chunk.dim():
         wide = list(chunk.shape)
         wide[along] *= 2
