@@ -209,8 +209,10 @@ class InPlaceTier(Protocol):
     gather into, and scatter out of, its slabs, so no byte is copied twice."""
 
     async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[tuple[tuple[int, ...], torch.dtype]],
-                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]) -> int:
-        """Store chunks of the given (shape, dtype) by letting ``write`` fill their memory in place."""
+                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]],
+                       on_commit: Callable[[], None] | None = None) -> int:
+        """Store chunks of the given (shape, dtype) by letting ``write`` fill their memory in
+        place; ``on_commit`` runs right at the commit, before another task can evict them."""
         ...
 
     def hold(self, keys: Sequence[CacheKey], pin: bool = True) -> Sequence[ChunkHold | None]:

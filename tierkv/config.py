@@ -182,7 +182,8 @@ def _env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
+def _parse_tier(raw: Any, index: int, seen: set[str], write_policy: str = "write_through",
+                last: bool = False) -> TierConfig:
     path = f"tiers[{index}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a mapping with at least 'name' and 'backend', got {raw!r}")
@@ -210,7 +211,13 @@ def _parse_tier(raw: Any, index: int, seen: set[str]) -> TierConfig:
     promote = raw.get("promote", True)
     if not isinstance(promote, bool):
         raise ConfigError(f"{path}.promote: expected true or false, got {promote!r}")
-    admission = parse_admission(raw.get("admission", default_admission(backend_cls)), f"{path}.admission")
+    admission = parse_admission(raw.get("admission", default_admission(backend_cls, write_policy)),
+                                f"{path}.admission")
+    if write_policy == "write_back" and last and admission.filters:
+        raise ConfigError(f"{path}.admission: under write_back every chunk a memory tier evicts or flushes is "
+                          f"written to the tier below whatever its admission (a flush keeps what it acknowledged), "
+                          f"and nothing is promoted into the last tier, so {admission.describe()} would do nothing "
+                          f"here; leave admission out, or use write_policy: write_through")
     if admission.policy == "tinylfu" and not issubclass(backend_cls, NamesVictims):
         raise ConfigError(f"{path}.admission: tinylfu compares a chunk with the one the tier would evict, and "
                           f"backend {backend_name!r} cannot name it; use reused(n) (or a cpu, gpu, lmdb or fs tier)")
@@ -257,11 +264,16 @@ def _check_lossy_below_exact(tiers: tuple[TierConfig, ...], write_policy: str) -
                               f"{above.name!r}, give {above.name!r} codec {tier.codec} too, {fix}")
 
 
-def default_admission(backend_cls: type) -> str:
+def default_admission(backend_cls: type, write_policy: str = "write_through") -> str:
     """``tinylfu`` for a bounded tier below memory that can name its victims (lmdb, fs): once
     full it keeps the chunks seen most often instead of the latest ones (benchmarks/admission.py:
     fewer bytes written and a higher hit rate than taking every chunk); ``all`` for memory
-    tiers and for tiers that cannot say what they would evict (s3, mooncake, redis)."""
+    tiers and for tiers that cannot say what they would evict (s3, mooncake, redis). Under
+    ``write_back`` ``all`` everywhere: the tier below a memory tier is where its chunks are kept,
+    not a filtered copy (dirty chunks are written down whatever the rule), so a rule would only
+    filter promotions."""
+    if write_policy == "write_back":
+        return "all"
     if issubclass(backend_cls, NamesVictims) and not issubclass(backend_cls, InPlaceTier):
         return "tinylfu"
     return "all"
@@ -329,7 +341,8 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
     seen: set[str] = set()
-    tiers = tuple(_parse_tier(tier, index, seen) for index, tier in enumerate(tiers_raw))
+    tiers = tuple(_parse_tier(tier, index, seen, write_policy, last=index == len(tiers_raw) - 1)
+                  for index, tier in enumerate(tiers_raw))
     _check_lossy_below_exact(tiers, write_policy)
     pressure = PressureConfig(**_section(raw, "pressure", _PRESSURE_OPTIONS))
     background = BackgroundConfig(**_section(raw, "background", _BACKGROUND_OPTIONS))

@@ -60,7 +60,7 @@ class Histogram:
 
 
 TIER_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "puts", "errors", "promotions", "demotions", "flushed",
-                 "dropped_fills", "admitted", "rejected", "skipped_unhealthy", "skipped_pressure", "deadline_misses")
+                 "dirty_lost", "dropped_fills", "admitted", "rejected", "skipped_unhealthy", "skipped_pressure", "deadline_misses")
 
 
 class TierMetrics:

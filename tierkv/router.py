@@ -171,15 +171,16 @@ class TierRouter:
 
     async def _write_dirty(self) -> None:
         """Write-back's flush: the dirty chunks of each memory tier, top first, written down in
-        batches straight from the tier's memory, held (pinned) until the write is over (a
-        chunk the tier has evicted since was demoted then, or dropped). Chunks no tier below
-        takes stay dirty (a later flush tries again), and TierUnavailableError says how many
-        once every batch was tried."""
+        batches straight from the tier's memory, held (pinned) until the write is over. A level
+        is read again after the one above it was flushed (a middle memory tier may have taken
+        chunks from above meanwhile). Chunks no tier below takes stay dirty (a later flush tries
+        again); chunks that left their tier without landing below (:meth:`DirtyChunks.lose`)
+        are reported once. Either way TierUnavailableError says how many, after every batch was
+        tried: the flush returns only when every chunk dirty at its start is committed below."""
         assert self._dirty is not None
         unwritten: dict[str, int] = {}
-        for level in self._dirty.levels():
+        for level, tier in enumerate(self.tiers[:-1]):
             pending = self._dirty.pending(level)
-            tier = self.tiers[level]
             for start in range(0, len(pending), _FLUSH_BATCH):
                 batch = pending[start : start + _FLUSH_BATCH]
                 holds: list[Any] = []
@@ -187,19 +188,28 @@ class TierRouter:
                 try:
                     chunks, holds = await tier.chunks_to_copy(batch)
                     held = [(key, chunk) for key, chunk in zip(batch, chunks) if chunk is not None]
+                    # a dirty key its tier no longer holds left without landing below: lost
+                    self._dirty.lose(level, [key for key, chunk in zip(batch, chunks)
+                                             if chunk is None and self._dirty.is_dirty(level, key)])
+                    held = [(key, chunk) for key, chunk in held if self._dirty.is_dirty(level, key)]
                     if held:
                         await self._write_down(level, [key for key, _ in held], [chunk for _, chunk in held],
                                                "flushed")
+                        self._dirty.clean(level, [key for key, _ in held])
                 except TierUnavailableError:
                     unwritten[tier.name] = unwritten.get(tier.name, 0) + len(held)
                     continue
                 finally:
                     release_all(holds)
-                self._dirty.clean(level, batch)
-        if unwritten:
-            counts = ", ".join(f"{count} of tier {name!r}" for name, count in unwritten.items())
-            raise TierUnavailableError(f"flush: no tier below took {counts} dirty chunk(s); they stay in memory "
-                                       "and a later flush tries again")
+        problems = [f"no tier below took {count} of tier {name!r} dirty chunk(s); they stay in memory and a "
+                    "later flush tries again" for name, count in unwritten.items()]
+        for level, count in sorted(self._dirty.take_lost().items()):
+            self.tiers[level].metrics.add("dirty_lost", count)
+            problems.append(f"{count} dirty chunk(s) of tier {self.tiers[level].name!r} left it before a tier below "
+                            "took them (forced out by memory pressure while their demotion failed, or deleted "
+                            "from that tier alone)")
+        if problems:
+            raise TierUnavailableError("flush: " + "; ".join(problems))
 
     async def close(self, flush: bool = True) -> None:
         """Flush (``flush=False``: without writing write-back's dirty chunks down; they are
@@ -321,8 +331,8 @@ class TierRouter:
         # an in-place tier's chunks, held from their commit until the fill has them
         holds: list[Any] | None = [] if tier.in_place and self._fills.fills_below(tier.level) else None
         try:
-            stored = await tier.put(keys, chunks, layouts=layouts, write=write, fill_holds=holds)
-            self._mark_dirty(tier.level, keys)
+            stored = await tier.put(keys, chunks, layouts=layouts, write=write, fill_holds=holds,
+                                    on_commit=self._dirty_on_commit(tier, keys))
             await self._fills.add(tier.level, keys, chunks or [], owned or [], holds, cancelled=cancelled)
         except BaseException:
             release_all(holds or [])
@@ -450,38 +460,41 @@ class TierRouter:
                     continue  # counted by Tier.put; the hit is still served
                 tier.metrics.add("promotions", len(taken))
 
-    def _mark_dirty(self, level: int, keys: Sequence[CacheKey]) -> None:
-        """Write-back: chunks just stored in a memory tier with tiers below are dirty there."""
-        if (self._dirty is not None and level < len(self.tiers) - 1
-                and not self.tiers[level].persistent):
-            self._dirty.mark(level, keys)
+    def _dirty_on_commit(self, tier: Tier, keys: Sequence[CacheKey]) -> Callable[[], None] | None:
+        """Write-back: what marks ``keys`` dirty when ``tier`` (a memory tier with tiers below)
+        commits them -- at the commit itself, so no eviction can see them clean; None when
+        they cannot be dirty there."""
+        dirty = self._dirty
+        if dirty is None or tier.level >= len(self.tiers) - 1 or tier.persistent:
+            return None
+        level, keys = tier.level, list(keys)
+        return lambda: dirty.mark(level, keys)
 
     async def _demote(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor]) -> None:
-        """Demotion sink of tier ``level`` (write-back): the next tier that takes them holds them."""
-        await self._write_down(level, keys, chunks, "demotions")
-        if self._dirty is not None:
-            self._dirty.clean(level, keys)
+        """Demotion sink of tier ``level`` (write-back): its dirty chunks go to the next tier
+        below that takes them; clean ones (a copy is below: promoted from there, or flushed)
+        are just let go. Raises when no tier below took the dirty ones: the memory tier then
+        keeps them (or, made to free memory, drops them: the next flush reports them lost)."""
+        assert self._dirty is not None
+        dirty = [index for index, key in enumerate(keys) if self._dirty.is_dirty(level, key)]
+        if dirty:
+            await self._write_down(level, [keys[i] for i in dirty], [chunks[i] for i in dirty], "demotions")
+            self._dirty.clean(level, [keys[i] for i in dirty])
 
     async def _write_down(self, level: int, keys: list[CacheKey], chunks: list[torch.Tensor], metric: str) -> None:
-        """Write chunks of tier ``level`` to the next tier below that takes them (counted as
-        ``metric`` at ``level``). Only chunks not there yet are written: a chunk promoted from
-        the target is still there (keys name content, so the copy there is the same bytes).
-        """
+        """Write dirty chunks of tier ``level`` to the next tier below that takes them (counted
+        as ``metric`` at ``level``); returns once that tier has committed them. No admission
+        rule turns them away and nothing is skipped as present: a dirty chunk has no copy below,
+        and write-back's flush promises it one (a chunk that is below already is clean and
+        never gets here). A memory tier in the middle takes them dirty."""
         for tier in self.tiers[level + 1:]:
             if not tier.admits():
                 continue
-            present = await tier.contains(keys) or [False] * len(keys)
-            missing = [i for i, flag in enumerate(present) if not flag]
-            admitted = tier.admit([keys[i] for i in missing], [chunks[i].nbytes for i in missing])
-            dirty = [i for i, flag in zip(missing, admitted) if flag]  # the rest is dropped: not reused enough
-            if dirty:
-                try:
-                    await tier.put([keys[i] for i in dirty], [chunks[i] for i in dirty])
-                except Exception:
-                    continue
-                self._mark_dirty(tier.level, [keys[i] for i in dirty])  # a memory tier in the middle
-            # moved below (clean ones were there); what the tier turned away is its "rejected"
-            self.tiers[level].metrics.add(metric, len(keys) - (len(missing) - len(dirty)))
+            try:
+                await tier.put(keys, chunks, on_commit=self._dirty_on_commit(tier, keys))
+            except Exception:
+                continue
+            self.tiers[level].metrics.add(metric, len(keys))
             return
         raise TierUnavailableError(f"no tier below {self.tiers[level].name!r} could take {len(keys)} "
                                    f"{'demoted' if metric == 'demotions' else 'flushed'} chunk(s)")

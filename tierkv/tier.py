@@ -266,22 +266,27 @@ class Tier:
 
     async def put(self, keys: list[CacheKey], chunks: list[torch.Tensor] | None = None, *,
                   layouts: Layouts | None = None, write: Writer | None = None,
-                  fill_holds: list[Any] | None = None) -> int:
+                  fill_holds: list[Any] | None = None, on_commit: Callable[[], None] | None = None) -> int:
         """Put ``chunks`` (or, in an in-place tier, let ``write`` fill chunks of ``layouts`` in
         its memory), with timeout, metrics and health; chunks stored.
 
         ``fill_holds`` (write-through, an in-place tier): receives holds on the chunks taken
         at the moment they are committed, so no other store evicts them before their fill
-        is queued (a chunk evicted then would be in no tier at all)."""
+        is queued (a chunk evicted then would be in no tier at all). ``on_commit`` runs at
+        the commit, before any other task can evict the chunks (write-back marks them dirty
+        there); for a tier that is not in place, once the put returned."""
         tier = self.backend
         started = time.perf_counter()
         if self.in_place and write is None and chunks is not None:  # the tier's own copy, in place
             layouts, write = [(tuple(c.shape), c.dtype) for c in chunks], _copier(tier, keys, chunks)
         extra: dict[str, Any] = {}
-        if fill_holds is not None and self.in_place:
-            def on_commit() -> None:
-                fill_holds.extend(self.hold(keys, pin=False))
-            extra["on_commit"] = on_commit
+        if self.in_place and (fill_holds is not None or on_commit is not None):
+            def committed() -> None:
+                if on_commit is not None:
+                    on_commit()
+                if fill_holds is not None:
+                    fill_holds.extend(self.hold(keys, pin=False))
+            extra["on_commit"] = committed
         try:
             if write is not None and layouts is not None:
                 stored = await self.timed_owned(tier.put_with(keys, layouts, write, **extra))  # type: ignore[attr-defined]
@@ -294,6 +299,8 @@ class Tier:
                 # timeout or cancellation waits for the put's end before that memory goes back
                 stored = await self.timed_owned(tier.batched_put(keys, chunks), run_to_end=True)
                 nbytes = sum(c.nbytes for c in chunks)
+                if on_commit is not None:
+                    on_commit()
         except TierFullError as exc:  # the tier's store is full: not admitting for a while, reads go on
             self.metrics.add("errors")
             if self.full is None:

@@ -496,4 +496,4 @@ def test_write_back_demotes_only_dirty_chunks(tmp_path: Path) -> None:
         assert torch.equal(out, kv_of(first)) and eng.stats()["tiers"]["disk"]["puts"] == 4
         eng.retrieve(second)  # promoted: evicts first, which the disk already holds: no write
         stats = eng.stats()["tiers"]
-        assert stats["disk"]["puts"] == 4 and stats["host"]["demotions"] == 6
+        assert stats["disk"]["puts"] == 4 and stats["host"]["demotions"] == 4, "demotions: chunks written below"

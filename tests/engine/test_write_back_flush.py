@@ -141,3 +141,35 @@ def test_a_flush_no_tier_below_can_take_says_so_and_close_still_closes(tmp_path:
     engine.close()  # logs what is lost, closes anyway
     with pytest.raises(Exception, match="closed"):
         engine.lookup(prompt(0))
+
+
+def test_dirty_chunks_forced_out_by_pressure_are_reported_by_the_next_flush(tmp_path: Path) -> None:
+    """Memory pressure must free memory even when the tier below refuses the demotion: the
+    dirty chunks it drops then are in no tier, and the next flush says so instead of returning
+    as if it had written them (a flush that returns has written every chunk stored before it)."""
+    from tierkv import TierUnavailableError
+    from tierkv.pressure import ScriptedProbe
+    from tierkv.testing.faults import FaultyBackend
+
+    cfg = {**config(tmp_path, "lmdb"), "pressure": {"poll_interval_ms": 2, "host_high_watermark": 0.9,
+                                                      "host_low_watermark": 0.8}}
+    gib = 1 << 30
+    probe = ScriptedProbe([(10 * gib, 100 * gib)])
+    with Engine(cfg, probes={"host": probe}) as engine:
+        disk = engine.wrap_tier("disk", FaultyBackend)
+        engine.store(prompt(0), kv(0))
+        engine.flush()  # prompt 0 is on disk: clean
+        engine.store(prompt(1), kv(1))  # dirty
+        disk.failing = True
+        probe.push(99 * gib, 100 * gib)  # the serving engine takes the host's memory: the tier must shrink
+        deadline = time.monotonic() + 30
+        while engine.stats()["tiers"]["host"]["used_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats()["tiers"]["host"]["used_bytes"] == 0
+        disk.failing = False
+        probe.push(10 * gib, 100 * gib)
+        with pytest.raises(TierUnavailableError, match="3 dirty chunk\\(s\\) of tier 'host' left it before"):
+            engine.flush()
+        assert engine.stats()["tiers"]["host"]["dirty_lost"] == 3
+        engine.flush()  # reported once; nothing is dirty now
+        assert engine.lookup(prompt(0)) == TOKENS and engine.lookup(prompt(1)) == 0
