@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,66 @@ def test_serving_start_builds_the_kernels_in_the_background(tmp_path: Path) -> N
                          capture_output=True, text=True, env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path / "other"),
                                                               "TIERKV_BUILD_EXT": "0"}, timeout=300)
     assert off.stdout.strip() == "True", off.stderr[-2000:]
+
+
+def _build(root: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 900
+           ) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, **(env or {})}
+    environment.pop("TIERKV_NO_EXT", None)
+    return subprocess.run([sys.executable, "-m", "tierkv.ops", *extra, "--build-dir", str(root)], capture_output=True,
+                          text=True, env=environment, timeout=timeout)
+
+
+@pytest.mark.slow  # two builds of the extension, the first killed midway
+def test_a_build_killed_midway_is_detected_and_the_next_one_completes(tmp_path: Path) -> None:
+    """A build killed with its compilers (a serving process ended during its background build)
+    leaves a staging directory and no library; status says the build was interrupted, and the
+    next build removes the leftovers and completes, never waiting on a lock nobody holds (an
+    older tierkv's torch `lock` file in the library's directory included)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        missing("a C++ compiler (c++ or g++ on PATH)", "the extension cannot be built on this machine")
+    root = tmp_path / "cache"
+    environment = {**os.environ}
+    environment.pop("TIERKV_NO_EXT", None)
+    first = subprocess.Popen([sys.executable, "-m", "tierkv.ops", "build", "--build-dir", str(root)],
+                             env=environment, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(root.glob("*.build-*/build.ninja")) and time.monotonic() < deadline:  # compiling now
+        time.sleep(0.1)
+    time.sleep(2)
+    os.killpg(first.pid, signal.SIGKILL)  # the build and its compilers
+    first.wait(60)
+    staging = list(root.glob("*.build-*"))
+    assert staging and not list(root.glob("*/*.so")), "killed midway: a staging directory, no library"
+    name = staging[0].name.split(".build-")[0]
+    (root / name).mkdir(exist_ok=True)
+    (root / name / "lock").touch()  # what torch leaves when a build in that directory is killed
+    status = json.loads(_build(root, "status", timeout=120).stdout)
+    assert not status["loaded"] and "interrupted" in status["reason"], status
+    second = _build(root, "build")
+    assert second.returncode == 0, second.stderr[-3000:]
+    rebuilt = json.loads(second.stdout)
+    assert rebuilt["loaded"] and rebuilt["library"] == str(root / name / f"{name}.so")
+    assert "left by an interrupted kernel build" in second.stderr
+    assert not list(root.glob("*.build-*")) and not (root / name / "lock").exists()
+
+
+def test_a_build_waits_for_a_live_builder_within_a_bound_and_says_who(tmp_path: Path) -> None:
+    """Another live process building the same sources is waited for, with a message naming it,
+    and only up to the bound: then the build gives up with the reason (never a silent hang)."""
+    from tierkv.ops import build_cache, extension
+
+    root = tmp_path / "cache"
+    name = extension._build_name(extension._cuda_buildable()[0])
+    with build_cache.build_lock(root, name, wait_s=0):  # this process is "building"
+        started = time.monotonic()
+        waited = _build(root, "build", env={"TIERKV_BUILD_WAIT_S": "1"}, timeout=120)
+        elapsed = time.monotonic() - started
+        status = json.loads(_build(root, "status", timeout=120).stdout)
+    assert waited.returncode == 1 and elapsed < 60
+    assert f"waiting for the kernel build of process {os.getpid()}" in waited.stderr
+    reason = json.loads(waited.stdout)["reason"]
+    assert f"being built by process {os.getpid()}" in reason and "gave up waiting after 1 s" in reason
+    assert f"being built by process {os.getpid()}" in status["reason"]
+    assert build_cache.holder(root, name) is None, "the lock went with its holder"

@@ -6,6 +6,9 @@ Never built implicitly on import (it takes ~30 s): ``python -m tierkv.ops build`
 load the cached library. A serving integration calls :func:`build_in_background` when it
 starts, so a user gets the kernels without a manual step (the pure-torch paths serve until
 the build lands; ``TIERKV_BUILD_EXT=0`` turns that off). ``TIERKV_NO_EXT=1`` forces the reference.
+Builds go through :mod:`tierkv.ops.build_cache`: a lock that dies with its holder, a staging
+directory per build, and only a finished library in the cache, so an interrupted build never
+blocks the next one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tierkv.ops import build_cache
 
 logger = logging.getLogger("tierkv.ops")
 
@@ -100,10 +105,6 @@ def _default_build_root() -> Path:
     return Path(root)
 
 
-def _library_path(build_root: Path, name: str) -> Path:
-    return build_root / name / f"{name}.so"
-
-
 def _env_disabled() -> bool:
     return os.environ.get("TIERKV_NO_EXT", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -129,11 +130,12 @@ def _try_load_prebuilt(build_root: Path | None = None) -> bool:
         root = build_root or _default_build_root()
         with_cuda, _ = _cuda_buildable()
         for cuda in ((True, False) if with_cuda else (False,)):
-            path = _library_path(root, _build_name(cuda))
+            path = build_cache.library_path(root, _build_name(cuda))
             if path.is_file():
                 return _load_library(path, cuda)
         _state["reason"] = (
-            f"not built for this torch ({torch.__version__}) and these sources: run `python -m tierkv.ops build`"
+            build_cache.describe(root, _build_name(with_cuda))
+            or f"not built for this torch ({torch.__version__}) and these sources: run `python -m tierkv.ops build`"
         )
         return False
 
@@ -149,13 +151,17 @@ def _load_library(path: Path, cuda: bool) -> bool:
     return True
 
 
-def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: bool = False) -> bool:
+def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: bool = False,
+                    wait_s: float | None = None) -> bool:
     """Compile (if needed) and load the extension; returns whether it is loaded.
 
     CPU kernels are built wherever a C++ compiler exists; CUDA kernels too when torch is a
     CUDA build and nvcc is found. The build is cached per source hash and torch version in
     ``build_root`` (default ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), so a
-    second call is a quick load. Failures are recorded in :func:`extension_status`, not raised.
+    second call is a quick load. Another process's build of the same sources is waited for
+    at most ``wait_s`` seconds (default :func:`build_cache.wait_bound`), saying so; what an
+    interrupted build left is removed first. Failures are recorded in :func:`extension_status`,
+    not raised.
     """
     reason = _disabled()
     if reason:
@@ -164,38 +170,53 @@ def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: b
         return False
     if _state["loaded"]:
         return True
-    from torch.utils import cpp_extension
-
     root = Path(build_root) if build_root is not None else _default_build_root()
     with_cuda, why_cuda = _cuda_buildable()
     name = _build_name(with_cuda)
-    directory = root / name
-    directory.mkdir(parents=True, exist_ok=True)
-    openmp = _openmp_flags()
-    flags = ["-O3", *openmp]
-    cuda_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in _sources(with_cuda)],
-            extra_cflags=flags + (["-DTIERKV_WITH_CUDA"] if with_cuda else []),
-            extra_cuda_cflags=cuda_flags + ["-DTIERKV_WITH_CUDA"],
-            extra_include_paths=[str(source_dir())],
-            extra_ldflags=openmp,
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with build_cache.build_lock(root, name, build_cache.wait_bound() if wait_s is None else wait_s):
+            library = build_cache.library_path(root, name)
+            if library.is_file():  # built meanwhile by the process we waited for
+                with _lock:
+                    return _load_library(library, with_cuda)
+            build_cache.clear_leftovers(root, name)
+            staging = build_cache.staging_dir(root, name)
+            _compile(name, with_cuda, staging, verbose)
+            library = build_cache.install(staging, root, name)
+    except build_cache.BuildBusy as exc:
+        with _lock:
+            _state.update(attempted=True, loaded=False, reason=str(exc))
+        logger.warning("tierkv: %s; using the reference", exc)
+        return False
     except Exception as exc:  # a missing compiler or a build error: keep working from the reference
         with _lock:
             _state.update(attempted=True, loaded=False, reason=f"build failed: {exc}")
         logger.warning("building the tierkv extension failed, using the reference: %s", exc)
         return False
     with _lock:
-        _state.update(attempted=True, loaded=True, cuda=with_cuda, path=str(_library_path(root, name)), reason="loaded")
+        _state.update(attempted=True, loaded=True, cuda=with_cuda, path=str(library), reason="loaded")
         if not with_cuda:
             _state["cuda_reason"] = why_cuda
     return True
+
+
+def _compile(name: str, with_cuda: bool, staging: Path, verbose: bool) -> None:
+    """Build (and load) the library in ``staging``, a directory no other build uses."""
+    from torch.utils import cpp_extension
+
+    staging.mkdir(parents=True, exist_ok=True)
+    openmp = _openmp_flags()
+    cpp_extension.load(
+        name=name,
+        sources=[str(path) for path in _sources(with_cuda)],
+        extra_cflags=["-O3", *openmp] + (["-DTIERKV_WITH_CUDA"] if with_cuda else []),
+        extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DTIERKV_WITH_CUDA"],
+        extra_include_paths=[str(source_dir())],
+        extra_ldflags=openmp,
+        build_directory=str(staging),
+        is_python_module=False,
+        verbose=verbose,
+    )
 
 
 def build_in_background(on_done: Any = None) -> threading.Thread | None:

@@ -127,9 +127,10 @@ def _kernels_or_build() -> None:
             logger.warning("tierkv: building the C++ kernels failed (%s): loads and saves stay on torch's slower "
                            "copies", ops.extension_status()["reason"])
 
+    why = ops.extension_status()["reason"]
     if ops.build_in_background(built) is not None:
-        logger.warning("tierkv: C++ kernels not built for this torch and these sources: building them in the "
-                       "background (about 30 s, once; cached); loads and saves use torch's slower copies until then")
+        logger.warning("tierkv: C++ kernels not loaded (%s): building them in the background (about 30-60 s, once; "
+                       "cached); loads and saves use torch's slower copies until then", why)
     elif not ops.extension_status()["in_use"]:
         logger.warning("tierkv: C++ kernels not in use (%s): loads and saves use torch's slower copies",
                        ops.extension_status()["reason"])
