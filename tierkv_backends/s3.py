@@ -7,9 +7,15 @@ caches of different models or tensor-parallel shards never mix in a shared bucke
 
 How it talks to the store:
 
-- boto3 clients are thread-safe; every request runs in a bounded thread pool of
-  ``max_concurrency`` workers (never on the event loop), and a batch is that many requests
-  in flight at once. Encoding, checksum and decoding of a chunk also happen in the worker.
+- boto3 clients are thread-safe; every request runs on a worker thread (never on the event
+  loop). Reads, writes and the small requests (HEAD, DELETE) each have ``max_concurrency``
+  slots of their own, so reads a store stalls never hold a write's slot (or the reverse); a
+  request still running at its batch's deadline gives its slot back then, and finishes on its
+  thread in the background within ``timeout_s`` more (its socket timeouts are capped at
+  ``timeout_s``). Encoding, checksum and decoding of a chunk also happen in the worker.
+- Lookups: what this process stored, read or asked about is remembered
+  (:mod:`tierkv_backends.s3_existence`), so a lookup of known chunks is answered from memory
+  (``batched_contains_nowait``, with no request), and only unknown chunks cost a HEAD.
 - Large chunks: a put of ``multipart_threshold`` bytes or more is a multipart upload of
   ``part_size`` parts sent in parallel; a get asks for the first ``part_size`` bytes and,
   when the object is larger, fetches the remaining ranges in parallel. Below those sizes
@@ -46,6 +52,7 @@ import contextvars
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -60,6 +67,7 @@ from tierkv.memory import copy_into, direct_target
 from tierkv.options import Option, parse_options
 from tierkv.ownership import WriteGrant
 from tierkv.planner import SpeedSeed
+from tierkv_backends.s3_existence import ExistenceCache
 from tierkv_backends.s3_objects import S3Objects
 from tierkv_backends.s3_options import MIN_PART, S3_OPTIONS
 from tierkv_backends.s3_requests import bucket_name, is_missing, is_transient, key_prefix
@@ -72,6 +80,11 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_SLOTS = {"get": "read", "put": "write", "contains": "small", "delete": "small"}
+"""Which slots a batch of each operation takes: reads and writes never wait for each other."""
+_ABSENT = object()
+"""What a read worker returns for an object the store does not have (a 404, not a failure)."""
 
 __all__ = ["S3Backend", "bucket_name", "is_missing", "is_transient", "key_prefix"]
 
@@ -104,17 +117,28 @@ class S3Backend(BlobBackend):
         session = boto3.session.Session(aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
                                         aws_session_token=session_token, region_name=self.region)
         config = BotoConfig(
-            connect_timeout=settings["connect_timeout_s"], read_timeout=settings["read_timeout_s"],
+            # a request waits on its socket no longer than its batch's deadline is long
+            connect_timeout=min(settings["connect_timeout_s"], self.timeout_s),
+            read_timeout=min(settings["read_timeout_s"], self.timeout_s),
             retries={"total_max_attempts": 1},  # retried here, with our deadline and counters
-            max_pool_connections=2 * self.max_concurrency, tcp_keepalive=True,
+            max_pool_connections=4 * self.max_concurrency, tcp_keepalive=True,
             s3={"addressing_style": settings["addressing_style"]},
             # chunks carry an XXH3 checksum of their own; skip botocore's per-request CRC32
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix=f"tierkv-s3-{name}")
-        self._part_pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
-                                                                thread_name_prefix=f"tierkv-s3-{name}-part")
+        # live requests are bounded by the slots (_SLOTS); the threads beyond them carry requests
+        # abandoned at a deadline to their end (each within timeout_s of it)
+        self._threads = concurrent.futures.ThreadPoolExecutor(4 * self.max_concurrency,
+                                                              thread_name_prefix=f"tierkv-s3-{name}")
+        self._read_parts = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
+                                                                 thread_name_prefix=f"tierkv-s3-{name}-read-part")
+        self._write_parts = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
+                                                                  thread_name_prefix=f"tierkv-s3-{name}-write-part")
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = (
+            weakref.WeakKeyDictionary())
+        self._known = ExistenceCache(settings["lookup_cache"], settings["lookup_cache_ttl_s"],
+                                     settings["lookup_miss_ttl_s"])
         self._count_lock = threading.Lock()
         self.counters.update({"requests": 0, "retries": 0, "get_errors": 0, "put_errors": 0, "timeouts": 0,
                               "bytes_read": 0, "bytes_written": 0, "multipart_puts": 0, "ranged_gets": 0,
@@ -123,7 +147,8 @@ class S3Backend(BlobBackend):
             name, self._client, self.bucket, self.prefix, self.endpoint_url, self.region,
             part_size=settings["part_size"], multipart_threshold=max(settings["multipart_threshold"], MIN_PART),
             min_range=settings["min_range"], retries=settings["retries"], backoff_base_s=settings["backoff_base_s"],
-            backoff_max_s=settings["backoff_max_s"], part_pool=self._part_pool, count=self._count,
+            backoff_max_s=settings["backoff_max_s"], read_parts=self._read_parts,
+            write_parts=self._write_parts, count=self._count,
             redact=self._redact)
         self.health = CircuitBreaker(name, self._probe, settings["failure_threshold"], settings["probe_interval_s"])
         if settings["check_on_start"]:
@@ -157,13 +182,13 @@ class S3Backend(BlobBackend):
         """Ranges per object: the request slots a batch of ``batch`` objects leaves idle."""
         return max(1, self.max_concurrency // max(1, batch))
 
-    def _load(self, name: str, deadline: float, ways: int = 1) -> torch.Tensor | None | ChunkFormatError:
-        """A chunk, None when absent, or the ChunkFormatError of an object that is not what
+    def _load(self, name: str, deadline: float, ways: int = 1) -> torch.Tensor | object | ChunkFormatError:
+        """A chunk, :data:`_ABSENT`, or the ChunkFormatError of an object that is not what
         tierkv wrote (a wrong size for its header, bad magic, checksum): corrupt, not a fault."""
         try:
             data = self._fetch(name, deadline, ways)
             if data is None:
-                return None
+                return _ABSENT
             return serde.decode(data)
         except ChunkFormatError as exc:
             return exc
@@ -183,7 +208,7 @@ class S3Backend(BlobBackend):
         self._objects.store(name, encoded[0], deadline)
 
     def _load_into(self, name: str, out: torch.Tensor, deadline: float, grant: WriteGrant, ways: int = 1
-                   ) -> bool | ChunkFormatError:
+                   ) -> bool | object | ChunkFormatError:
         """Fetch an object, verify it in the response buffer, copy it once into ``out``.
 
         ``out`` is the caller's: the copy runs only while ``grant`` allows it, so a request
@@ -197,7 +222,7 @@ class S3Backend(BlobBackend):
         except ChunkFormatError as exc:  # an object of the wrong size for its header: corrupt
             return exc
         if data is None:
-            return False
+            return _ABSENT
         try:
             header = serde.decode_header(data)
             payload = memoryview(data)[header.header_len :]
@@ -221,11 +246,12 @@ class S3Backend(BlobBackend):
 
     # -- batching, deadline and health (event loop) ------------------------------------------------
     async def _batch(self, op: str, calls: Sequence[Callable[[float], Any]]) -> list[Any]:
-        """Run ``calls`` in the pool under one deadline; each result is a value or the exception.
+        """Run ``calls`` on worker threads under one deadline, at most ``max_concurrency`` at once
+        in the op's slots (:data:`_SLOTS`); each result is a value or the exception.
 
-        Requests still running at the deadline are abandoned (a miss or a dropped put) and
-        counted as timeouts. Raises TierUnavailableError when the tier is unhealthy (at once)
-        or when every request failed; otherwise records a success with the breaker.
+        Requests still running at the deadline are abandoned (a miss or a dropped put), counted
+        as timeouts, and give their slot back at once. Raises TierUnavailableError when the tier
+        is unhealthy (at once) or when every request failed; otherwise records a success.
         """
         self._ensure_open()
         self.health.check()
@@ -233,24 +259,32 @@ class S3Backend(BlobBackend):
             return []
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout_s
-        # each request carries the caller's context (copy accounting follows it into the pool)
-        futures = [loop.run_in_executor(self._pool, contextvars.copy_context().run, call, deadline) for call in calls]
+        slots = self._slots_of(loop, _SLOTS[op])
+
+        async def one(call: Callable[[float], Any]) -> Any:
+            async with slots:  # a cancellation (the deadline, the caller) gives the slot back at once
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no slot free within timeout_s={self.timeout_s:g}s")
+                # the request carries the caller's context (copy accounting follows it to the thread)
+                return await loop.run_in_executor(self._threads, contextvars.copy_context().run, call, deadline)
+
+        tasks = [asyncio.ensure_future(one(call)) for call in calls]
         try:
-            done, pending = await asyncio.wait(futures, timeout=self.timeout_s)
+            done, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
         except asyncio.CancelledError:
-            for future in futures:  # requests not started yet never start; running ones lose their grant
-                future.cancel()
+            for task in tasks:  # requests not started never start; running ones lose their grant
+                task.cancel()
             raise
-        for future in pending:
-            future.cancel()
+        for task in pending:
+            task.cancel()
         results: list[Any] = []
         failures: list[BaseException] = []
-        for future in futures:
-            if future in pending:
+        for task in tasks:
+            if task in pending:
                 outcome: Any = TimeoutError(f"no answer within timeout_s={self.timeout_s:g}s")
                 self._count("timeouts")
             else:
-                outcome = future.exception() or future.result()
+                outcome = task.exception() or task.result()
             if isinstance(outcome, BaseException) and not isinstance(outcome, ChunkFormatError):
                 failures.append(outcome)
             results.append(outcome)
@@ -267,6 +301,13 @@ class S3Backend(BlobBackend):
                            op, type(failures[0]).__name__, self._redact(failures[0]))
         return results
 
+    def _slots_of(self, loop: asyncio.AbstractEventLoop, kind: str) -> asyncio.Semaphore:
+        """The ``max_concurrency`` request slots of ``kind`` on ``loop`` (a semaphore belongs to one loop)."""
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots[loop] = {name: asyncio.Semaphore(self.max_concurrency) for name in set(_SLOTS.values())}
+        return slots[kind]
+
     async def _probe(self) -> None:
         """A HEAD on the bucket; its error (kept by the breaker as ``last_error``) is redacted."""
         loop = asyncio.get_running_loop()
@@ -281,9 +322,14 @@ class S3Backend(BlobBackend):
         names = [key.to_string() for key in keys]
         ways = self._ways(len(names))
         results = await self._batch("get", [lambda d, n=n: self._load(n, d, ways) for n in names])
-        await self._drop_corrupt_objects([n for n, r in zip(names, results) if isinstance(r, ChunkFormatError)],
-                                         [r for r in results if isinstance(r, ChunkFormatError)])
+        self._learn(keys, [isinstance(r, torch.Tensor) for r in results], [r is _ABSENT for r in results])
+        await self._drop_corrupt_objects(keys, results)
         return [r if isinstance(r, torch.Tensor) else None for r in results]
+
+    def _learn(self, keys: Sequence[CacheKey], present: Sequence[bool], absent: Sequence[bool]) -> None:
+        """Remember what a batch found (a failed or abandoned request says nothing)."""
+        self._known.record([key for key, flag in zip(keys, present) if flag], True)
+        self._known.record([key for key, flag in zip(keys, absent) if flag], False)
 
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Every object fetched in parallel, verified, and copied once into its destination.
@@ -301,15 +347,18 @@ class S3Backend(BlobBackend):
                                                 for n, o in zip(names, outs)])
         finally:
             grant.revoke()
-        await self._drop_corrupt_objects([n for n, r in zip(names, results) if isinstance(r, ChunkFormatError)],
-                                         [r for r in results if isinstance(r, ChunkFormatError)])
+        self._learn(keys, [r is True for r in results], [r is _ABSENT for r in results])
+        await self._drop_corrupt_objects(keys, results)
         return [r is True for r in results]
 
-    async def _drop_corrupt_objects(self, names: list[str], problems: list[ChunkFormatError]) -> None:
-        """Count, log and delete objects that failed to decode (they are misses)."""
-        if not names:
+    async def _drop_corrupt_objects(self, keys: Sequence[CacheKey], results: Sequence[Any]) -> None:
+        """Count, log and delete the objects of a batch that failed to decode (they are misses)."""
+        corrupt = [(key, result) for key, result in zip(keys, results) if isinstance(result, ChunkFormatError)]
+        if not corrupt:
             return
-        self.count_corrupt([(self._object_key(name), problem) for name, problem in zip(names, problems)])
+        names = [key.to_string() for key, _ in corrupt]
+        self.count_corrupt([(self._object_key(name), problem) for name, (_, problem) in zip(names, corrupt)])
+        self._known.record([key for key, _ in corrupt], False)
         try:
             await self._batch("delete", [lambda d, n=n: self._objects.remove(n, d) for n in names])
         except TierUnavailableError as exc:  # the reads stand; the next reader deletes it
@@ -330,6 +379,8 @@ class S3Backend(BlobBackend):
             results = await self._batch("put", calls)
         finally:
             grant.revoke()
+        stored = [latest[name][0] for name, result in zip(latest, results) if not isinstance(result, BaseException)]
+        self._known.record(stored, True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise TierUnavailableError(f"tier {self.name!r}: {len(failed)} of {len(calls)} put(s) to "
@@ -340,14 +391,28 @@ class S3Backend(BlobBackend):
         await self.batched_put([key], [chunk])
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
-        names = [key.to_string() for key in keys]
-        results = await self._batch("contains", [lambda d, n=n: self._objects.head(n, d) for n in names])
-        return [r is True for r in results]
+        """Known chunks are answered from memory; the others cost one HEAD each, in parallel."""
+        self._ensure_open()
+        known = self._known.known(keys)
+        unknown = [key for key, answer in zip(keys, known) if answer is None]
+        if unknown:
+            names = [key.to_string() for key in unknown]
+            results = await self._batch("contains", [lambda d, n=n: self._objects.head(n, d) for n in names])
+            self._learn(unknown, [r is True for r in results], [r is False for r in results])
+            asked = iter(r is True for r in results)
+            return [next(asked) if answer is None else answer for answer in known]
+        return [bool(answer) for answer in known]
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """From what this process knows (stored, read or asked recently), with no request; None
+        when some chunk is not known (the engine then asks with :meth:`batched_contains`)."""
+        return None if self._closed else self._known.answer(keys)
 
     async def contains(self, key: CacheKey) -> bool:
         return (await self.batched_contains([key]))[0]
 
     async def delete(self, key: CacheKey) -> bool:
+        self._known.record([key], False)
         return await self.delete_bytes(key.to_string())
 
     # -- BlobBackend byte API (single objects, same plumbing) -------------------------------------
@@ -382,13 +447,14 @@ class S3Backend(BlobBackend):
         await asyncio.to_thread(self._shutdown)
 
     def _shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._part_pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._threads, self._read_parts, self._write_parts):
+            pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "bucket": self.bucket, "prefix": self.prefix,
-                "endpoint_url": self.endpoint_url, "store_health": self.health.state()}
+                "endpoint_url": self.endpoint_url, "store_health": self.health.state(),
+                "lookups_answered_from_memory": self._known.answered, "lookup_cache_entries": len(self._known)}
 
     def __repr__(self) -> str:
         return f"S3Backend(name={self.name!r}, bucket={self.bucket!r}, prefix={self.prefix!r}, " \

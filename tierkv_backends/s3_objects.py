@@ -46,13 +46,14 @@ class S3Objects:
 
     def __init__(self, tier: str, client: Any, bucket: str, prefix: str, endpoint_url: str | None, region: str, *,
                  part_size: int, multipart_threshold: int, min_range: int | None, retries: int, backoff_base_s: float,
-                 backoff_max_s: float, part_pool: concurrent.futures.Executor, count: Callable[[str, int], None],
+                 backoff_max_s: float, read_parts: concurrent.futures.Executor,
+                 write_parts: concurrent.futures.Executor, count: Callable[[str, int], None],
                  redact: Callable[[BaseException | str], str]) -> None:
         self.tier, self.client, self.bucket, self.prefix = tier, client, bucket, prefix
         self.endpoint_url, self.region = endpoint_url, region
         self.part_size, self.multipart_threshold, self.min_range = part_size, multipart_threshold, min_range
         self.retries, self.backoff_base_s, self.backoff_max_s = retries, backoff_base_s, backoff_max_s
-        self.part_pool = part_pool
+        self.read_parts, self.write_parts = read_parts, write_parts  # apart: a stalled read never holds a write
         self.count = count
         self.redact = redact
         self.size_hint = 0  # the size of the last object fetched whole: how to split the next one
@@ -103,6 +104,8 @@ class S3Objects:
         """Run one S3 request, retrying throttling and transient faults until ``deadline``."""
         attempt = 0
         while True:
+            if time.monotonic() >= deadline:  # waited for a slot past it, or retried up to it
+                raise TimeoutError("the operation's deadline passed before this request was sent")
             self.count("requests", 1)
             try:
                 return call()
@@ -158,7 +161,7 @@ class S3Objects:
         if ways > 1:
             span = min(self.part_size, -(-hint // ways))
             guessed = [(s, min(s + span, hint) - 1) for s in range(span, hint, span)]
-        futures = [self.part_pool.submit(self._speculative_range, key, s, e, deadline) for s, e in guessed]
+        futures = [self.read_parts.submit(self._speculative_range, key, s, e, deadline) for s, e in guessed]
         try:
             try:
                 first, total = self.get_range(key, 0, span - 1, deadline)
@@ -195,7 +198,7 @@ class S3Objects:
 
     def _fetch_rest(self, key: str, data: bytearray, start: int, total: int, deadline: float) -> None:
         starts = range(start, total, self.part_size)
-        parts = [self.part_pool.submit(self.get_range, key, s, min(s + self.part_size, total) - 1, deadline)
+        parts = [self.read_parts.submit(self.get_range, key, s, min(s + self.part_size, total) - 1, deadline)
                  for s in starts]
         try:
             for begin, part in zip(starts, parts):
@@ -225,7 +228,7 @@ class S3Objects:
             return {"PartNumber": number, "ETag": reply["ETag"]}
 
         try:
-            futures = [self.part_pool.submit(send, i + 1, start)
+            futures = [self.write_parts.submit(send, i + 1, start)
                        for i, start in enumerate(range(0, len(data), self.part_size))]
             parts = [f.result() for f in futures]
             self.request(lambda: self.client.complete_multipart_upload(

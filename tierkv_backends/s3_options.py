@@ -23,10 +23,13 @@ S3_OPTIONS: dict[str, Option] = {
     "session_token": Option("str", None, secret=True, doc="session token for temporary credentials"),
     "addressing_style": Option("str", "path", choices=("path", "virtual", "auto"),
                                doc="path for MinIO/SeaweedFS, virtual for AWS"),
-    "max_concurrency": Option("int", 16, minimum=1, doc="requests in flight at once"),
+    "max_concurrency": Option("int", 16, minimum=1, doc="requests in flight at once, for reads and for writes each "
+                                                         "(a read the store stalls never holds a write's slot)"),
     "connect_timeout_s": Option("float", 2.0, minimum=0.01),
     "read_timeout_s": Option("float", 10.0, minimum=0.01),
-    "timeout_s": Option("float", 30.0, minimum=0.01, doc="deadline of one batched operation, retries included"),
+    "timeout_s": Option("float", 30.0, minimum=0.01, doc="deadline of one batched operation, retries included; "
+                                                         "a request still running then gives its slot back, and "
+                                                         "its socket waits no longer than this"),
     "retries": Option("int", 3, minimum=0, doc="retries of a throttled or transient request"),
     "backoff_base_s": Option("float", 0.05, minimum=0.0),
     "backoff_max_s": Option("float", 1.0, minimum=0.0),
@@ -36,6 +39,12 @@ S3_OPTIONS: dict[str, Option] = {
                         doc="split each object of a batch smaller than max_concurrency into ranges of at least "
                             "this size, fetched at once (for stores whose one connection is slower than several, "
                             "e.g. AWS S3: 8MiB); default: off (on loopback one GET is faster)"),
+    "lookup_cache": Option("int", 100_000, minimum=0, doc="chunks whose existence is remembered, so lookups "
+                                                          "need no HEAD for them (0: every lookup asks the store)"),
+    "lookup_cache_ttl_s": Option("float", 300.0, minimum=0.0, doc="how long a chunk seen to exist is believed to "
+                                                                  "(a deleted one is a miss on its read)"),
+    "lookup_miss_ttl_s": Option("float", 2.0, minimum=0.0, doc="how long a chunk found missing is believed "
+                                                               "missing (another replica may store it)"),
     "create_bucket": Option("bool", False, doc="create the bucket when it does not exist"),
     "check_on_start": Option("bool", True, doc="check endpoint, credentials and bucket when the tier is built"),
     "failure_threshold": Option("int", 3, minimum=1, doc="failed batches in a row that mark the tier unhealthy"),

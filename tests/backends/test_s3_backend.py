@@ -265,7 +265,7 @@ def test_stalled_endpoint_gets_end_at_the_deadline_and_the_tier_trips(s3_server:
                 await backend.put(make_key(3), make_chunk(3))
             assert backend.stats()["store_health"]["rejected_unhealthy"] == 1
         finally:
-            backend._pool.shutdown(wait=False, cancel_futures=True)  # threads stuck on the black hole
+            backend._threads.shutdown(wait=False, cancel_futures=True)  # threads stuck on the black hole
             backend._closed = True
             await backend.health.close()
     asyncio.run(body())

@@ -47,6 +47,7 @@ def library_path(root: Path, name: str) -> Path:
 
 
 def lock_path(root: Path, name: str) -> Path:
+    """The file whose flock guards builds of ``name`` (its content: the holder's pid and start)."""
     return root / f"{name}.lock"
 
 

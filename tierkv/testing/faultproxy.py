@@ -13,6 +13,9 @@ the replies to matching requests the way a flaky network or middlebox does:
                           status 200 (only the chunk's own header can tell)
 ``"reset"``               headers and part of the body, then a TCP reset (RST)
 ``"503"`` / ``"500"``     an S3 error reply (SlowDown / InternalError); upstream not asked
+``"stall"``               the request is held, unanswered, until the fault is cleared (or
+                          :attr:`FaultProxy.stall_max_s` passed), then forwarded: a store
+                          that stops answering
 ========================  ==============================================================
 
 Only requests whose method is in :attr:`FaultProxy.methods` (GET by default) and, when set,
@@ -26,6 +29,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler
@@ -33,6 +37,8 @@ from http.server import BaseHTTPRequestHandler
 from tierkv.testing.slowproxy import SlowProxy
 
 FAULTS = ("cut", "short", "short_unranged", "reset", "503", "500")
+"""The faults that damage a reply (``"stall"`` withholds it instead)."""
+_ALL_FAULTS = (*FAULTS, "stall")
 _ERROR_REPLIES = {
     "503": (503, "Service Unavailable", "SlowDown", "Please reduce your request rate."),
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
@@ -49,6 +55,7 @@ class FaultProxy(SlowProxy):
         self.methods = frozenset(methods)
         self.path_contains: str | None = None
         self.budget: int | None = None
+        self.stall_max_s = 60.0
         self.injected: Counter[str] = Counter()
         super().__init__(upstream, latency_s=latency_s)
 
@@ -58,8 +65,8 @@ class FaultProxy(SlowProxy):
 
     @fault.setter
     def fault(self, value: str | None) -> None:
-        if value is not None and value not in FAULTS:
-            raise ValueError(f"fault: expected one of {list(FAULTS)} or None, got {value!r}")
+        if value is not None and value not in _ALL_FAULTS:
+            raise ValueError(f"fault: expected one of {list(_ALL_FAULTS)} or None, got {value!r}")
         self._fault = value
 
     def heal(self) -> None:
@@ -83,6 +90,11 @@ class FaultProxy(SlowProxy):
             return fault
 
     def _intercept(self, handler: BaseHTTPRequestHandler) -> bool:
+        if self._take(handler, ("stall",)) is not None:
+            started = time.monotonic()
+            while self._fault == "stall" and time.monotonic() - started < self.stall_max_s:
+                time.sleep(0.02)
+            return False  # then forwarded as usual
         fault = self._take(handler, tuple(_ERROR_REPLIES))
         if fault is None:
             return False
