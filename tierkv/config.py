@@ -20,10 +20,18 @@ import yaml
 
 from tierkv import codecs, registry
 from tierkv.admission import Admission, parse_admission
-from tierkv.backend import InPlaceTier, NamesVictims
+from tierkv.backend import InPlaceTier, NamesVictims, StorageBackend
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS
-from tierkv.options import Option, OptionValues, parse_options, parse_size, redacted_repr, unknown_key_error
+from tierkv.options import (
+    Option,
+    OptionValues,
+    inline_secrets,
+    parse_options,
+    parse_size,
+    redacted_repr,
+    unknown_key_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +191,7 @@ def _env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse_tier(raw: Any, index: int, seen: set[str], write_policy: str = "write_through",
-                last: bool = False) -> TierConfig:
+                last: bool = False, inline: bool = False) -> TierConfig:
     path = f"tiers[{index}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a mapping with at least 'name' and 'backend', got {raw!r}")
@@ -208,6 +216,8 @@ def _parse_tier(raw: Any, index: int, seen: set[str], write_policy: str = "write
         if key not in backend_cls.options:
             raise unknown_key_error(key, [*_TIER_COMMON, *backend_cls.options], path)
     options = backend_cls.validate_options(specific, path)
+    if inline:
+        _warn_inline_secrets(backend_cls, specific, path)
     promote = raw.get("promote", True)
     if not isinstance(promote, bool):
         raise ConfigError(f"{path}.promote: expected true or false, got {promote!r}")
@@ -224,6 +234,18 @@ def _parse_tier(raw: Any, index: int, seen: set[str], write_policy: str = "write
     codec = _parse_codec(raw.get("codec", "none"), backend_cls, f"{path}.codec")
     return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path, promote=promote,
                       admission=admission, codec=codec)
+
+
+def _warn_inline_secrets(backend_cls: type[StorageBackend], raw: Mapping[str, Any], path: str) -> None:
+    """Say that a credential written into a config given inline (a mapping, not a file) may end up
+    in a serving engine's log: vLLM logs its engine arguments at start, the connector's
+    ``kv_connector_extra_config`` (this config) included. It still works."""
+    for name in inline_secrets(backend_cls.options, raw):
+        logger.warning("%s.%s: a credential is written into a config given inline; a serving engine may log its "
+                       "config (vLLM logs kv_connector_extra_config at start, and this with it). Give it as "
+                       "{env: NAME} (an environment variable holding it), or leave it out where the backend has a "
+                       "credential chain of its own (s3: AWS_* variables, ~/.aws profiles, instance roles)",
+                       path, name)
 
 
 def _parse_codec(value: Any, backend_cls: type, path: str) -> str:
@@ -341,7 +363,8 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
     seen: set[str] = set()
-    tiers = tuple(_parse_tier(tier, index, seen, write_policy, last=index == len(tiers_raw) - 1)
+    inline = source == "<dict>"  # a mapping (an integration's extra config), not a file
+    tiers = tuple(_parse_tier(tier, index, seen, write_policy, last=index == len(tiers_raw) - 1, inline=inline)
                   for index, tier in enumerate(tiers_raw))
     _check_lossy_below_exact(tiers, write_policy)
     pressure = PressureConfig(**_section(raw, "pressure", _PRESSURE_OPTIONS))

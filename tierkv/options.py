@@ -8,7 +8,9 @@ what was expected, and the valid choices or a close match.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -152,9 +154,43 @@ def unknown_key_error(key: str, valid: list[str], path: str) -> ConfigError:
     return ConfigError(f"{path}: unknown key {key!r}{suggestion}; valid keys: {', '.join(sorted(valid))}")
 
 
+def from_environment(value: Any, where: str) -> Any:
+    """A secret option's value: ``{env: NAME}`` is read from the environment variable NAME (the
+    config then holds no credential a serving engine could log); anything else as it is."""
+    if not isinstance(value, Mapping):
+        return value
+    if set(value) != {"env"} or not isinstance(value["env"], str) or not value["env"]:
+        raise ConfigError(f"{where}: expected the credential itself or {{env: NAME}} (an environment variable "
+                          f"holding it), got a mapping with keys {sorted(map(str, value))}")
+    name = value["env"]
+    found = os.environ.get(name)
+    if not found:
+        raise ConfigError(f"{where}: the environment variable {name!r} named for it is not set (or empty)")
+    return found
+
+
+def inline_secrets(spec: Mapping[str, Option], raw: Mapping[str, Any]) -> list[str]:
+    """The options of ``raw`` holding a credential written out (not ``{env: NAME}``): declared
+    secret in ``spec``, or named like one."""
+    return [name for name, value in raw.items()
+            if isinstance(value, str) and value and not _url_without_password(value)
+            and ((name in spec and spec[name].secret) or (name not in spec and looks_secret(name)))]
+
+
+def _url_without_password(value: str) -> bool:
+    """Whether ``value`` is a URL that holds no password (a secret option may be a URL)."""
+    if "://" not in value:
+        return False
+    try:
+        return urllib.parse.urlsplit(value).password is None
+    except ValueError:
+        return False
+
+
 def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str) -> OptionValues:
     """Check ``raw`` against ``spec``: unknown keys, missing required ones, types, choices.
-    The result's repr hides the options declared ``secret``."""
+    A secret option may be ``{env: NAME}`` (:func:`from_environment`). The result's repr hides
+    the options declared ``secret``."""
     for key in raw:
         if key not in spec:
             raise unknown_key_error(key, list(spec), path)
@@ -166,7 +202,7 @@ def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str)
                 raise ConfigError(f"{where}: required option is missing ({option.doc or option.kind})")
             parsed[name] = option.default
             continue
-        value = _convert(option, raw[name], where)
+        value = _convert(option, from_environment(raw[name], where) if option.secret else raw[name], where)
         shown = REDACTED if option.secret else repr(value)
         if option.choices is not None and value not in option.choices:
             raise ConfigError(f"{where}: expected one of {list(option.choices)}, got {shown}")

@@ -40,7 +40,9 @@ How it talks to the store:
   bucket probes it every ``probe_interval_s`` until it answers. Gets return what arrived
   within ``timeout_s`` (the rest are misses); puts that failed are counted and reported as
   :class:`~tierkv.errors.TierUnavailableError`, which the engine counts as a dropped fill.
-- Credentials: from the options or the standard boto3 chain (env, profile, instance role).
+- Credentials: the standard boto3 chain (AWS_* variables, ``profile`` or AWS_PROFILE in the
+  ~/.aws files, instance roles), or environment variables the config names (``{env: NAME}``),
+  or written into the options (the config then warns: a serving engine may log its config).
   They are never put in reprs, stats, log lines or exception messages.
 """
 
@@ -74,6 +76,7 @@ from tierkv_backends.s3_requests import bucket_name, is_missing, is_transient, k
 
 try:
     import boto3
+    import botocore.exceptions
     from botocore.config import Config as BotoConfig
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the s3 tier needs boto3: pip install 'tierkv[s3]'") from _exc
@@ -114,8 +117,13 @@ class S3Backend(BlobBackend):
         self.max_concurrency = settings["max_concurrency"]
         self.timeout_s = settings["timeout_s"]
         self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
-        session = boto3.session.Session(aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
-                                        aws_session_token=session_token, region_name=self.region)
+        try:
+            session = boto3.session.Session(aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
+                                            aws_session_token=session_token, region_name=self.region,
+                                            profile_name=settings["profile"])
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ConfigError(f"tier {name!r}: profile {settings['profile']!r} is in no AWS config or shared "
+                              "credentials file (~/.aws/credentials, AWS_SHARED_CREDENTIALS_FILE)") from exc
         config = BotoConfig(
             # a request waits on its socket no longer than its batch's deadline is long
             connect_timeout=min(settings["connect_timeout_s"], self.timeout_s),

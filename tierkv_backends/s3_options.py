@@ -18,9 +18,13 @@ S3_OPTIONS: dict[str, Option] = {
     "prefix": Option(key_prefix, "tierkv", doc="object-name prefix inside the bucket"),
     "endpoint_url": Option("str", None, doc="S3 endpoint, e.g. http://127.0.0.1:9000 (AWS when unset)"),
     "region": Option("str", None, doc="region name (us-east-1 when unset)"),
-    "access_key_id": Option("str", None, secret=True, doc="access key (else the boto3 credential chain)"),
-    "secret_access_key": Option("str", None, secret=True, doc="secret key (with access_key_id)"),
-    "session_token": Option("str", None, secret=True, doc="session token for temporary credentials"),
+    # credentials: leave them out for boto3's chain (AWS_* variables, ~/.aws profiles, instance roles), or
+    # name an environment variable holding each ({env: NAME}); written out, a serving engine may log them
+    "access_key_id": Option("str", None, secret=True, doc="access key, or {env: NAME} (else the boto3 chain)"),
+    "secret_access_key": Option("str", None, secret=True, doc="secret key, or {env: NAME} (with access_key_id)"),
+    "session_token": Option("str", None, secret=True, doc="session token for temporary credentials, or {env: NAME}"),
+    "profile": Option("str", None, doc="a profile of the shared credentials and config files (~/.aws), as "
+                                       "AWS_PROFILE picks one"),
     "addressing_style": Option("str", "path", choices=("path", "virtual", "auto"),
                                doc="path for MinIO/SeaweedFS, virtual for AWS"),
     "max_concurrency": Option("int", 16, minimum=1, doc="requests in flight at once, for reads and for writes each "

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from s3_fixtures import s3_tier_options
 from waiting import wait_until
 
@@ -323,3 +324,79 @@ def test_engine_keeps_serving_while_s3_is_killed_and_s3_comes_back(tmp_path: Pat
                 assert bool(mask.all()) is expected
                 if expected:
                     assert torch.equal(kv, kv_of(tokens))
+
+
+# -- where credentials come from ----------------------------------------------------------------------
+def _strict_tier(server: S3Server, **credentials: Any) -> dict[str, Any]:
+    return {"model": "creds", "chunk_size": 16, "kv_format": "vllm",
+            "tiers": [{"name": "shared", "backend": "s3", "bucket": "strict-creds", "prefix": uuid.uuid4().hex[:8],
+                       "endpoint_url": server.endpoint_url, "create_bucket": True, **credentials}]}
+
+
+def _round_trip(config: Any) -> bool:
+    tokens = torch.arange(16)
+    kv = torch.randn(2, 2, 16, 1, 8)
+    with Engine(config) as engine:
+        engine.store(tokens, kv)
+        out, mask = engine.retrieve(tokens, return_tuple=False)
+        return bool(mask.all()) and torch.equal(out, kv)
+
+
+def test_credentials_from_variables_the_config_names_the_boto3_chain_or_a_profile(
+        strict_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where S3 users keep credentials, none of them written into the config (a serving engine
+    logs its config): environment variables the config names, boto3's own chain (AWS_*), a
+    profile of the shared credentials file. Wrong or missing ones fail at start, by name."""
+    key, secret = strict_server.access_key_id, strict_server.secret_access_key
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv("KV_S3_KEY", key)
+    monkeypatch.setenv("KV_S3_SECRET", secret)
+    named = _strict_tier(strict_server, access_key_id={"env": "KV_S3_KEY"}, secret_access_key={"env": "KV_S3_SECRET"})
+    assert _round_trip(named)
+    monkeypatch.setenv("KV_S3_SECRET", "not-the-secret")
+    with pytest.raises(ConfigError, match="access denied"):
+        Engine(named)
+    monkeypatch.delenv("KV_S3_SECRET")
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.secret_access_key: the environment variable 'KV_S3_SECRET'"):
+        Engine(named)
+    with pytest.raises(ConfigError, match=r"expected the credential itself or \{env: NAME\}"):
+        Engine(_strict_tier(strict_server, access_key_id={"env": "KV_S3_KEY", "x": 1},
+                            secret_access_key={"env": "KV_S3_KEY"}))
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)  # boto3's chain: nothing in the config
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    assert _round_trip(_strict_tier(strict_server))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+
+    shared = tmp_path / "credentials"
+    shared.write_text(f"[tierkv]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(shared))
+    assert _round_trip(_strict_tier(strict_server, profile="tierkv"))
+    with pytest.raises(ConfigError, match="profile 'nobody' is in no AWS config"):
+        Engine(_strict_tier(strict_server, profile="nobody"))
+    assert "written into a config" not in caplog.text, "no credential was written into these configs"
+    assert secret not in caplog.text
+
+
+def test_a_credential_written_into_an_inline_config_works_and_warns(
+        strict_server: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Inline (as an integration's extra config is, which vLLM logs) it still works, with a
+    warning that names the option, never the value; in a YAML file it says nothing."""
+    key, secret = strict_server.access_key_id, strict_server.secret_access_key
+    inline = _strict_tier(strict_server, access_key_id=key, secret_access_key=secret)
+    caplog.set_level(logging.WARNING)
+    assert _round_trip(inline)
+    warned = [r.getMessage() for r in caplog.records if "written into a config given inline" in r.getMessage()]
+    assert len(warned) == 2 and "tiers[0].secret_access_key" in " ".join(warned)
+    assert "{env: NAME}" in warned[0] and secret not in caplog.text
+    caplog.clear()
+    path = tmp_path / "tierkv.yaml"
+    path.write_text(yaml.safe_dump(_strict_tier(strict_server, access_key_id=key, secret_access_key=secret)))
+    assert _round_trip(load_config(path))
+    assert "written into a config" not in caplog.text
