@@ -10,6 +10,14 @@ otherwise dropped and counted (its chunks stay in the tier that took them), so a
 returns promptly and the queue stays bounded.
 Chunks waiting here are still served by reads, so an acknowledged chunk never goes missing
 between tiers. :class:`FillWorker` queues the fills of a put and writes them below.
+
+A fill never holds a memory tier hostage: a fill to tiers that take nothing now (full,
+unhealthy, under pressure) is dropped when it is queued, not held; queued fills whose tiers
+stopped taking writes are dropped when the memory tier they read from needs their memory
+(:meth:`FillWorker.reclaim`), and so are the oldest of the others once that tier has waited
+for them as long as it waits for any held slab; and one batch in flight reads at most half
+of its memory tier. So a lower tier that is full, failing or slow costs fills (counted in
+``dropped_fills``), never a store the memory tier has room for.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ class FillJob:
     chunks: list[torch.Tensor]
     levels: list[int]
     release: Callable[[], None] | None = None
+    source: int | None = None  # the memory tier whose memory the chunks are (held), if any
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -132,17 +141,44 @@ class FillQueue:
                 raise asyncio.CancelledError
         return has_room()
 
-    async def take(self, max_bytes: int) -> list[FillJob]:
-        """Wait for work and take queued jobs, up to ``max_bytes`` (at least one job)."""
+    async def take(self, max_bytes: int | Callable[[FillJob], int]) -> list[FillJob]:
+        """Wait for work and take queued jobs for the same tiers from the same source, up to
+        ``max_bytes`` (or ``max_bytes(first job)``; at least one job)."""
         async with self._changed:
             await self._changed.wait_for(lambda: bool(self._jobs))
             taken = [self._jobs.popleft()]
-            total = taken[0].nbytes
-            while self._jobs and total + self._jobs[0].nbytes <= max_bytes and self._jobs[0].levels == taken[0].levels:
+            total, limit = taken[0].nbytes, max_bytes(taken[0]) if callable(max_bytes) else max_bytes
+            while (self._jobs and total + self._jobs[0].nbytes <= limit and self._jobs[0].levels == taken[0].levels
+                   and self._jobs[0].source == taken[0].source):
                 total += self._jobs[0].nbytes
                 taken.append(self._jobs.popleft())
             self._active += 1
             return taken
+
+    async def drop_where(self, doomed: Callable[[FillJob], bool], budget: int | None = None) -> list[FillJob]:
+        """Drop queued (not running) jobs for which ``doomed(job)``, oldest first, until their
+        bytes reach ``budget`` (all of them without one); the jobs dropped (counted, released)."""
+        async with self._changed:
+            dropped: list[FillJob] = []
+            kept: deque[FillJob] = deque()
+            freed = 0
+            for job in self._jobs:
+                if (budget is None or freed < budget) and doomed(job):
+                    dropped.append(job)
+                    freed += job.nbytes
+                else:
+                    kept.append(job)
+            if not dropped:
+                return []
+            self._jobs = kept
+            for job in dropped:
+                self.queued_bytes -= job.nbytes
+                for key, chunk in zip(job.keys, job.chunks):
+                    if self._pending.get(key) is chunk:
+                        del self._pending[key]
+                self._drop(job)
+            self._changed.notify_all()
+            return dropped
 
     async def done(self, jobs: list[FillJob]) -> None:
         """Mark jobs from :meth:`take` as written (or given up)."""
@@ -200,6 +236,14 @@ class FillWorker:
         if not self.fills_below(level):
             return
         below = targets if targets is not None else list(range(level + 1, len(self.tiers)))
+        taking = [target for target in below if self.tiers[target].admits()]
+        for target in set(below) - set(taking):  # full, unhealthy or under pressure: dropped now, not held
+            self.tiers[target].metrics.add("dropped_fills", len(keys))
+        if not taking:
+            if taken:
+                release_all(taken)
+            return
+        below = taking
         release = None
         tier = self.tiers[level]
         if tier.in_place:
@@ -218,7 +262,8 @@ class FillWorker:
             fresh = iter(dst for dst, _ in pairs)
             chunks = [c if mine else next(fresh) for c, mine in zip(chunks, owned)]
         try:
-            queued = await self.queue.put(FillJob(keys, chunks, below, release), cancelled)
+            queued = await self.queue.put(FillJob(keys, chunks, below, release, level if tier.in_place else None),
+                                          cancelled)
         except BaseException:  # cancelled while waiting for room: the job never got in
             if release is not None:
                 release()
@@ -227,10 +272,36 @@ class FillWorker:
             for target in below:
                 self.tiers[target].metrics.add("dropped_fills", len(keys))
 
+    async def reclaim(self, level: int, need: int, waited: bool) -> int:
+        """Memory tier ``level`` needs ``need`` bytes that queued fills hold: drop those whose
+        tiers take nothing now; once the tier has waited (``waited``), the oldest of the rest
+        too, up to ``need``. The bytes given back (to the tier when the holds are released)."""
+        def doomed(job: FillJob) -> bool:
+            return job.source == level and not any(self.tiers[target].admits() for target in job.levels)
+        dropped = await self.queue.drop_where(doomed)
+        if waited and sum(job.nbytes for job in dropped) < need:
+            dropped += await self.queue.drop_where(lambda job: job.source == level, need)
+        for job in dropped:
+            for target in job.levels:
+                self.tiers[target].metrics.add("dropped_fills", len(job.keys))
+        if dropped:
+            logger.info("tier %r: %d fill(s) below dropped to make room for a store (%s)", self.tiers[level].name,
+                        sum(len(job.keys) for job in dropped),
+                        "the tiers below waited too long" if waited else "the tiers below take nothing now")
+        return sum(job.nbytes for job in dropped)
+
+    def _batch_bytes(self, job: FillJob) -> int:
+        """How many bytes one fill batch may read: at most half of a memory tier it reads from
+        (the rest stays free for stores while it is written below)."""
+        if job.source is None:
+            return FILL_BATCH_BYTES
+        capacity = self.tiers[job.source].backend.capacity_bytes
+        return min(FILL_BATCH_BYTES, max(1, capacity // 2)) if capacity else FILL_BATCH_BYTES
+
     async def run(self) -> None:
         """Take queued jobs and write them to their tiers, until cancelled."""
         while True:
-            jobs = await self.queue.take(FILL_BATCH_BYTES)
+            jobs = await self.queue.take(self._batch_bytes)
             try:
                 keys = [k for job in jobs for k in job.keys]
                 chunks = [c for job in jobs for c in job.chunks]

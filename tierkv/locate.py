@@ -102,6 +102,21 @@ def read_levels(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]
     return _or_fill_queue(fill, found, missing, keys)
 
 
+def held_anywhere(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> list[bool]:
+    """Whether some tier's in-memory index holds each key (unhealthy tiers included: what a tier
+    holds does not change because its calls fail), or it waits in the fill queue; no I/O, so a
+    tier without an index counts as not holding it."""
+    held = [fill.pending(key) is not None for key in keys]
+    for tier in tiers:
+        missing = [index for index, flag in enumerate(held) if not flag]
+        if not missing:
+            break
+        flags = tier.contains_nowait([keys[index] for index in missing])
+        for index, flag in zip(missing, flags or ()):
+            held[index] = bool(flag)
+    return held
+
+
 def _or_fill_queue(fill: FillQueue, found: Levels, missing: list[int], keys: Sequence[CacheKey]) -> Levels:
     """Mark the chunks no tier holds that are still waiting in the fill queue (:data:`FILL_QUEUE_LEVEL`)."""
     for index in missing:

@@ -112,6 +112,9 @@ class TierRouter:
         if self.write_policy == "write_back":
             for level, tier in enumerate(self.tiers[:-1]):
                 tier.demote_to(functools.partial(self._demote, level))
+        for level, tier in enumerate(self.tiers):
+            if tier.in_place and self._fills.fills_below(level) and hasattr(tier.backend, "reclaim"):
+                tier.backend.reclaim = functools.partial(self._fills.reclaim, level)
 
     @property
     def backends(self) -> tuple[StorageBackend, ...]:
@@ -306,9 +309,13 @@ class TierRouter:
                 except Exception as exc:
                     errors.append(exc)
                     skipped[tier.name] = rejection(exc)
+        held = locate.held_anywhere(self.tiers, self._fill, keys)
+        if all(held):  # nothing to save: a tier that cannot take writes now holds them all
+            logger.debug("tierkv: a store of %d chunk(s) no tier took is already cached", len(keys))
+            return 0
         reasons = "; ".join(f"{tier.name!r}: {skipped.get(tier.name, 'not tried')}" for tier in self.tiers)
-        raise TierUnavailableError(f"no tier took the {len(keys)} chunk(s): {reasons}") from (
-            errors[0] if errors else None)
+        raise TierUnavailableError(f"no tier took the {len(keys)} chunk(s) ({len(keys) - sum(held)} of them cached "
+                                   f"nowhere): {reasons}") from (errors[0] if errors else None)
 
     async def _put_source(self, keys: list[CacheKey], source: transfer.ChunkSource, ranges: list[tuple[int, int]],
                           layouts: Layouts, tier: Tier, cancelled: asyncio.Event) -> int:

@@ -118,6 +118,8 @@ class MemoryTier(StorageBackend):
         self.eviction = eviction
         self.capacity_limit = self.capacity
         self.demote_sink: DemoteSink | None = None
+        # write-through: gives back memory that queued fills to the tiers below hold (see _allocate)
+        self.reclaim: Callable[[int, bool], Awaitable[int]] | None = None
         self._resident: dict[CacheKey, Resident] = {}
         self._index = make_index(eviction)
         self._reserved = 0
@@ -228,7 +230,10 @@ class MemoryTier(StorageBackend):
     async def _allocate(self, size: int, protected: frozenset[CacheKey]) -> torch.Tensor | None:
         """A slab, evicting further least-recently-used chunks while the pool is fragmented,
         and waiting (bounded) for slabs of evicted chunks that are still held (a background
-        fill reading them) to come back. ``protected``: keys never evicted for it (the batch's)."""
+        fill reading them) to come back. ``protected``: keys never evicted for it (the batch's).
+        Before waiting, ``reclaim`` drops the queued fills holding them whose tiers take nothing
+        now, and after the wait the oldest of the others: a store the tier has room for is never
+        refused because of copies waiting for a full, failing or slow tier below."""
         deadline = asyncio.get_running_loop().time() + _HELD_WAIT_S
         while True:
             if self._slab_freed is not None:
@@ -241,7 +246,11 @@ class MemoryTier(StorageBackend):
                 await self._evict([victim], must_free=False)
                 continue
             left = deadline - asyncio.get_running_loop().time()
-            if not self._retired_held or left <= 0:
+            if not self._retired_held:
+                return None
+            if self.reclaim is not None and await self.reclaim(size, left <= 0):
+                continue  # their holds were released: the slabs are free
+            if left <= 0:
                 return None
             if self._slab_freed is None:
                 self._slab_freed = asyncio.Event()
