@@ -254,6 +254,15 @@ class SupportsDemotion(Protocol):
 
 
 @runtime_checkable
+class ReclaimsHeldMemory(Protocol):
+    """A tier whose memory write-through fills hold while they wait for the tiers below (the
+    memory tiers): when a store needs that memory it calls ``reclaim(need, waited)``, which
+    drops such fills and returns the bytes their holds give back."""
+
+    reclaim: Callable[[int, bool], Awaitable[int]] | None
+
+
+@runtime_checkable
 class NamesVictims(Protocol):
     """A bounded tier that can say which chunks it would evict next (``tinylfu`` admission
     compares a candidate with them)."""

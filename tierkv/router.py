@@ -113,8 +113,8 @@ class TierRouter:
             for level, tier in enumerate(self.tiers[:-1]):
                 tier.demote_to(functools.partial(self._demote, level))
         for level, tier in enumerate(self.tiers):
-            if tier.in_place and self._fills.fills_below(level) and hasattr(tier.backend, "reclaim"):
-                tier.backend.reclaim = functools.partial(self._fills.reclaim, level)
+            if tier.in_place and self._fills.fills_below(level):
+                tier.reclaim_with(functools.partial(self._fills.reclaim, level))
 
     @property
     def backends(self) -> tuple[StorageBackend, ...]:

@@ -19,7 +19,15 @@ import torch
 
 from tierkv import ownership
 from tierkv.admission import Admission, FrequencySketch
-from tierkv.backend import ChunkHold, DemoteSink, InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion
+from tierkv.backend import (
+    ChunkHold,
+    DemoteSink,
+    InPlaceTier,
+    NamesVictims,
+    ReclaimsHeldMemory,
+    StorageBackend,
+    SupportsDemotion,
+)
 from tierkv.coded import CodedBackend
 from tierkv.config import HealthConfig, PressureConfig
 from tierkv.errors import CapacityError, ChunkFormatError, TierFullError
@@ -188,6 +196,14 @@ class Tier:
         if not isinstance(self.backend, SupportsDemotion):
             return False
         self.backend.demote_sink = sink
+        return True
+
+    def reclaim_with(self, reclaim: Callable[[int, bool], Awaitable[int]]) -> bool:
+        """Write-through: when a store needs memory that fills hold, the tier calls ``reclaim``
+        (the fill worker's); False when the backend's memory is not held by fills."""
+        if not isinstance(self.backend, ReclaimsHeldMemory):
+            return False
+        self.backend.reclaim = reclaim
         return True
 
     def watch_pressure(self, probe: MemoryProbe | None, config: PressureConfig, spawn: Spawn) -> None:
