@@ -1,0 +1,340 @@
+"""``shm`` tier: one host cache per node, in a pool file every serving process maps.
+
+Data-parallel replicas, one vLLM per NUMA socket, an SGLang beside a vLLM, a restarted engine
+beside a live one: every process whose config names the same ``path`` shares one pool of
+``capacity`` bytes, with no daemon. A prefix one process stored is a hit in the others at
+memory speed, host memory holds it once, and one LRU over the whole pool decides what stays.
+Keys bind model, revision, adapter and tenant, so processes serving different models share a
+pool safely; ``stats()`` and ``occupancy()`` count what each scope holds.
+
+The data path is the ``cpu`` tier's: a put reserves room in the pool and the source writes
+each chunk there once (in place, :class:`~tierkv.backend.InPlaceTier`), a read copies once out
+of the pool into the caller's memory (``out=``, a connector's pages), and holds lend the
+pool's memory to connectors and fills. What the pool guarantees when processes die at any
+instant is :mod:`tierkv_backends.shm_pool`'s; where CUDA is present the data area is
+registered as pinned memory in every process (pieces of at most 64 GiB), so device copies go
+straight to and from it.
+
+Survives: a process crash (whatever it committed stays, what it was writing never shows, and
+what it held is given back), a restart of every process (the file stays). Not a reboot: the
+pool lives in memory (``/dev/shm``, or a hugetlbfs mount).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tierkv import offload, serde
+from tierkv.backend import StorageBackend, check_batch, check_destinations, fits_destination
+from tierkv.keys import CacheKey
+from tierkv.kvlayout import nbytes_of
+from tierkv.memory import cuda_available, empty_host
+from tierkv.options import Option, format_size
+from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
+from tierkv_backends.shm_layout import SHAPE_DIMS, Geometry
+from tierkv_backends.shm_pool import MEMORY_FILE_SYSTEMS, Held, SharedPool, digest, file_system_type
+
+logger = logging.getLogger(__name__)
+
+_PIN_PIECE = 64 << 30  # cudaHostRegister takes at most this much at once on some drivers
+_DIGESTS_KEPT = 1 << 16
+
+
+def _mode(value: Any) -> int:
+    """A file mode: an int (0o600) or an octal string ("0600", "660")."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a file mode such as 0600, got {value!r}")
+    if isinstance(value, int):
+        mode = value
+    elif isinstance(value, str):
+        try:
+            mode = int(value, 8)
+        except ValueError as exc:
+            raise ValueError(f"expected an octal file mode such as 0600, got {value!r}") from exc
+    else:
+        raise ValueError(f"expected a file mode such as 0600, got {value!r}")
+    if not 0 <= mode <= 0o777 or not mode & 0o600 == 0o600:
+        raise ValueError(f"expected a file mode its owner can read and write, 0600 to 0777, got {oct(mode)}")
+    return mode
+
+
+def _default_path() -> str:
+    return f"/dev/shm/tierkv-{os.getuid()}.pool"
+
+
+def _scope_id(scope: str) -> int:
+    """The 64-bit number a key's scope is counted under (its 16 hex digits)."""
+    try:
+        return int(scope, 16) & 0xFFFFFFFFFFFFFFFF if scope else 0
+    except ValueError:
+        return digest(scope.encode())[0]
+
+
+class PoolHold:
+    """The bytes of one chunk in the pool, kept from eviction until :meth:`release`."""
+
+    __slots__ = ("_backend", "_held", "chunk")
+
+    def __init__(self, backend: SharedMemoryBackend, held: Held, chunk: torch.Tensor) -> None:
+        self._backend: SharedMemoryBackend | None = backend
+        self._held = held
+        self.chunk = chunk
+
+    def release(self) -> bool:
+        """Let go (idempotent); False when this process had been reaped as dead meanwhile and the
+        bytes read under the hold may not be the chunk's."""
+        backend, self._backend = self._backend, None
+        return backend._release([self._held])[0] if backend is not None else True
+
+
+class SharedMemoryBackend(StorageBackend):
+    """A tier whose chunks live in a pool file shared by every process on the node."""
+
+    speed_seed: ClassVar[SpeedSeed] = HOST_MEMORY_SEED
+    persistent: ClassVar[bool] = True  # across processes and their crashes; not across a reboot
+    requires_capacity: ClassVar[bool] = True
+    options: ClassVar[dict[str, Option]] = {
+        "path": Option("path", None, doc="the pool file, on a memory file system (default "
+                                         "/dev/shm/tierkv-<uid>.pool); every process naming it shares the pool"),
+        "mode": Option(_mode, 0o600, doc="permissions of a pool this process creates (it holds every tenant's "
+                                         "KV: owner only unless a group of service users shares it)"),
+        "max_chunks": Option("int", None, minimum=16, doc="chunks the pool can index (default: one per 256 KiB "
+                                                          "of capacity, at least 4096, at most 1M)"),
+        "max_processes": Option("int", 64, minimum=1, doc="processes attached at once"),
+        "holds_per_process": Option("int", 16384, minimum=16, doc="chunks one process may hold at once "
+                                                                  "(reads in flight, fills waiting)"),
+        "lease_s": Option("float", 30.0, minimum=0.1, doc="a process in another pid namespace that has not "
+                                                          "beaten its heartbeat for this long is taken for dead"),
+        "pinned": Option("bool", None, doc="register the pool as pinned memory for CUDA copies (default: when "
+                                           "CUDA is available)"),
+    }
+
+    def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int = 0o600,
+                 max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int = 16384,
+                 lease_s: float = 30.0, pinned: bool | None = None) -> None:
+        super().__init__(name, capacity)
+        assert self.capacity is not None  # requires_capacity guarantees it
+        self.path = path or _default_path()
+        kind = file_system_type(self.path)
+        if kind and kind not in MEMORY_FILE_SYSTEMS:
+            logger.warning("tier %r: %s is on a %s file system, not in memory (tmpfs such as /dev/shm, or "
+                           "hugetlbfs): the kernel writes the pool's pages back to disk, and a half-written pool "
+                           "may survive a reboot", name, self.path, kind)
+        chunks = max_chunks or max(4096, min(1 << 20, self.capacity // (256 << 10)))
+        geometry = Geometry(self.capacity, chunks, max_processes, holds_per_process)
+        self.pool = SharedPool(self.path, geometry, mode, lease_s, where=f"tier {name!r}")
+        self._digests: dict[CacheKey, tuple[int, int]] = {}
+        self._pinned: list[int] = []
+        if pinned if pinned is not None else cuda_available():
+            self._pin()
+        self.device = torch.device("cpu")
+        self.counters.update({"stale_reads": 0})
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _digest(self, key: CacheKey) -> tuple[int, int]:
+        found = self._digests.get(key)
+        if found is None:
+            if len(self._digests) >= _DIGESTS_KEPT:
+                self._digests.clear()
+            found = self._digests[key] = digest(key.to_bytes())
+        return found
+
+    def _digest_rows(self, keys: Sequence[CacheKey]) -> np.ndarray:
+        return np.array([self._digest(key) for key in keys], dtype=np.uint64).reshape(-1, 2)
+
+    # -- CUDA ----------------------------------------------------------------------------------
+    def _pin(self) -> None:
+        """Register the data area with CUDA (page-locked for DMA), piece by piece."""
+        try:
+            cudart = torch.cuda.cudart()
+            base, size = self.pool.data.data_ptr(), self.pool.data.numel()
+            for start in range(0, size, _PIN_PIECE):
+                length = min(_PIN_PIECE, size - start)
+                error = cudart.cudaHostRegister(base + start, length, 0)
+                if int(error) != 0:
+                    raise RuntimeError(f"cudaHostRegister returned {error}")
+                self._pinned.append(base + start)
+        except Exception as exc:  # pageable memory still works, more slowly
+            logger.warning("tier %r: could not register the pool as pinned memory (%s); CUDA copies stage", self.name,
+                           exc)
+            self._unpin()
+
+    def _unpin(self) -> None:
+        if not self._pinned:
+            return
+        cudart = torch.cuda.cudart()
+        for pointer in self._pinned:
+            cudart.cudaHostUnregister(pointer)
+        self._pinned.clear()
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._pinned)
+
+    # -- copies (as a memory tier's) ---------------------------------------------------------------
+    async def copy_chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (dst, src) pair, off the event loop when large; waited for to its end."""
+        await offload.copy_pairs(pairs)
+
+    def empty_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return empty_host(shape, dtype)
+
+    # -- writes in place -------------------------------------------------------------------------
+    async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                       write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]],
+                       on_commit: Callable[[], None] | None = None) -> int:
+        """Reserve room in the pool, let ``write`` fill it (key -> view of the pool), then commit:
+        the chunks become visible to every process at once, whole. ``write`` must not return
+        while a copy into the views still runs."""
+        self._ensure_open()
+        if len(keys) != len(layouts):
+            raise ValueError(f"put_with got {len(keys)} keys but {len(layouts)} layouts")
+        latest = dict(zip(keys, layouts))  # later duplicates win
+        for shape, dtype in latest.values():  # checked before the pool's lock is taken
+            if len(shape) > SHAPE_DIMS:
+                raise ValueError(f"tier {self.name!r}: a chunk has at most {SHAPE_DIMS} dimensions, got {tuple(shape)}")
+            serde.dtype_code(dtype)
+            self._check_fits(nbytes_of(shape, dtype))
+        batch = list(latest)
+        protect = np.array([], dtype=np.int64)
+        with self.pool.lock():
+            entries = self.pool.reserve([self._digest(key) for key in batch], [_scope_id(key.scope) for key in batch],
+                                        [latest[key] for key in batch], protect)
+            self._count_evictions()
+        try:
+            await write({key: self.pool.view(entry) for key, entry in zip(batch, entries)})
+        except BaseException:
+            with self.pool.lock():
+                self.pool.abort(entries)
+            raise
+        with self.pool.lock():
+            self.pool.commit(entries)
+        if on_commit is not None:
+            on_commit()
+        return len(keys)
+
+    def _count_evictions(self) -> None:
+        made, self.pool.evicted = self.pool.evicted, 0
+        self.counters["evictions"] += made
+
+    async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        await self.batched_put([key], [chunk])
+
+    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
+        self._ensure_open()
+        check_batch(keys, chunks)
+        latest = dict(zip(keys, chunks))
+
+        async def write(views: dict[CacheKey, torch.Tensor]) -> None:
+            await self.copy_chunks([(view, latest[key].detach()) for key, view in views.items()])
+        await self.put_with(list(latest), [(tuple(c.shape), c.dtype) for c in latest.values()], write)
+        return len(keys)
+
+    # -- reads -------------------------------------------------------------------------------------
+    def hold(self, keys: Sequence[CacheKey], pin: bool = True) -> list[PoolHold | None]:
+        """The bytes of each committed chunk (None for misses), kept until released: a held
+        chunk is never evicted or overwritten, by any process (``pin`` makes no difference here:
+        a chunk being read is never evicted)."""
+        self._ensure_open()
+        if not keys:
+            return []
+        with self.pool.lock():
+            held = self.pool.hold(self._digest_rows(keys))
+            views = [None if h is None else self.pool.view(h.entry) for h in held]
+        return [None if h is None or view is None else PoolHold(self, h, view) for h, view in zip(held, views)]
+
+    def _release(self, held: Sequence[Held]) -> list[bool]:
+        if self.pool.slot < 0:  # closed: the pool took its holds back
+            return [False] * len(held)
+        with self.pool.lock():
+            valid = [self.pool.release(h) for h in held]
+        stale = len(valid) - sum(valid)
+        if stale:
+            self.counters["stale_reads"] += stale
+        return valid
+
+    async def get(self, key: CacheKey) -> torch.Tensor | None:
+        return (await self.batched_get([key]))[0]
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
+        holds = self.hold(keys)
+        outs = [None if h is None else self.empty_output(tuple(h.chunk.shape), h.chunk.dtype) for h in holds]
+        valid: list[bool] = []
+        try:
+            await self.copy_chunks([(out, h.chunk) for out, h in zip(outs, holds) if out is not None and h])
+        finally:
+            valid = [h.release() if h is not None else False for h in holds]
+        return [out if ok else None for out, ok in zip(outs, valid)]
+
+    async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """One copy per chunk, pool -> destination, while the chunk is held."""
+        check_destinations(keys, outs)
+        holds = self.hold(keys)
+        hits = [h is not None and fits_destination(out, h.chunk.shape, h.chunk.dtype) for h, out in zip(holds, outs)]
+        valid: list[bool] = []
+        try:
+            await self.copy_chunks([(out, h.chunk) for out, h, hit in zip(outs, holds, hits) if hit and h])
+        finally:
+            valid = [h.release() if h is not None else False for h in holds]
+        return [hit and ok for hit, ok in zip(hits, valid)]
+
+    async def contains(self, key: CacheKey) -> bool:
+        return (await self.batched_contains([key]))[0]
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        self._ensure_open()
+        return self._found(keys)
+
+    def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """From the pool's index, without its lock (every process's chunks)."""
+        if self._closed:
+            return None
+        return self._found(keys)
+
+    def _found(self, keys: Sequence[CacheKey]) -> list[bool]:
+        if not keys:
+            return []
+        return (self.pool.find(self._digest_rows(keys)) >= 0).tolist()
+
+    async def delete(self, key: CacheKey) -> bool:
+        self._ensure_open()
+        d0, d1 = self._digest(key)
+        with self.pool.lock():
+            return self.pool.delete(d0, d1)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the pool holds, every process's."""
+        return self.pool.used_bytes if not self._closed else 0
+
+    def scope_usage(self) -> dict[str, dict[str, int]]:
+        usage = self.pool.scope_usage()
+        return {f"{scope:016x}": {"chunks": chunks, "bytes": nbytes} for scope, (chunks, nbytes) in usage.items()}
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), **self.pool.counters(), "path": self.path, "pinned": self.pinned,
+                "process_slot": self.pool.slot}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._close_pool)
+
+    def _close_pool(self) -> None:
+        try:
+            self._unpin()
+        finally:
+            self.pool.close()
+
+    def __repr__(self) -> str:
+        return f"SharedMemoryBackend(name={self.name!r}, capacity={format_size(self.capacity or 0)}, path={self.path!r})"
+

@@ -1,0 +1,182 @@
+"""The layout of a node-shared pool file (the ``shm`` tier): where each part lives, and the
+check that a file some process created is one this tierkv can read.
+
+One file on a memory file system, mapped by every process that names it::
+
+    [header 4 KiB][table A][table B][entries][free extents][processes][holds][... data, 2 MiB aligned]
+
+- header: int64 words (:class:`Word`): magic, layout version, geometry, the lock holder, counters;
+- tables A and B: the open-addressing hash table, int32 entry ids (-1 empty, -2 deleted); the
+  header says which is live, so a rebuild writes the other one whole and then flips one word;
+- entries: struct-of-arrays, one slot per chunk (:data:`ENTRY_FIELDS`): digest, state, owner,
+  readers, extent, layout, last use, scope;
+- free extents: (start, length) pairs of the data area, sorted by start, coalesced;
+- processes: a slot per attached process (pid, start time, pid namespace, heartbeat, token);
+- holds: per process slot, the entry ids it holds (-1 free), so a dead process's holds can be
+  given back;
+- data: ``capacity`` bytes of chunk payloads.
+
+Everything but the entries and the data is derived: after a crash inside the lock the next holder
+rebuilds tables, free extents and reader counts from the entries and the live processes' holds
+(:mod:`tierkv_backends.shm_pool`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"TKVSHM\x00\x01", "little")
+VERSION = 1
+HEADER_BYTES = 4096
+DATA_ALIGN = 2 << 20
+SHAPE_DIMS = 8
+
+EMPTY, DELETED = -1, -2
+"""Hash-table slots: no entry, or an entry removed (probing goes on past it)."""
+
+
+class State(enum.IntEnum):
+    """An entry's state: only COMMITTED entries are found by readers."""
+
+    FREE = 0
+    WRITING = 1  # reserved by its owner, being filled; invisible
+    COMMITTED = 2  # whole, in the table
+    RETIRED = 3  # replaced or deleted while readers held it: freed by the last release
+
+
+class Word(enum.IntEnum):
+    """Index of each int64 word of the header."""
+
+    MAGIC = 0
+    VERSION = 1
+    CAPACITY = 2
+    TABLE_SIZE = 3
+    MAX_CHUNKS = 4
+    MAX_PROCESSES = 5
+    HOLDS_PER_PROCESS = 6
+    DATA_OFFSET = 7
+    GEOMETRY_DIGEST = 8
+    HOLDER = 9  # process slot + 1 of the lock holder, 0 when free: left set, the holder died inside
+    LIVE_TABLE = 10  # 0 or 1: which hash table is in use
+    FREE_COUNT = 11
+    USED_BYTES = 12
+    COMMITTED_CHUNKS = 13
+    DELETED_SLOTS = 14
+    EVICTIONS = 15
+    RECOVERIES = 16
+    REAPED_PROCESSES = 17
+    CREATED_NS = 18
+    NEXT_ENTRY = 19  # where the search for a free entry starts
+
+
+ENTRY_FIELDS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("digest", "u8", (2,)),  # 128-bit BLAKE2b of the key
+    ("scope", "u8", ()),  # the key's scope (16 hex digits), for per-scope occupancy
+    ("offset", "i8", ()),  # into the data area
+    ("alloc", "i8", ()),  # bytes reserved
+    ("nbytes", "i8", ()),  # bytes of the chunk
+    ("tick", "i8", ()),  # last use, CLOCK_MONOTONIC ns (one clock for every process)
+    ("shape", "i8", (SHAPE_DIMS,)),
+    ("state", "i4", ()),
+    ("owner", "i4", ()),  # process slot of a WRITING entry's writer
+    ("readers", "i4", ()),  # holds on it, every process together
+    ("dtype", "i2", ()),
+    ("ndim", "i2", ()),
+)
+PROCESS_FIELDS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("pid", "i8", ()),  # 0: free slot
+    ("start", "i8", ()),  # the process's start time (clock ticks since boot): pid reuse is told apart
+    ("pidns", "i8", ()),  # inode of its pid namespace: a pid means something only inside it
+    ("heartbeat", "i8", ()),  # CLOCK_MONOTONIC ns, refreshed while it lives
+    ("token", "i8", ()),  # random per attach: a hold is valid only under the token that took it
+    ("holds", "i8", ()),  # holds in use
+)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes a pool is created with; every process attaching must agree on them."""
+
+    capacity: int
+    max_chunks: int
+    max_processes: int
+    holds_per_process: int
+
+    @property
+    def table_size(self) -> int:
+        """Hash-table slots: a power of two, at least twice the entries (load <= 1/2)."""
+        return 1 << max(4, (2 * self.max_chunks - 1).bit_length())
+
+    def digest(self) -> int:
+        """One number for the geometry and the layout version, stored in the header."""
+        packed = struct.pack("<6q", VERSION, self.capacity, self.max_chunks, self.max_processes,
+                             self.holds_per_process, SHAPE_DIMS)
+        return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
+
+
+def _aligned(offset: int, align: int = 64) -> int:
+    return -(-offset // align) * align
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of every part of a pool file of ``geometry``."""
+
+    geometry: Geometry
+    tables: tuple[int, int]
+    entries: dict[str, int]
+    free: int
+    processes: dict[str, int]
+    holds: int
+    data: int
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data + self.geometry.capacity
+
+    @classmethod
+    def of(cls, geometry: Geometry) -> Layout:
+        offset = HEADER_BYTES
+        tables = []
+        for _ in range(2):
+            tables.append(offset)
+            offset = _aligned(offset + 4 * geometry.table_size)
+        entries = {}
+        for name, kind, shape in ENTRY_FIELDS:
+            entries[name] = offset
+            offset = _aligned(offset + np.dtype(kind).itemsize * int(np.prod(shape, dtype=np.int64)) * geometry.max_chunks)
+        free = offset
+        offset = _aligned(offset + 16 * (geometry.max_chunks + 1))
+        processes = {}
+        for name, kind, _ in PROCESS_FIELDS:
+            processes[name] = offset
+            offset = _aligned(offset + np.dtype(kind).itemsize * geometry.max_processes)
+        holds = offset
+        offset = _aligned(offset + 4 * geometry.max_processes * geometry.holds_per_process)
+        return cls(geometry, (tables[0], tables[1]), entries, free, processes, holds, _aligned(offset, DATA_ALIGN))
+
+
+def header_problem(words: np.ndarray, geometry: Geometry) -> str | None:
+    """Why a pool file whose header is ``words`` cannot be used with ``geometry`` (None: it can)."""
+    if int(words[Word.MAGIC]) != MAGIC:
+        return "it is not a tierkv pool (or an older tierkv's, whose format this one cannot read)"
+    if int(words[Word.VERSION]) != VERSION:
+        return f"it is a pool of layout version {int(words[Word.VERSION])}; this tierkv reads version {VERSION}"
+    theirs = Geometry(int(words[Word.CAPACITY]), int(words[Word.MAX_CHUNKS]), int(words[Word.MAX_PROCESSES]),
+                      int(words[Word.HOLDS_PER_PROCESS]))
+    if theirs.capacity != geometry.capacity:
+        return (f"its capacity is {theirs.capacity} bytes and this config asks for {geometry.capacity}: every "
+                "process sharing a pool gives it the same capacity")
+    if theirs != geometry:
+        return (f"it was created with max_chunks={theirs.max_chunks}, max_processes={theirs.max_processes}, "
+                f"holds_per_process={theirs.holds_per_process}; this config asks for max_chunks="
+                f"{geometry.max_chunks}, max_processes={geometry.max_processes}, holds_per_process="
+                f"{geometry.holds_per_process}")
+    if int(words[Word.GEOMETRY_DIGEST]) != geometry.digest():
+        return "its header does not match its geometry (a damaged or foreign file)"
+    return None
