@@ -116,7 +116,7 @@ class SharedMemoryBackend(StorageBackend):
                                            "CUDA is available)"),
     }
 
-    def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int = 0o600,
+    def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int | str = 0o600,
                  max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int = 16384,
                  lease_s: float = 30.0, pinned: bool | None = None) -> None:
         super().__init__(name, capacity)
@@ -129,7 +129,7 @@ class SharedMemoryBackend(StorageBackend):
                            "may survive a reboot", name, self.path, kind)
         chunks = max_chunks or max(4096, min(1 << 20, self.capacity // (256 << 10)))
         geometry = Geometry(self.capacity, chunks, max_processes, holds_per_process)
-        self.pool = SharedPool(self.path, geometry, mode, lease_s, where=f"tier {name!r}")
+        self.pool = SharedPool(self.path, geometry, _mode(mode), lease_s, where=f"tier {name!r}")
         self._digests: dict[CacheKey, tuple[int, int]] = {}
         self._pinned: list[int] = []
         if pinned if pinned is not None else cuda_available():

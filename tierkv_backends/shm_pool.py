@@ -140,6 +140,7 @@ class SharedPool:
         self.layout = Layout.of(geometry)
         self.lease_s = lease_s
         self.where = where
+        self.mode = mode
         self.evicted = 0  # evictions this process made
         self._thread_lock = threading.RLock()
         self._fd = self._open(mode)
@@ -207,6 +208,7 @@ class SharedPool:
                               f"{stats.f_bavail * stats.f_frsize} free: give a smaller capacity, or grow it (e.g. "
                               "mount -o remount,size=... /dev/shm)")
         os.ftruncate(self._fd, 0)
+        os.fchmod(self._fd, self.mode)  # exactly the mode asked for, whatever the umask
         try:
             os.posix_fallocate(self._fd, 0, need)  # every page now, not a SIGBUS on a full tmpfs later
         except OSError as exc:

@@ -94,6 +94,13 @@ def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None
              kv_cache_gib: int = 1, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Run ``spec`` in a fresh process (with ``env`` added to the environment); the per-prompt
     results. Raises RuntimeError with the end of vLLM's output when the run fails."""
+    return finish_vllm(start_vllm(spec, workdir, pythonpath, kv_cache_gib, env), timeout)
+
+
+def start_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None, kv_cache_gib: int = 1,
+               env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start :func:`run_vllm`'s process and return at once (a replica that runs beside another);
+    :func:`finish_vllm` waits for its results."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_file = workdir / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -102,11 +109,21 @@ def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None
     if pythonpath is not None:
         environment["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(pythonpath), environment.get("PYTHONPATH", "")) if p)
-    result = subprocess.run([sys.executable, "-m", "tierkv.testing.vllm_runner", str(spec_file)],
-                            capture_output=True, text=True, timeout=timeout, env=environment, cwd=workdir)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("TIERKV-RESULT ")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed (exit {result.returncode}):\n{result.stderr[-6000:]}")
+    return subprocess.Popen([sys.executable, "-m", "tierkv.testing.vllm_runner", str(spec_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=workdir)
+
+
+def finish_vllm(process: subprocess.Popen[str], timeout: float = 600) -> list[dict[str, Any]]:
+    """The per-prompt results of a process :func:`start_vllm` started, once it ended."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        raise RuntimeError(f"vLLM run did not end within {timeout:.0f} s:\n{stderr[-6000:]}") from None
+    lines = [line for line in stdout.splitlines() if line.startswith("TIERKV-RESULT ")]
+    if process.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed (exit {process.returncode}):\n{stderr[-6000:]}")
     return list(json.loads(lines[-1].split(" ", 1)[1]))
 
 

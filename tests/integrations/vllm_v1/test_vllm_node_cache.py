@@ -1,0 +1,114 @@
+"""Real vLLM (CPU build) processes sharing one node cache, the ``shm`` tier, with no new option
+beyond the tier:
+
+- two replicas running at once: a prompt replica A prefilled is a hit in replica B (the tokens
+  come from tierkv), B's output is vLLM's alone (tokens and top-5 log-probabilities within
+  0.01), and the pool holds the prompt once (B stores nothing of it again);
+- a prefill instance (``kv_producer``) and a decode instance (``kv_consumer``) on one pool: the
+  producer saves every block of the prompt, the partial last one included; the consumer loads
+  all but the last token, answers as vLLM alone, and stores nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_marks import VLLM_PROCESSES
+from vllm_truth import CHUNK, PROMPTS, SAME_CORES, assert_exact, spec, vllm
+
+from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt, start_vllm
+from tierkv_backends.shm import SharedMemoryBackend
+
+pytestmark = VLLM_PROCESSES
+SHM = Path("/dev/shm")
+CAPACITY = 256 << 20
+
+
+@pytest.fixture
+def pool_path(tmp_path: Path) -> Iterator[str]:
+    base = SHM if SHM.is_dir() else tmp_path
+    path = base / f"tierkv-vllm-{uuid.uuid4().hex[:12]}.pool"
+    yield str(path)
+    path.unlink(missing_ok=True)
+
+
+def node_extra(pool_path: str, stats: Path) -> dict[str, Any]:
+    return {"config": {"chunk_size": CHUNK, "tiers": [{"name": "node", "backend": "shm", "path": pool_path,
+                                                        "capacity": CAPACITY}]},
+            "stats_file": str(stats)}
+
+
+def chunks_of(*names: str) -> int:
+    return sum(-(-len(PROMPTS[name]) // CHUNK) for name in names)
+
+
+def pool_chunks(pool_path: str) -> int:
+    import asyncio
+
+    tier = SharedMemoryBackend("node", CAPACITY, path=pool_path)
+    try:
+        return int(tier.stats()["pool_chunks"])
+    finally:
+        asyncio.run(tier.close())
+
+
+def wait_for_saves(stats_file: Path, count: int, process: Any) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if stats_file.exists():
+            try:
+                if json.loads(stats_file.read_text()).get("requests_saved", 0) >= count:
+                    return
+            except ValueError:
+                pass  # being replaced
+        if process.poll() is not None:
+            pytest.fail(f"replica A ended before it reported {count} save(s):\n{process.stderr.read()[-4000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"replica A did not report {count} save(s) within 300 s")
+
+
+def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_path: str, tmp_path: Path,
+                                                     vllm_reference: dict[str, dict[str, Any]]) -> None:
+    first = PROMPTS["partial_600"]
+    later = {"ids": PROMPTS["partial_1000"], "pause_s": 60}  # A stays up while B serves
+    a_stats = tmp_path / "a.json"
+    replica_a = start_vllm(spec(context_llama, [first, later], node_extra(pool_path, a_stats)), tmp_path / "a",
+                           env=SAME_CORES)
+    try:
+        wait_for_saves(a_stats, 1, replica_a)
+        assert pool_chunks(pool_path) == chunks_of("partial_600")
+        b_results = vllm(spec(context_llama, [first], node_extra(pool_path, tmp_path / "b.json")), tmp_path / "b")
+        a_results = finish_vllm(replica_a)
+    finally:
+        if replica_a.poll() is None:
+            replica_a.kill()
+    assert loaded_per_prompt(b_results) == [len(first) - 1], "B's prompt came from the pool A filled"
+    assert_exact("replica B", b_results[0], vllm_reference["partial_600"])
+    assert b_results[0]["stats"].get("chunks_saved", 0) == 0, "B stored nothing again: one copy on the node"
+    assert loaded_per_prompt(a_results) == [0, 0]
+    assert_exact("replica A", a_results[0], vllm_reference["partial_600"])
+    assert_exact("replica A, later", a_results[1], vllm_reference["partial_1000"])
+    assert pool_chunks(pool_path) == chunks_of("partial_600", "partial_1000"), "each prompt once in host memory"
+
+
+def test_a_producer_prefills_into_the_pool_and_a_consumer_decodes_from_it(
+        context_llama: Path, pool_path: str, tmp_path: Path, vllm_reference: dict[str, dict[str, Any]]) -> None:
+    names = ["partial_600", "block_edge_513"]  # each ends with a partial chunk
+    producer = vllm({**spec(context_llama, [PROMPTS[n] for n in names], node_extra(pool_path, tmp_path / "p.json")),
+                     "role": "kv_producer"}, tmp_path / "producer")
+    stored = pool_chunks(pool_path)
+    assert stored == chunks_of(*names), "every block of each prompt, the partial last one included"
+    assert loaded_per_prompt(producer) == [0, 0]
+    consumer = vllm({**spec(context_llama, [PROMPTS[n] for n in names], node_extra(pool_path, tmp_path / "c.json")),
+                     "role": "kv_consumer"}, tmp_path / "consumer")
+    assert loaded_per_prompt(consumer) == [len(PROMPTS[n]) - 1 for n in names], "all but the last token"
+    for name, result in zip(names, consumer):
+        assert_exact(f"consumer: {name}", result, vllm_reference[name])
+    assert consumer[-1]["stats"].get("chunks_saved", 0) == 0 and pool_chunks(pool_path) == stored, \
+        "a consumer stores nothing"
