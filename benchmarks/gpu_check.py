@@ -20,6 +20,11 @@ wheels in ``benchmarks/gpu_wheels/`` (``scripts/gpu_wheels.sh``) and is installe
 pip, or unpacked into a private directory when pip cannot install. tierkv itself runs from this
 checkout (``PYTHONPATH``); its backends are found through entry points, so when the checkout is
 not installed a minimal ``tierkv-*.dist-info`` declaring them is written to that directory.
+
+Over 400 lines (about 1,670) for now: one script that a bare GPU machine runs from the
+checkout, each part re-running this file as a subprocess (``--part``), so the parts share its
+context and helpers without an install. Splitting it into a package (build, suite, pressure,
+sanitizers, timings) is planned with the restructuring of issue 49.
 """
 
 from __future__ import annotations

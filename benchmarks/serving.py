@@ -47,6 +47,8 @@ from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Request, Trace, traces  # noqa: E402
 from tables import print_table  # noqa: E402
 
+from tierkv.testing.mooncake_server import free_port  # noqa: E402  (one loopback port, free now)
+
 CHUNK = 256
 MAX_MODEL_LEN = 2304
 KV_TOKENS = 2560  # vLLM's own KV space: one longest prompt, far below every trace's working set
@@ -125,14 +127,6 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- one configuration -----------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,16 @@ pytest_plugins = ["s3_fixtures"]  # the local S3 server fixture (issue 4)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def pool_path(tmp_path: Path) -> Iterator[Path]:
+    """A pool file for the ``shm`` tier on /dev/shm (a memory file system; ``tmp_path`` where there
+    is none), removed after the test."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = base / f"tierkv-test-{uuid.uuid4().hex[:12]}.pool"
+    yield path
+    path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""YAML (or a dict) to a typed, validated engine configuration.
+"""YAML (or a dict) to a typed, validated engine configuration (each tier's part:
+:mod:`tierkv.tier_config`).
 
 Every mistake is reported with its YAML path and what was expected; unknown keys are
 errors with a close match, never ignored. ``TIERKV_*`` environment variables override
@@ -18,20 +19,13 @@ from typing import Any
 import torch
 import yaml
 
-from tierkv import codecs, registry
-from tierkv.admission import Admission, parse_admission
-from tierkv.backend import InPlaceTier, NamesVictims, StorageBackend
 from tierkv.errors import ConfigError
 from tierkv.keys import KV_FORMATS
-from tierkv.options import (
-    Option,
-    OptionValues,
-    inline_secrets,
-    parse_options,
-    parse_size,
-    redacted_repr,
-    unknown_key_error,
-)
+from tierkv.options import Option, one_of, parse_options, required, unknown_key_error
+from tierkv.tier_config import TierConfig, check_lossy_below_exact, default_admission, parse_tier
+
+__all__ = ["DTYPES", "WRITE_POLICIES", "EngineConfig", "TierConfig", "config_for_integration", "config_from_mapping",
+           "default_admission", "load_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +57,6 @@ _HEALTH_OPTIONS = {
     "timeout_s": Option("float", None, minimum=0.0, doc="limit on one tier operation (none by default)"),
 }
 _RECOMPUTE_KEYS = ("tokens_per_s", "curve")
-_TIER_COMMON = ("name", "backend", "capacity", "promote", "admission", "codec")
 _TOP_LEVEL = (
     "model", "chunk_size", "kv_format", "dtype", "write_policy", "world_size", "worker_id", "tiers", "pressure",
     "background", "health", "recompute", "cost_aware", "model_revision",
@@ -75,29 +68,6 @@ _ENV_KNOWN = {"TIERKV_CONFIG", "TIERKV_S3_ENDPOINT", "TIERKV_LOG_LEVEL", "TIERKV
     f"TIERKV_{key.upper()}" for key in _ENV_OVERRIDES
 }
 _warned_env: set[str] = set()
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """One tier: its name, backend entry-point name, capacity and validated options."""
-
-    name: str
-    backend: str
-    capacity: int | None
-    options: Mapping[str, Any]
-    path: str  # where in the YAML it came from, for error messages
-    promote: bool = True  # copy hits from lower tiers up into this tier
-    admission: Admission = Admission()  # which chunks may be copied in (tierkv.admission)
-    codec: str = "none"  # how chunks are kept on a byte tier (tierkv.codecs)
-
-    def __repr__(self) -> str:
-        """Options declared secret (and any named like a credential) show as ``<redacted>``."""
-        secret = self.options.secret if isinstance(self.options, OptionValues) else ()
-        return (f"TierConfig(name={self.name!r}, backend={self.backend!r}, capacity={self.capacity!r}, "
-                f"options={redacted_repr(self.options, secret)}, path={self.path!r}, promote={self.promote!r}, "
-                f"admission={self.admission.describe()!r}, codec={self.codec!r})")
-
-    __str__ = __repr__
 
 
 @dataclass(frozen=True)
@@ -154,24 +124,12 @@ class EngineConfig:
     model_revision: str | None = None
 
 
-def _require(raw: Mapping[str, Any], key: str, path: str) -> Any:
-    if key not in raw or raw[key] is None:
-        raise ConfigError(f"{path}{key}: required key is missing")
-    return raw[key]
-
-
 def _int(value: Any, path: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
     return value
-
-
-def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
-    if value not in choices:
-        raise ConfigError(f"{path}: expected one of {list(choices)}, got {value!r}")
-    return str(value)
 
 
 def _env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
@@ -188,117 +146,6 @@ def _env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
         if key in _ENV_OVERRIDES:
             merged[key] = yaml.safe_load(value)
     return merged
-
-
-def _parse_tier(raw: Any, index: int, seen: set[str], write_policy: str = "write_through",
-                last: bool = False, inline: bool = False) -> TierConfig:
-    path = f"tiers[{index}]"
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a mapping with at least 'name' and 'backend', got {raw!r}")
-    name = _require(raw, "name", f"{path}.")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{path}.name: expected a non-empty string, got {name!r}")
-    if name in seen:
-        raise ConfigError(f"{path}.name: tier name {name!r} is used twice; tier names must be unique")
-    seen.add(name)
-    backend_name = _require(raw, "backend", f"{path}.")
-    if not isinstance(backend_name, str):
-        raise ConfigError(f"{path}.backend: expected a backend name such as 'cpu' or 'lmdb', got {backend_name!r}")
-    capacity = parse_size(raw["capacity"], f"{path}.capacity") if raw.get("capacity") is not None else None
-    if capacity == 0:
-        raise ConfigError(f"{path}.capacity: a tier of capacity 0 can hold no chunk; give a size such as 4GiB, "
-                          f"or leave the tier out")
-    backend_cls = registry.load(backend_name, where=f"{path}.backend")
-    if backend_cls.requires_capacity and capacity is None:
-        raise ConfigError(f"{path}.capacity: backend {backend_name!r} needs a capacity such as 4GiB")
-    specific = {k: v for k, v in raw.items() if k not in _TIER_COMMON}
-    for key in specific:
-        if key not in backend_cls.options:
-            raise unknown_key_error(key, [*_TIER_COMMON, *backend_cls.options], path)
-    options = backend_cls.validate_options(specific, path)
-    if inline:
-        _warn_inline_secrets(backend_cls, specific, path)
-    promote = raw.get("promote", True)
-    if not isinstance(promote, bool):
-        raise ConfigError(f"{path}.promote: expected true or false, got {promote!r}")
-    admission = parse_admission(raw.get("admission", default_admission(backend_cls, write_policy)),
-                                f"{path}.admission")
-    if write_policy == "write_back" and last and admission.filters:
-        raise ConfigError(f"{path}.admission: under write_back every chunk a memory tier evicts or flushes is "
-                          f"written to the tier below whatever its admission (a flush keeps what it acknowledged), "
-                          f"and nothing is promoted into the last tier, so {admission.describe()} would do nothing "
-                          f"here; leave admission out, or use write_policy: write_through")
-    if admission.policy == "tinylfu" and not issubclass(backend_cls, NamesVictims):
-        raise ConfigError(f"{path}.admission: tinylfu compares a chunk with the one the tier would evict, and "
-                          f"backend {backend_name!r} cannot name it; use reused(n) (or a cpu, gpu, lmdb or fs tier)")
-    codec = _parse_codec(raw.get("codec", "none"), backend_cls, f"{path}.codec")
-    return TierConfig(name=name, backend=backend_name, capacity=capacity, options=options, path=path, promote=promote,
-                      admission=admission, codec=codec)
-
-
-def _warn_inline_secrets(backend_cls: type[StorageBackend], raw: Mapping[str, Any], path: str) -> None:
-    """Say that a credential written into a config given inline (a mapping, not a file) may end up
-    in a serving engine's log: vLLM logs its engine arguments at start, the connector's
-    ``kv_connector_extra_config`` (this config) included. It still works."""
-    for name in inline_secrets(backend_cls.options, raw):
-        logger.warning("%s.%s: a credential is written into a config given inline; a serving engine may log its "
-                       "config (vLLM logs kv_connector_extra_config at start, and this with it). Give it as "
-                       "{env: NAME} (an environment variable holding it), or leave it out where the backend has a "
-                       "credential chain of its own (s3: AWS_* variables, ~/.aws profiles, instance roles)",
-                       path, name)
-
-
-def _parse_codec(value: Any, backend_cls: type, path: str) -> str:
-    """A tier's ``codec``: one of :data:`tierkv.codecs.CODEC_NAMES`, on a byte tier only (a
-    memory tier hands out its chunks in place), with its library installed."""
-    name = _choice(value, codecs.CODEC_NAMES, path)
-    if name != "none" and issubclass(backend_cls, InPlaceTier):
-        raise ConfigError(f"{path}: a memory tier keeps chunks in place and cannot code them; set codec on a "
-                          f"byte tier (lmdb, fs, s3, mooncake or a plugin), or leave it out")
-    try:
-        codecs.check_available(name)
-    except ImportError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    return name
-
-
-def _check_lossy_below_exact(tiers: tuple[TierConfig, ...], write_policy: str) -> None:
-    """A chunk read from a lossy tier is promoted into memory tiers only, but from memory two
-    copies go down without knowing where it came from: write-back demotes what a memory tier
-    evicts, and under write-through a ``reused(n)`` tier gets a late fill of a chunk read n
-    times. Either would put the lossy chunk into an exact byte tier under its exact key, so a
-    lossy tier has no exact byte tier above it that such a copy reaches."""
-    lossy = [codecs.is_lossy(tier.codec) for tier in tiers]
-    for index, tier in enumerate(tiers):
-        if not lossy[index]:
-            continue
-        for above, above_lossy in zip(tiers[:index], lossy):
-            if above_lossy or issubclass(registry.load(above.backend, where=above.path), InPlaceTier):
-                continue
-            if write_policy == "write_back":
-                how, fix = "demoted", "or use write_through"
-            elif above.admission.policy == "reused":
-                how, fix = "copied (a late fill of admission reused(n))", f"or another admission on {above.name!r}"
-            else:
-                continue
-            raise ConfigError(f"{tier.path}.codec: chunks read from this lossy tier could be {how} into the exact "
-                              f"tier {above.name!r} above it under their exact keys; put this tier above "
-                              f"{above.name!r}, give {above.name!r} codec {tier.codec} too, {fix}")
-
-
-def default_admission(backend_cls: type, write_policy: str = "write_through") -> str:
-    """``tinylfu`` for a bounded tier below memory that can name its victims (lmdb, fs): once
-    full it keeps the chunks seen most often instead of the latest ones (benchmarks/admission.py:
-    fewer bytes written and a higher hit rate than taking every chunk); ``all`` for memory
-    tiers and for tiers that cannot say what they would evict (s3, mooncake, redis). Under
-    ``write_back`` ``all`` everywhere: the tier below a memory tier is where its chunks are kept,
-    not a filtered copy (dirty chunks are written down whatever the rule), so a rule would only
-    filter promotions."""
-    if write_policy == "write_back":
-        return "all"
-    if issubclass(backend_cls, NamesVictims) and not issubclass(backend_cls, InPlaceTier):
-        return "tinylfu"
-    return "all"
 
 
 def _section(raw: Mapping[str, Any], name: str, spec: Mapping[str, Option]) -> dict[str, Any]:
@@ -346,27 +193,27 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
     for key in raw:
         if key not in _TOP_LEVEL:
             raise unknown_key_error(str(key), list(_TOP_LEVEL), source)
-    model = _require(raw, "model", "")
+    model = required(raw, "model", "")
     if not isinstance(model, str) or not model:
         raise ConfigError(f"model: expected a non-empty model name, got {model!r}")
     chunk_size = _int(raw.get("chunk_size", 256), "chunk_size", 1)
-    kv_format = _choice(raw.get("kv_format", "vllm"), KV_FORMATS, "kv_format")
-    write_policy = _choice(raw.get("write_policy", "write_through"), WRITE_POLICIES, "write_policy")
+    kv_format = one_of(raw.get("kv_format", "vllm"), KV_FORMATS, "kv_format")
+    write_policy = one_of(raw.get("write_policy", "write_through"), WRITE_POLICIES, "write_policy")
     dtype = None
     if raw.get("dtype") is not None:
-        dtype = DTYPES[_choice(raw["dtype"], tuple(DTYPES), "dtype")]
+        dtype = DTYPES[one_of(raw["dtype"], tuple(DTYPES), "dtype")]
     world_size = _int(raw.get("world_size", 1), "world_size", 1)
     worker_id = _int(raw.get("worker_id", 0), "worker_id", 0)
     if worker_id >= world_size:
         raise ConfigError(f"worker_id: must be below world_size ({world_size}), got {worker_id}")
-    tiers_raw = _require(raw, "tiers", "")
+    tiers_raw = required(raw, "tiers", "")
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: expected a non-empty list of tiers, fastest first")
     seen: set[str] = set()
     inline = source == "<dict>"  # a mapping (an integration's extra config), not a file
-    tiers = tuple(_parse_tier(tier, index, seen, write_policy, last=index == len(tiers_raw) - 1, inline=inline)
+    tiers = tuple(parse_tier(tier, index, seen, write_policy, last=index == len(tiers_raw) - 1, inline=inline)
                   for index, tier in enumerate(tiers_raw))
-    _check_lossy_below_exact(tiers, write_policy)
+    check_lossy_below_exact(tiers, write_policy)
     pressure = PressureConfig(**_section(raw, "pressure", _PRESSURE_OPTIONS))
     background = BackgroundConfig(**_section(raw, "background", _BACKGROUND_OPTIONS))
     health = HealthConfig(**_section(raw, "health", _HEALTH_OPTIONS))

@@ -210,3 +210,17 @@ def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str)
             raise ConfigError(f"{where}: must be >= {option.minimum}, got {shown}")
         parsed[name] = value
     return parsed
+
+
+def required(raw: Mapping[str, Any], key: str, path: str) -> Any:
+    """``raw[key]``, or a ConfigError naming ``path + key`` when it is missing."""
+    if key not in raw or raw[key] is None:
+        raise ConfigError(f"{path}{key}: required key is missing")
+    return raw[key]
+
+
+def one_of(value: Any, choices: tuple[str, ...], path: str) -> str:
+    """``value`` when it is one of ``choices``, else a ConfigError naming ``path`` and the choices."""
+    if value not in choices:
+        raise ConfigError(f"{path}: expected one of {list(choices)}, got {value!r}")
+    return str(value)

@@ -25,8 +25,9 @@ hot half and recomputed the second, expecting to save ``T(4096) - T(2048)``; but
 over a 2,048-token cache cost about as much as the whole prompt from scratch, so the partial
 load lost to loading everything (1.35x). The fetch estimate was right.
 
-Over 400 lines: three small pure models and the plan over them, kept together so the
-whole cost model reads in one place.
+Over 400 lines (about 485) by choice: three small pure models (a tier's speed, the recompute
+curve, coding) and the plan over them, kept together so the whole cost model reads in one
+place; none of them is used without the plan.
 """
 
 from __future__ import annotations

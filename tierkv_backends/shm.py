@@ -38,8 +38,9 @@ from tierkv.kvlayout import nbytes_of
 from tierkv.memory import cuda_available, empty_host
 from tierkv.options import Option, format_size
 from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
+from tierkv_backends.shm_file import MEMORY_FILE_SYSTEMS, file_system_type
 from tierkv_backends.shm_layout import SHAPE_DIMS, Geometry
-from tierkv_backends.shm_pool import MEMORY_FILE_SYSTEMS, Held, SharedPool, digest, file_system_type
+from tierkv_backends.shm_pool import Held, SharedPool, digest
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +204,9 @@ class SharedMemoryBackend(StorageBackend):
             serde.dtype_code(dtype)
             self._check_fits(nbytes_of(shape, dtype))
         batch = list(latest)
-        protect = np.array([], dtype=np.int64)
         with self.pool.lock():
             entries = self.pool.reserve([self._digest(key) for key in batch], [_scope_id(key.scope) for key in batch],
-                                        [latest[key] for key in batch], protect)
+                                        [latest[key] for key in batch])
             self._count_evictions()
         try:
             await write({key: self.pool.view(entry) for key, entry in zip(batch, entries)})

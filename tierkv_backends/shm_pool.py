@@ -26,6 +26,12 @@ The contract (docs/design.md, "One host cache per node"):
 
 Lookups read the live hash table without the lock (an answer may be stale by the time it is
 used; a read then misses, never returns another chunk's bytes).
+
+The file and its mapping are :mod:`tierkv_backends.shm_file`'s, the hash table and the free
+extents :mod:`tierkv_backends.shm_index`'s. Over 400 lines (about 510) by choice: the lock, the
+entries' states, holds, reaping and recovery are one state machine over one index (recovery
+rebuilds what every other method keeps; reaping undoes holds and writes), and splitting it
+would spread the invariants above across modules that each keep only part of them.
 """
 
 from __future__ import annotations
@@ -34,11 +40,9 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import mmap
 import os
 import secrets
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -47,27 +51,17 @@ import torch
 
 from tierkv import serde
 from tierkv.errors import CapacityError, ConfigError, TierKVError
-from tierkv.memory import huge_pages
+from tierkv_backends.shm_file import now_ns
+from tierkv_backends.shm_index import REHASH_FRACTION, PoolIndex
 from tierkv_backends.shm_layout import (
-    DELETED,
-    EMPTY,
-    ENTRY_FIELDS,
-    HEADER_BYTES,
-    MAGIC,
-    PROCESS_FIELDS,
     SHAPE_DIMS,
-    VERSION,
     Geometry,
-    Layout,
     State,
     Word,
-    header_problem,
 )
 
 logger = logging.getLogger(__name__)
 
-_REHASH_FRACTION = 4  # rebuild the table once a quarter of its slots are deleted markers
-MEMORY_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
 
 
 def digest(key: bytes) -> tuple[int, int]:
@@ -82,11 +76,6 @@ def alloc_size(nbytes: int) -> int:
     copy faster)."""
     align = 4096 if nbytes >= 64 << 10 else 64
     return max(align, -(-nbytes // align) * align)
-
-
-def now_ns() -> int:
-    """CLOCK_MONOTONIC in ns: one clock for every process on the node (last use, heartbeats)."""
-    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
 def _process_start(pid: int) -> int:
@@ -106,22 +95,6 @@ def _pid_namespace() -> int:
         return 0
 
 
-def file_system_type(path: str) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/self/mountinfo; "" if unknown)."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo") as handle:
-            for line in handle:
-                left, _, right = line.partition(" - ")
-                mount_point = left.split()[4].replace("\\040", " ")
-                if (real == mount_point or real.startswith(mount_point.rstrip("/") + "/")) and len(mount_point) > len(best):
-                    best, kind = mount_point, right.split()[0]
-    except OSError:
-        return ""
-    return kind
-
-
 @dataclass
 class Held:
     """One hold on an entry: its id and the position of the hold in this process's row."""
@@ -131,26 +104,16 @@ class Held:
     token: int
 
 
-class SharedPool:
+class SharedPool(PoolIndex):
     """One process's view of a pool file (see the module docstring)."""
 
     def __init__(self, path: str, geometry: Geometry, mode: int = 0o600, lease_s: float = 30.0,
                  where: str = "shm tier") -> None:
-        self.path = path
-        self.geometry = geometry
-        self.layout = Layout.of(geometry)
+        super().__init__(path, geometry, mode, where)
         self.lease_s = lease_s
-        self.where = where
-        self.mode = mode
         self.evicted = 0  # evictions this process made
         self._thread_lock = threading.RLock()
-        self._fd = self._open(mode)
-        self._map: mmap.mmap | None = None
         try:
-            self._create_or_check()
-            self._map = mmap.mmap(self._fd, self.layout.file_bytes, flags=mmap.MAP_SHARED | _populate(),
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            self._views()
             self._pidns = _pid_namespace()
             self.slot = -1
             self.token = 0
@@ -164,129 +127,6 @@ class SharedPool:
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="tierkv-shm-heartbeat", daemon=True)
         self._heartbeat.start()
-
-    # -- opening -----------------------------------------------------------------------------
-    def _open(self, mode: int) -> int:
-        directory = os.path.dirname(os.path.abspath(self.path)) or "."
-        try:
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
-        except PermissionError as exc:
-            raise ConfigError(f"{self.where}: no permission to open the pool at {self.path!r} ({exc.strerror}): it "
-                              "belongs to another user, or its mode keeps this one out; run as its owner, or give "
-                              "this process a path of its own") from exc
-        except OSError as exc:
-            raise ConfigError(f"{self.where}: cannot open the pool at {self.path!r}: {exc.strerror}") from exc
-        return fd
-
-    def _create_or_check(self) -> None:
-        """Under the lock: create the pool if the file is new (or a creator died before it was
-        whole), else check that it is a pool of this layout and geometry."""
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            size = os.fstat(self._fd).st_size
-            words = np.frombuffer(os.pread(self._fd, HEADER_BYTES, 0).ljust(HEADER_BYTES, b"\0"), dtype=np.int64)
-            if size == 0 or not words.any():  # new, or its creator died before writing the magic word
-                self._create()
-                return
-            problem = header_problem(words, self.geometry)
-            if problem is not None:
-                raise ConfigError(f"{self.where}: the file at {self.path!r} is not a pool this process can use: "
-                                  f"{problem}. Remove it (once no process uses it) to create a new pool, or name "
-                                  "another path")
-            if size < self.layout.file_bytes:
-                raise ConfigError(f"{self.where}: the pool at {self.path!r} is {size} bytes, shorter than its "
-                                  f"geometry needs ({self.layout.file_bytes}): a damaged file; remove it")
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def _create(self) -> None:
-        need = self.layout.file_bytes
-        directory = os.path.dirname(os.path.abspath(self.path)) or "."
-        stats = os.statvfs(directory)
-        if stats.f_bavail * stats.f_frsize < need:
-            raise ConfigError(f"{self.where}: the pool needs {need} bytes at {self.path!r}, and its file system has "
-                              f"{stats.f_bavail * stats.f_frsize} free: give a smaller capacity, or grow it (e.g. "
-                              "mount -o remount,size=... /dev/shm)")
-        os.ftruncate(self._fd, 0)
-        os.fchmod(self._fd, self.mode)  # exactly the mode asked for, whatever the umask
-        try:
-            os.posix_fallocate(self._fd, 0, need)  # every page now, not a SIGBUS on a full tmpfs later
-        except OSError as exc:
-            os.ftruncate(self._fd, 0)
-            raise ConfigError(f"{self.where}: cannot allocate {need} bytes for the pool at {self.path!r}: "
-                              f"{exc.strerror}") from exc
-        mapping = mmap.mmap(self._fd, self.layout.data, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        try:
-            self._map = mapping
-            self._views(data=False)
-            self._initialize()
-        finally:
-            self._drop_views()
-            self._map = None
-            mapping.close()
-        logger.info("%s: created a pool of %d bytes at %s", self.where, self.geometry.capacity, self.path)
-
-    def _initialize(self) -> None:
-        """Write an empty index and the header of a new pool; the magic word last."""
-        geometry, words = self.geometry, self.words
-        self.tables[0][:] = EMPTY
-        self.tables[1][:] = EMPTY
-        self.entries["state"][:] = State.FREE
-        self.holds[:] = -1
-        self.procs["pid"][:] = 0
-        self.free[0] = (0, geometry.capacity)
-        words[Word.FREE_COUNT] = 1
-        words[Word.VERSION] = VERSION
-        words[Word.CAPACITY] = geometry.capacity
-        words[Word.TABLE_SIZE] = geometry.table_size
-        words[Word.MAX_CHUNKS] = geometry.max_chunks
-        words[Word.MAX_PROCESSES] = geometry.max_processes
-        words[Word.HOLDS_PER_PROCESS] = geometry.holds_per_process
-        words[Word.DATA_OFFSET] = self.layout.data
-        words[Word.GEOMETRY_DIGEST] = geometry.digest()
-        words[Word.CREATED_NS] = time.time_ns()
-        words[Word.MAGIC] = MAGIC  # last: the pool exists once this word does
-
-    def _views(self, data: bool = True) -> None:
-        """numpy views of every part of the mapping (and a torch view of the data area)."""
-        assert self._map is not None
-        layout, geometry, buffer = self.layout, self.geometry, self._map
-        self.words = np.frombuffer(buffer, dtype=np.int64, count=HEADER_BYTES // 8, offset=0)
-        self.tables = [np.frombuffer(buffer, dtype=np.int32, count=geometry.table_size, offset=offset)
-                       for offset in layout.tables]
-        self.entries: dict[str, np.ndarray] = {}
-        for name, kind, shape in ENTRY_FIELDS:
-            count = geometry.max_chunks * int(np.prod(shape, dtype=np.int64))
-            array = np.frombuffer(buffer, dtype=kind, count=count, offset=layout.entries[name])
-            self.entries[name] = array.reshape((geometry.max_chunks, *shape)) if shape else array
-        self.free = np.frombuffer(buffer, dtype=np.int64, count=2 * (geometry.max_chunks + 1),
-                                  offset=layout.free).reshape(-1, 2)
-        self.procs = {name: np.frombuffer(buffer, dtype=kind, count=geometry.max_processes, offset=layout.processes[name])
-                      for name, kind, _ in PROCESS_FIELDS}
-        self.holds = np.frombuffer(buffer, dtype=np.int32, count=geometry.max_processes * geometry.holds_per_process,
-                                   offset=layout.holds).reshape(geometry.max_processes, geometry.holds_per_process)
-        if data:
-            self.data = torch.frombuffer(buffer, dtype=torch.uint8, count=geometry.capacity, offset=layout.data)
-            # plain memoryviews for the lookup path: indexing one gives a Python int in tens of ns,
-            # where a numpy element or a small vectorised probe costs microseconds
-            whole = memoryview(buffer)
-            words_view = whole[: 8 * len(Word)].cast("q")
-            table_views = [whole[offset : offset + 4 * geometry.table_size].cast("i") for offset in layout.tables]
-            digest_view = whole[layout.entries["digest"] : layout.entries["digest"] + 16 * geometry.max_chunks].cast("Q")
-            state_view = whole[layout.entries["state"] : layout.entries["state"] + 4 * geometry.max_chunks].cast("i")
-            self._lookup_views = (whole, words_view, table_views, digest_view, state_view)
-            huge_pages(self.data)  # 2 MiB pages where the mount allows them (tmpfs huge=advise / within_size)
-
-    def _drop_views(self) -> None:
-        for view in self.__dict__.pop("_lookup_views", ())[::-1]:
-            if isinstance(view, list):
-                for part in view:
-                    part.release()
-            else:
-                view.release()
-        for name in ("words", "tables", "entries", "free", "procs", "holds", "data"):
-            self.__dict__.pop(name, None)
 
     # -- the lock ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -422,170 +262,6 @@ class SharedPool:
         logger.warning("%s: a process died while changing the pool at %s; rebuilt its index (%d chunks kept)",
                        self.where, self.path, int(self.words[Word.COMMITTED_CHUNKS]))
 
-    def _rebuild_free(self, kept: Sequence[int]) -> None:
-        extents, cursor = [], 0
-        for entry in kept:
-            start = int(self.entries["offset"][entry])
-            if start > cursor:
-                extents.append((cursor, start - cursor))
-            cursor = start + int(self.entries["alloc"][entry])
-        if cursor < self.geometry.capacity:
-            extents.append((cursor, self.geometry.capacity - cursor))
-        if extents:
-            self.free[: len(extents)] = extents
-        self.words[Word.FREE_COUNT] = len(extents)
-
-    # -- the hash table ------------------------------------------------------------------------
-    def _table(self) -> np.ndarray:
-        return self.tables[int(self.words[Word.LIVE_TABLE]) & 1]
-
-    def contains(self, digests: Sequence[tuple[int, int]]) -> list[bool]:
-        """Whether a committed entry of each digest is in the pool: :meth:`find` for the few
-        digests of a lookup, in plain Python over memoryviews (no lock, no numpy call)."""
-        _, words, tables, digest_of, state_of = self._lookup_views
-        table = tables[words[10] & 1]  # Word.LIVE_TABLE
-        mask = len(table) - 1
-        found = []
-        append = found.append
-        for d0, d1 in digests:
-            slot = d0 & mask
-            probes = mask
-            while probes >= 0:
-                entry = table[slot]
-                if entry >= 0:
-                    if digest_of[2 * entry] == d0 and digest_of[2 * entry + 1] == d1 and state_of[entry] == 2:
-                        append(True)  # State.COMMITTED
-                        break
-                elif entry == EMPTY:
-                    append(False)
-                    break
-                slot = (slot + 1) & mask
-                probes -= 1
-            else:  # a full probe path (only while another process rebuilds the table)
-                append(False)
-        return found
-
-    def find(self, digests: np.ndarray) -> np.ndarray:
-        """The committed entry of each digest (rows of [d0, d1]), -1 where none; no lock needed
-        (a concurrent change makes an answer stale, never another chunk's)."""
-        table = self._table()
-        mask = table.shape[0] - 1
-        entries, state = self.entries["digest"], self.entries["state"]
-        found = np.full(len(digests), -1, dtype=np.int64)
-        pending = np.arange(len(digests))
-        slots = (digests[:, 0] & np.uint64(mask)).astype(np.int64)
-        for _ in range(table.shape[0]):
-            if not len(pending):
-                break
-            ids = table[slots].astype(np.int64)
-            empty = ids == EMPTY
-            valid = ids >= 0
-            hit = np.zeros(len(pending), dtype=bool)
-            safe = np.where(valid, ids, 0)
-            hit[valid] = ((entries[safe[valid]] == digests[pending[valid]]).all(axis=1)
-                          & (state[safe[valid]] == State.COMMITTED))
-            found[pending[hit]] = ids[hit]
-            going = ~(hit | empty)
-            pending, slots = pending[going], (slots[going] + 1) & mask
-        return found
-
-    def _slot_of(self, entry: int) -> int:
-        """The table slot holding ``entry`` (-1 if none)."""
-        table = self._table()
-        mask = table.shape[0] - 1
-        slot = int(self.entries["digest"][entry, 0]) & mask
-        for _ in range(table.shape[0]):
-            current = int(table[slot])
-            if current == entry:
-                return slot
-            if current == EMPTY:
-                return -1
-            slot = (slot + 1) & mask
-        return -1
-
-    def _publish(self, entry: int) -> int:
-        """Put committed ``entry`` in the table, in place of a committed entry of the same digest
-        if there is one (returned), else in the first free slot on its probe path."""
-        table = self._table()
-        mask = table.shape[0] - 1
-        d0, d1 = (int(x) for x in self.entries["digest"][entry])
-        slot, first_free = d0 & mask, -1
-        for _ in range(table.shape[0]):
-            current = int(table[slot])
-            if current == EMPTY:
-                break
-            if current == DELETED:
-                if first_free < 0:
-                    first_free = slot
-            elif (int(self.entries["digest"][current, 0]) == d0 and int(self.entries["digest"][current, 1]) == d1
-                  and int(self.entries["state"][current]) == State.COMMITTED):
-                table[slot] = entry
-                return current
-            slot = (slot + 1) & mask
-        if first_free >= 0:
-            table[first_free] = entry
-            self.words[Word.DELETED_SLOTS] -= 1
-        else:
-            table[slot] = entry
-        return -1
-
-    def _unpublish(self, entry: int) -> None:
-        slot = self._slot_of(entry)
-        if slot >= 0:
-            self._table()[slot] = DELETED
-            self.words[Word.DELETED_SLOTS] += 1
-
-    def _rehash(self) -> None:
-        """Write the table afresh in the other buffer (committed entries only), then flip to it:
-        a crash before the flip leaves the old one in use."""
-        spare = 1 - (int(self.words[Word.LIVE_TABLE]) & 1)
-        table = self.tables[spare]
-        table[:] = EMPTY
-        mask = table.shape[0] - 1
-        for entry in np.flatnonzero(self.entries["state"] == State.COMMITTED):
-            slot = int(self.entries["digest"][entry, 0]) & mask
-            while table[slot] != EMPTY:
-                slot = (slot + 1) & mask
-            table[slot] = entry
-        self.words[Word.LIVE_TABLE] = spare
-        self.words[Word.DELETED_SLOTS] = 0
-
-    # -- extents -------------------------------------------------------------------------------
-    def _take(self, size: int) -> int | None:
-        count = int(self.words[Word.FREE_COUNT])
-        if not count:
-            return None
-        lengths = self.free[:count, 1]
-        index = int(np.argmax(lengths >= size))
-        if lengths[index] < size:
-            return None
-        start, length = int(self.free[index, 0]), int(self.free[index, 1])
-        if length == size:
-            self.free[index : count - 1] = self.free[index + 1 : count].copy()
-            self.words[Word.FREE_COUNT] = count - 1
-        else:
-            self.free[index] = (start + size, length - size)
-        return start
-
-    def _give(self, start: int, size: int) -> None:
-        count = int(self.words[Word.FREE_COUNT])
-        starts = self.free[:count, 0]
-        index = int(np.searchsorted(starts, start))
-        merge_before = index > 0 and int(self.free[index - 1, 0] + self.free[index - 1, 1]) == start
-        merge_after = index < count and start + size == int(self.free[index, 0])
-        if merge_before and merge_after:
-            self.free[index - 1, 1] += size + self.free[index, 1]
-            self.free[index : count - 1] = self.free[index + 1 : count].copy()
-            self.words[Word.FREE_COUNT] = count - 1
-        elif merge_before:
-            self.free[index - 1, 1] += size
-        elif merge_after:
-            self.free[index] = (start, size + self.free[index, 1])
-        else:
-            self.free[index + 1 : count + 1] = self.free[index:count].copy()
-            self.free[index] = (start, size)
-            self.words[Word.FREE_COUNT] = count + 1
-
     # -- entries -------------------------------------------------------------------------------
     def _new_entry(self) -> int | None:
         """A free entry slot, searched from where the last one was found."""
@@ -620,14 +296,15 @@ class SharedPool:
             self.entries["state"][entry] = State.RETIRED
         else:
             self._free_entry(entry)
-        if int(self.words[Word.DELETED_SLOTS]) * _REHASH_FRACTION > self.geometry.table_size:
+        if int(self.words[Word.DELETED_SLOTS]) * REHASH_FRACTION > self.geometry.table_size:
             self._rehash()
 
     def reserve(self, digests: Sequence[tuple[int, int]], scopes: Sequence[int],
-                layouts: Sequence[tuple[tuple[int, ...], torch.dtype]], protect: np.ndarray) -> list[int]:
+                layouts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[int]:
         """WRITING entries (owned by this process) with extents for chunks of ``layouts``,
-        evicting least-recently-used committed entries without readers as needed (never those
-        in ``protect``). Under the lock; all or nothing."""
+        evicting least-recently-used committed entries without readers as needed (the batch's
+        own entries are WRITING, so a batch never evicts itself). Under the lock; all or
+        nothing."""
         taken: list[int] = []
         try:
             victims: Iterator[int] | None = None
@@ -643,7 +320,7 @@ class SharedPool:
                 start = self._take(size)
                 while start is None:
                     if victims is None:
-                        victims = self._victims(protect)
+                        victims = self._victims()
                     victim = next(victims, None)
                     if victim is None:
                         if self.reap():
@@ -684,12 +361,10 @@ class SharedPool:
             raise
         return taken
 
-    def _victims(self, protect: np.ndarray) -> Iterator[int]:
+    def _victims(self) -> Iterator[int]:
         """Committed entries without readers, least recently used first (batches of the oldest)."""
         fields = self.entries
         candidates = np.flatnonzero((fields["state"] == State.COMMITTED) & (fields["readers"] == 0))
-        if len(protect):
-            candidates = candidates[~np.isin(candidates, protect)]
         ticks = fields["tick"][candidates]
         step = 64
         for begin in range(0, len(candidates), step):
@@ -825,22 +500,4 @@ class SharedPool:
                 logger.warning("%s: closing the pool at %s: %s", self.where, self.path, exc)
         self.slot = -1
         self._close_files()
-
-    def _close_files(self) -> None:
-        self._drop_views()
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still lent out: the mapping goes with it
-                pass
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _populate() -> int:
-    """MAP_POPULATE where Linux has it: the mapping's page tables are filled at attach, not by
-    faults on the first copies."""
-    return getattr(mmap, "MAP_POPULATE", 0)
 

@@ -5,6 +5,7 @@ key, so any read anywhere can be checked against the truth."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from typing import Any
@@ -28,8 +29,8 @@ def chunk_of(index: int) -> torch.Tensor:
     return values + float(index) * 1000.0
 
 
-def backend(path: str, capacity: int, **options: Any) -> SharedMemoryBackend:
-    return SharedMemoryBackend("node", capacity, path=path, max_chunks=MAX_CHUNKS, **options)
+def backend(path: str | os.PathLike[str], capacity: int, **options: Any) -> SharedMemoryBackend:
+    return SharedMemoryBackend("node", capacity, path=str(path), max_chunks=MAX_CHUNKS, **options)
 
 
 def exact(index: int, chunk: torch.Tensor | None) -> bool:

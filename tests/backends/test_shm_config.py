@@ -10,7 +10,6 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ from tierkv_backends.shm import SharedMemoryBackend
 from tierkv_backends.shm_layout import MAGIC, Word
 
 SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def pool_path(tmp_path: Path) -> Iterator[Path]:
-    base = SHM if SHM.is_dir() else tmp_path
-    path = base / f"tierkv-test-{uuid.uuid4().hex[:12]}.pool"
-    yield path
-    path.unlink(missing_ok=True)
 
 
 def opened(path: Path, capacity: int = 4 << 20, **options: object) -> SharedMemoryBackend:

@@ -3,8 +3,6 @@ it declares (in-place puts and holds, a capacity bound, persistence across proce
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,17 +10,6 @@ import pytest
 from tierkv.backend import StorageBackend
 from tierkv.testing import BackendTests
 from tierkv_backends.shm import SharedMemoryBackend
-
-SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def pool_path(tmp_path: Path) -> Iterator[Path]:
-    """A pool file on /dev/shm (a memory file system), removed after the test."""
-    base = SHM if SHM.is_dir() and SHM.stat().st_dev != tmp_path.stat().st_dev else tmp_path
-    path = base / f"tierkv-test-{uuid.uuid4().hex[:12]}.pool"
-    yield path
-    path.unlink(missing_ok=True)
 
 
 class TestSharedMemoryBackend(BackendTests):

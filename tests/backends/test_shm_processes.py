@@ -12,8 +12,6 @@ import os
 import random
 import signal
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,17 +20,8 @@ from busy import busy_cores
 
 from tierkv_backends.shm_layout import State
 
-SHM = Path("/dev/shm")
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "tierkv", "tierkv_backends.shm", "shm_workers"])
-
-
-@pytest.fixture
-def pool_path(tmp_path: Path) -> Iterator[str]:
-    base = SHM if SHM.is_dir() else tmp_path
-    path = base / f"tierkv-test-{uuid.uuid4().hex[:12]}.pool"
-    yield str(path)
-    path.unlink(missing_ok=True)
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -67,7 +56,7 @@ def check_every_key(tier: workers.SharedMemoryBackend, keyspace: int) -> tuple[i
     return sum(c is not None for c in found), sum(not workers.exact(i, c) for i, c in enumerate(found))
 
 
-def test_four_processes_see_what_each_stored(pool_path: str) -> None:
+def test_four_processes_see_what_each_stored(pool_path: Path) -> None:
     capacity, per_process, processes = 64 << 20, 20, 4
     barrier, results = CONTEXT.Barrier(processes), CONTEXT.Queue()
     jobs = [CONTEXT.Process(target=workers.store_and_read_all,
@@ -89,7 +78,7 @@ def test_four_processes_see_what_each_stored(pool_path: str) -> None:
         run(tier.close())
 
 
-def test_processes_storing_reading_and_evicting_at_once_read_only_the_truth(pool_path: str) -> None:
+def test_processes_storing_reading_and_evicting_at_once_read_only_the_truth(pool_path: Path) -> None:
     capacity, keyspace = 40 * (6 << 10), 120  # about 40 chunks: every process evicts the others' chunks
     wrong, operations = CONTEXT.Value("i", 0), CONTEXT.Value("i", 0)
     tier = workers.backend(pool_path, capacity)
@@ -114,7 +103,7 @@ def test_processes_storing_reading_and_evicting_at_once_read_only_the_truth(pool
         run(tier.close())
 
 
-def test_a_process_killed_inside_the_lock_leaves_a_pool_the_others_rebuild(pool_path: str) -> None:
+def test_a_process_killed_inside_the_lock_leaves_a_pool_the_others_rebuild(pool_path: Path) -> None:
     capacity = 4 << 20
     tier = workers.backend(pool_path, capacity)
     try:
@@ -134,7 +123,7 @@ def test_a_process_killed_inside_the_lock_leaves_a_pool_the_others_rebuild(pool_
         run(tier.close())
 
 
-def test_a_killed_process_gives_back_its_holds_and_its_unfinished_write(pool_path: str) -> None:
+def test_a_killed_process_gives_back_its_holds_and_its_unfinished_write(pool_path: Path) -> None:
     chunk = workers.chunk_of(0).numel() * 4
     capacity = 64 * chunk
     tier = workers.backend(pool_path, capacity)
@@ -161,7 +150,7 @@ def test_a_killed_process_gives_back_its_holds_and_its_unfinished_write(pool_pat
 
 
 @pytest.mark.slow  # writers, readers and evicting processes killed at random for 20 rounds, every core busy
-def test_processes_killed_at_random_instants_never_cost_a_wrong_byte_or_a_byte_of_space(pool_path: str) -> None:
+def test_processes_killed_at_random_instants_never_cost_a_wrong_byte_or_a_byte_of_space(pool_path: Path) -> None:
     capacity, keyspace, rounds = 48 * (6 << 10), 150, 20
     rng = random.Random(46)
     wrong, operations = CONTEXT.Value("i", 0), CONTEXT.Value("i", 0)

@@ -6,29 +6,17 @@ KV between a paged cache and the pool in place."""
 from __future__ import annotations
 
 import multiprocessing
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from tierkv import Engine
 from tierkv.identity import RequestIdentity
 
-SHM = Path("/dev/shm")
 CHUNK = 16
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "tierkv", "tierkv_backends.shm"])
-
-
-@pytest.fixture
-def pool_path(tmp_path: Path) -> Iterator[str]:
-    base = SHM if SHM.is_dir() else tmp_path
-    path = base / f"tierkv-test-{uuid.uuid4().hex[:12]}.pool"
-    yield str(path)
-    path.unlink(missing_ok=True)
 
 
 def kv_of(tokens: torch.Tensor) -> torch.Tensor:
@@ -40,8 +28,8 @@ def prompt(index: int, chunks: int = 4) -> torch.Tensor:
     return torch.arange(chunks * CHUNK) + 10_000 * (index + 1)
 
 
-def config(pool_path: str, tmp_path: Path | None = None, host: str | None = None) -> dict[str, Any]:
-    tiers: list[dict[str, Any]] = [{"name": "node", "backend": "shm", "path": pool_path, "capacity": "16MiB"}]
+def config(pool_path: Path, tmp_path: Path | None = None, host: str | None = None) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [{"name": "node", "backend": "shm", "path": str(pool_path), "capacity": "16MiB"}]
     if host is not None:
         tiers.insert(0, {"name": "host", "backend": "cpu", "capacity": host})
     if tmp_path is not None:
@@ -73,7 +61,7 @@ def run_replica(cfg: dict[str, Any], indices: list[int]) -> tuple[list[Any], lis
     return outcome  # type: ignore[no-any-return]
 
 
-def test_a_prompt_one_process_stored_is_a_hit_in_another_held_once(pool_path: str) -> None:
+def test_a_prompt_one_process_stored_is_a_hit_in_another_held_once(pool_path: Path) -> None:
     with Engine(config(pool_path)) as first:
         for index in range(3):
             assert first.store(prompt(index), kv_of(prompt(index))) == 4
@@ -83,7 +71,7 @@ def test_a_prompt_one_process_stored_is_a_hit_in_another_held_once(pool_path: st
         assert first.stats()["tiers"]["node"]["pool_chunks"] == 12
 
 
-def test_under_a_private_cpu_tier_and_over_lmdb(pool_path: str, tmp_path: Path) -> None:
+def test_under_a_private_cpu_tier_and_over_lmdb(pool_path: Path, tmp_path: Path) -> None:
     cfg = config(pool_path, tmp_path, host="8KiB")  # the private tier holds one prompt (4 chunks of 2 KiB)
     with Engine(cfg) as first:
         for index in range(4):
@@ -97,7 +85,7 @@ def test_under_a_private_cpu_tier_and_over_lmdb(pool_path: str, tmp_path: Path) 
     assert found[0][2] == ["node"] * 4
 
 
-def test_occupancy_counts_each_scope_every_process_stored(pool_path: str) -> None:
+def test_occupancy_counts_each_scope_every_process_stored(pool_path: Path) -> None:
     with Engine(config(pool_path)) as engine:
         engine.store(prompt(0), kv_of(prompt(0)))
         engine.store(prompt(1, chunks=2), kv_of(prompt(1, chunks=2)), identity=RequestIdentity(salt="tenant-b"))
@@ -107,7 +95,7 @@ def test_occupancy_counts_each_scope_every_process_stored(pool_path: str) -> Non
         assert "tenant-b" not in str(engine.occupancy()), "a salt is never shown"
 
 
-def test_a_connector_moves_kv_between_a_paged_cache_and_the_pool_in_place(pool_path: str) -> None:
+def test_a_connector_moves_kv_between_a_paged_cache_and_the_pool_in_place(pool_path: Path) -> None:
     from paged_caches import make_cache, same_bytes
 
     from tierkv.connectors import PagedConnector, retrieve_paged, store_paged

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +24,11 @@ from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt, start_vll
 from tierkv_backends.shm import SharedMemoryBackend
 
 pytestmark = VLLM_PROCESSES
-SHM = Path("/dev/shm")
 CAPACITY = 256 << 20
 
 
-@pytest.fixture
-def pool_path(tmp_path: Path) -> Iterator[str]:
-    base = SHM if SHM.is_dir() else tmp_path
-    path = base / f"tierkv-vllm-{uuid.uuid4().hex[:12]}.pool"
-    yield str(path)
-    path.unlink(missing_ok=True)
-
-
-def node_extra(pool_path: str, stats: Path) -> dict[str, Any]:
-    return {"config": {"chunk_size": CHUNK, "tiers": [{"name": "node", "backend": "shm", "path": pool_path,
+def node_extra(pool_path: Path, stats: Path) -> dict[str, Any]:
+    return {"config": {"chunk_size": CHUNK, "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path),
                                                         "capacity": CAPACITY}]},
             "stats_file": str(stats)}
 
@@ -48,10 +37,10 @@ def chunks_of(*names: str) -> int:
     return sum(-(-len(PROMPTS[name]) // CHUNK) for name in names)
 
 
-def pool_chunks(pool_path: str) -> int:
+def pool_chunks(pool_path: Path) -> int:
     import asyncio
 
-    tier = SharedMemoryBackend("node", CAPACITY, path=pool_path)
+    tier = SharedMemoryBackend("node", CAPACITY, path=str(pool_path))
     try:
         return int(tier.stats()["pool_chunks"])
     finally:
@@ -73,7 +62,7 @@ def wait_for_saves(stats_file: Path, count: int, process: Any) -> None:
     pytest.fail(f"replica A did not report {count} save(s) within 300 s")
 
 
-def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_path: str, tmp_path: Path,
+def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_path: Path, tmp_path: Path,
                                                      vllm_reference: dict[str, dict[str, Any]]) -> None:
     first = PROMPTS["partial_600"]
     later = {"ids": PROMPTS["partial_1000"], "pause_s": 60}  # A stays up while B serves
@@ -98,7 +87,7 @@ def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_p
 
 
 def test_a_producer_prefills_into_the_pool_and_a_consumer_decodes_from_it(
-        context_llama: Path, pool_path: str, tmp_path: Path, vllm_reference: dict[str, dict[str, Any]]) -> None:
+        context_llama: Path, pool_path: Path, tmp_path: Path, vllm_reference: dict[str, dict[str, Any]]) -> None:
     names = ["partial_600", "block_edge_513"]  # each ends with a partial chunk
     producer = vllm({**spec(context_llama, [PROMPTS[n] for n in names], node_extra(pool_path, tmp_path / "p.json")),
                      "role": "kv_producer"}, tmp_path / "producer")
