@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from tierkv import Engine, serde
+from tierkv import Engine
+from tierkv.chunks import serde
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 DTYPE = torch.bfloat16

@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tables import print_table  # noqa: E402
 
-from tierkv import Engine, codecs
+from tierkv import Engine
+from tierkv.backend import codecs
 from tierkv.config import load_config
 from tierkv.testing import smollm2
 from tierkv.testing.faults import FaultyBackend

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierkv import Engine
-    from tierkv.pressure import MemoryReading
+    from tierkv.policy.pressure import MemoryReading
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / "benchmarks" / "gpu_wheels"
@@ -460,8 +460,9 @@ def part_environment(ctx: Context) -> dict[str, Any]:
                         "compute-sanitizer": tool_version(["compute-sanitizer", "--version"]),
                         "ninja": tool_version(["ninja", "--version"]), "cuobjdump": shutil.which("cuobjdump")}
     try:
-        from tierkv import ops, registry
-        from tierkv.tier_pressure import nvml_status
+        from tierkv import ops
+        from tierkv.backend import registry
+        from tierkv.tiers.tier_pressure import nvml_status
     except Exception as exc:
         raise PartFailed(f"tierkv does not import: {type(exc).__name__}: {exc}", figures) from exc
     figures["backends"] = sorted(registry.installed())
@@ -653,7 +654,7 @@ def part_racecheck(ctx: Context) -> dict[str, Any]:
 
 
 class Probe(Protocol):
-    """A reading of device memory in use (tierkv.pressure's probe protocol)."""
+    """A reading of device memory in use (tierkv.policy.pressure's probe protocol)."""
 
     name: str
 
@@ -794,7 +795,7 @@ class ModelledDevice:
         self.tier: Any = None
 
     def read(self) -> MemoryReading:
-        from tierkv.pressure import MemoryReading
+        from tierkv.policy.pressure import MemoryReading
 
         tier_bytes = int(self.tier.stats()["allocated_bytes"]) if self.tier is not None else 0
         return MemoryReading(self.base + self.held + tier_bytes, self.total, time.monotonic())
@@ -1071,7 +1072,7 @@ def part_pressure(ctx: Context) -> dict[str, Any]:
     """The pressure scenario on the real device: NVML readings, a second process allocating."""
     import torch
 
-    from tierkv.pressure import NVMLProbe, ProbeUnavailable
+    from tierkv.policy.pressure import NVMLProbe, ProbeUnavailable
 
     torch.empty(1, device="cuda")  # this process's context is part of the baseline
     try:

@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tierkv.chunks.keys import CacheKey  # noqa: E402
 from tierkv.engine import AsyncEngine  # noqa: E402
-from tierkv.keys import CacheKey  # noqa: E402
-from tierkv.policy import make_index  # noqa: E402
-from tierkv.pressure import MemoryReading  # noqa: E402
+from tierkv.policy.pressure import MemoryReading  # noqa: E402
+from tierkv.policy.residency import make_index  # noqa: E402
 
 CHUNK = 64
 LAYERS, HEADS, HEAD_DIM = 4, 4, 64

@@ -75,8 +75,8 @@ import torch
 import xxhash
 
 from tierkv import Engine, MediaSpan, RequestIdentity, ops
+from tierkv.chunks.identity import PLAIN
 from tierkv.connectors import PagedConnector, retrieve_paged, store_paged
-from tierkv.identity import PLAIN
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK, BLOCK_SIZE = 32, 8, 128, 256, 16
 DTYPE = torch.bfloat16

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
 
 TARGET = 0.9
 #: (label, tokens per chunk, chunks per batch): 32 layers x 8 KV heads x 128 dims, bf16

@@ -8,7 +8,7 @@ from pathlib import Path
 
 PLUGIN = '''
 from tierkv.backend import StorageBackend
-from tierkv.options import Option
+from tierkv.backend.options import Option
 
 class DictBackend(StorageBackend):
     """A third-party backend: a plain dict."""

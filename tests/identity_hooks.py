@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tierkv.identity import RequestIdentity
+from tierkv.chunks.identity import RequestIdentity
 
 
 def per_priority(request: Any, identity: RequestIdentity) -> RequestIdentity | None:

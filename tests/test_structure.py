@@ -9,9 +9,9 @@ import ast
 import re
 from pathlib import Path
 
-from tierkv.async_engine import AsyncEngine
 from tierkv.backend import InPlaceTier, SupportsDemotion, SupportsPressure
-from tierkv.router import TierRouter
+from tierkv.engine.async_engine import AsyncEngine
+from tierkv.routing.router import TierRouter
 from tierkv_backends.cpu import CPUBackend
 from tierkv_backends.gpu import GPUBackend
 from tierkv_backends.lmdb import LMDBBackend
@@ -20,8 +20,13 @@ from tierkv_backends.lmdb import LMDBBackend
 # from a wheel, and site-packages has no benchmarks/ to check
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tierkv", "tierkv_backends", "benchmarks")
-ENGINE_MODULES = ("router.py", "tier.py", "reads.py", "locate.py", "fill.py", "offload.py", "tier_pressure.py",
-                  "async_engine.py", "engine.py", "chunk_layout.py", "prefix_plans.py")
+ENGINE_MODULES = ("routing/router.py", "tiers/tier.py", "routing/reads.py", "routing/locate.py", "routing/fill.py",
+                  "routing/offload.py", "tiers/tier_pressure.py", "engine/async_engine.py", "engine/blocking.py",
+                  "engine/chunk_layout.py", "engine/prefix_plans.py")
+# tierkv's sub-packages bottom up (docs/design.md, "Layers"): a module imports only from its own
+# layer or the ones below it; errors and metrics sit under all of them, the rest above
+LAYERS = ("chunks", "policy", "backend", "config", "tiers", "routing", "engine")
+BASE = ("tierkv.errors", "tierkv.metrics", "tierkv.ops")
 
 
 def _modules() -> dict[str, Path]:
@@ -92,11 +97,56 @@ def test_no_import_cycle() -> None:
     assert cycles == [], f"import cycles: {cycles}"
 
 
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "tierkv" or len(parts) < 2:
+        return None
+    if module in BASE or any(module.startswith(base + ".") for base in BASE):
+        return -1
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else len(LAYERS)
+
+
+def test_the_sub_packages_are_layers() -> None:
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        layer = _layer(name)
+        if layer is None or layer == len(LAYERS):
+            continue
+        for dep in _imports(name, path, modules):
+            dep_layer = _layer(dep)
+            if dep_layer is not None and dep_layer > layer:
+                upward.append(f"{name} -> {dep}")
+    assert sum(_layer(name) == 0 for name in modules) > 5, "the layer scan found too little to mean anything"
+    assert upward == [], f"imports from a layer above: {upward}"
+
+
+def test_old_flat_module_paths_still_import_and_say_where_to() -> None:
+    import importlib
+    import warnings
+
+    from tierkv.chunks import keys
+    from tierkv.routing import router
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old_keys = importlib.import_module("tierkv." + "keys")  # (split: a path rewrite would not see it)
+        old_router = importlib.import_module("tierkv." + "router")
+        from tierkv.policy.residency import LRUIndex
+    assert old_keys is keys and old_router is router
+    assert LRUIndex is importlib.import_module("tierkv.policy.residency").LRUIndex
+    said = [str(warning.message) for warning in caught if warning.category is DeprecationWarning]
+    assert any("tierkv.chunks.keys" in message for message in said), said
+    assert any("tierkv.routing.router" in message for message in said), said
+    with __import__("pytest").raises(ModuleNotFoundError):
+        importlib.import_module("tierkv.no_such_module")
+
+
 def test_prompt_api_holds_a_router_and_uses_its_public_surface() -> None:
     assert not issubclass(AsyncEngine, TierRouter)
     private_use = re.compile(r"\brouter\._[a-z]")
     offenders = [f"{path.relative_to(ROOT)}:{number}" for path in (ROOT / "tierkv").rglob("*.py")
-                 if path.name != "router.py"
+                 if path.relative_to(ROOT / "tierkv").as_posix() != "routing/router.py"
                  for number, line in enumerate(path.read_text().splitlines(), 1) if private_use.search(line)]
     assert offenders == [], f"private router members used outside the router: {offenders}"
 

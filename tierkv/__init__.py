@@ -1,8 +1,11 @@
 """tierkv: a tiered storage engine for the KV cache of LLM serving."""
 
-from tierkv.backend import BlobBackend, StorageBackend
-from tierkv.config import EngineConfig, TierConfig, load_config
-from tierkv.engine import AsyncEngine, Engine, EngineBuilder, EngineMetadata
+from tierkv import _moved
+from tierkv.backend.contract import BlobBackend, StorageBackend
+from tierkv.chunks.identity import MediaSpan, RequestIdentity
+from tierkv.chunks.keys import CacheKey, ChunkHasher
+from tierkv.config.loader import EngineConfig, TierConfig, load_config
+from tierkv.engine.blocking import AsyncEngine, Engine, EngineBuilder, EngineMetadata
 from tierkv.errors import (
     BackendClosedError,
     BackendLoadError,
@@ -13,8 +16,8 @@ from tierkv.errors import (
     TierKVError,
     TierUnavailableError,
 )
-from tierkv.identity import MediaSpan, RequestIdentity
-from tierkv.keys import CacheKey, ChunkHasher
+
+_moved.install()  # the flat module paths of 0.1 (keys, serde, router ...) keep importing
 
 __version__ = "0.1.0"
 

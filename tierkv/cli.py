@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from tierkv import registry
+from tierkv.backend import registry
 from tierkv.errors import TierKVError
 
 
@@ -39,7 +39,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from tierkv import __version__
-    from tierkv.memory import can_pin_memory, cuda_available
+    from tierkv.chunks.memory import can_pin_memory, cuda_available
     from tierkv.ops import extension_status
 
     info = {
@@ -55,7 +55,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tierkv.engine import Engine
+    from tierkv.engine.blocking import Engine
 
     with Engine.from_yaml(args.config) as engine:
         print(json.dumps({**engine.stats(), "occupancy": engine.occupancy()}, indent=2, default=str))

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from tierkv.options import Option
+from tierkv.backend.options import Option
 from tierkv_backends.memory_tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier, pinned_default
 
 

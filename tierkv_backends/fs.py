@@ -24,7 +24,7 @@ included -- only checks the clock; when the interval has passed the tier's event
 starts a rescan in the background.
 
 Ownership: the threads that ``writev`` from the caller's chunks or ``preadv`` into its
-destinations are always waited for (:func:`tierkv.ownership.finish`): a call returns,
+destinations are always waited for (:func:`tierkv.chunks.ownership.finish`): a call returns,
 raises or is cancelled only once none of them touches the caller's memory any more.
 
 A full disk (ENOSPC, EDQUOT, EIO on write) is a :class:`~tierkv.errors.TierFullError`
@@ -53,14 +53,14 @@ from typing import Any, ClassVar, NamedTuple
 import aiofiles.os
 import torch
 
-from tierkv import copies, ownership, serde
 from tierkv.backend import BlobBackend, check_batch, check_destinations, full_disk_error
+from tierkv.backend.options import Option, format_size
+from tierkv.chunks import copies, ownership, serde
+from tierkv.chunks.keys import KV_FORMATS, CacheKey
+from tierkv.chunks.memory import as_bytes, byte_runs, copy_into, direct_target, empty_host
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
-from tierkv.keys import KV_FORMATS, CacheKey
-from tierkv.memory import as_bytes, byte_runs, copy_into, direct_target, empty_host
-from tierkv.options import Option, format_size
-from tierkv.planner import SpeedSeed
-from tierkv.policy import LRUIndex
+from tierkv.policy.planner import SpeedSeed
+from tierkv.policy.residency import LRUIndex
 from tierkv_backends._paths import ensure_writable_dir
 from tierkv_backends.fs_files import payload_offset, payload_offset_in, pwrite_all, read_all, write_payload
 
@@ -334,7 +334,7 @@ class FSBackend(BlobBackend):
 
         The threads read or write memory the caller owns (its chunks, its destinations), so
         this returns, raises or delivers a cancellation only once every thread has stopped
-        (:func:`tierkv.ownership.finish`); the first error is raised after all of them ended.
+        (:func:`tierkv.chunks.ownership.finish`); the first error is raised after all of them ended.
         """
         if not items:
             return []

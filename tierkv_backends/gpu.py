@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import torch
 
-from tierkv import copies, ownership
+from tierkv.backend.options import Option
+from tierkv.chunks import copies, ownership
+from tierkv.chunks.memory import copy_into, cuda_available, empty_host
 from tierkv.errors import ConfigError
-from tierkv.memory import copy_into, cuda_available, empty_host
-from tierkv.options import Option
 from tierkv_backends.memory_tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class GPUBackend(MemoryTier):
                 event = torch.cuda.Event()
                 event.record(self._stream)
         # the DMA writes into slabs or a caller's memory and reads the pinned copies: a
-        # cancellation is delivered only once it completed (tierkv.ownership)
+        # cancellation is delivered only once it completed (tierkv.chunks.ownership)
         await ownership.finish(wait_for_event(event))
         del staged
 

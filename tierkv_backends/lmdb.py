@@ -16,7 +16,7 @@ the put raises :class:`~tierkv.errors.TierFullError` naming the tier and the map
 What was committed before stays readable, and a later put succeeds once space returns.
 
 Ownership: every transaction that reads the caller's chunks or writes into its
-destinations runs in a worker thread that is waited for (:func:`tierkv.ownership.finish`),
+destinations runs in a worker thread that is waited for (:func:`tierkv.chunks.ownership.finish`),
 cancellation included, so a call never returns while LMDB still touches caller memory;
 a commit that completed under a cancelled call is still indexed.
 
@@ -40,14 +40,14 @@ from typing import Any, ClassVar
 import lmdb
 import torch
 
-from tierkv import copies, ownership, serde
 from tierkv.backend import FULL_DISK_ERRNOS, StorageBackend, check_batch, check_destinations, full_disk_error
+from tierkv.backend.options import Option, format_size
+from tierkv.chunks import copies, ownership, serde
+from tierkv.chunks.keys import KV_FORMATS, CacheKey, count_by_scope
+from tierkv.chunks.memory import copy_into, direct_target
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
-from tierkv.keys import KV_FORMATS, CacheKey, count_by_scope
-from tierkv.memory import copy_into, direct_target
-from tierkv.options import Option, format_size
-from tierkv.planner import SpeedSeed
-from tierkv.policy import LRUIndex
+from tierkv.policy.planner import SpeedSeed
+from tierkv.policy.residency import LRUIndex
 from tierkv_backends._paths import ensure_writable_dir
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class LMDBBackend(StorageBackend):
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` in a worker thread and return (or raise, or deliver a cancellation) only
         once it has stopped: it may read the caller's chunks or write into its destinations
-        (:func:`tierkv.ownership.finish`). LMDB errors become tierkv errors naming the path."""
+        (:func:`tierkv.chunks.ownership.finish`). LMDB errors become tierkv errors naming the path."""
         future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         self._inflight.add(future)
         try:

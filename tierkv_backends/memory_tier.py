@@ -20,7 +20,7 @@ Over 400 lines (about 435) by choice: reservations, commits, holds, eviction and
 are one state machine over one index and one slab pool (a cancelled reserve gives back what
 eviction already freed; a hold outlives eviction), and splitting it would share that state
 across modules. The slab allocators are apart (:mod:`tierkv_backends.slabs`), and so are the
-copies (:mod:`tierkv.offload`).
+copies (:mod:`tierkv.routing.offload`).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from tierkv import offload
 from tierkv.backend import DemoteSink, StorageBackend, check_batch, check_destinations, fits_destination
+from tierkv.backend.options import Option, format_size
+from tierkv.chunks.keys import CacheKey, count_by_scope
+from tierkv.chunks.kvlayout import nbytes_of
+from tierkv.chunks.memory import can_pin_memory, empty_host, size_class
 from tierkv.errors import CapacityError
-from tierkv.keys import CacheKey, count_by_scope
-from tierkv.kvlayout import nbytes_of
-from tierkv.memory import can_pin_memory, empty_host, size_class
-from tierkv.options import Option, format_size
-from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
-from tierkv.policy import EVICTION_POLICIES, make_index
+from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
+from tierkv.policy.residency import EVICTION_POLICIES, make_index
+from tierkv.routing import offload
 from tierkv_backends.slabs import LazySlabs, SlabArena
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class MemoryTier(StorageBackend):
     # -- copies (overridden by devices with their own streams) --------------------------
     async def copy_chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (dst, src) pair, off the event loop when large (the engine's one threshold,
-        :mod:`tierkv.offload`); the destinations are slabs or a caller's memory, so a
+        :mod:`tierkv.routing.offload`); the destinations are slabs or a caller's memory, so a
         cancellation waits for the copy."""
         await offload.copy_pairs(pairs)
 
@@ -267,7 +267,7 @@ class MemoryTier(StorageBackend):
         other task can evict the chunks (the engine holds them there for its background fill).
 
         ``write`` must not return (nor raise, cancelled or not) while a copy into the views
-        still runs (:mod:`tierkv.ownership`): the slabs are given back as soon as it ended.
+        still runs (:mod:`tierkv.chunks.ownership`): the slabs are given back as soon as it ended.
         """
         reservations = await self.reserve(keys, layouts)
         try:

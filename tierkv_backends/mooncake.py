@@ -9,7 +9,7 @@ node B after A exits as long as the storage nodes (``mooncake_client``) live.
 
 - Keys are ``<key_prefix><CacheKey.to_string()>``: format, model, world size, worker and
   chunk hash in every key, so models and tensor-parallel shards never mix in a shared pool.
-- Values are tierkv's checksummed chunk format (:mod:`tierkv.serde`, never pickle). A value
+- Values are tierkv's checksummed chunk format (:mod:`tierkv.chunks.serde`, never pickle). A value
   that fails to verify is removed and is a miss; so is one the master evicted.
 - Zero-copy where the API allows: one staging arena is registered with the transfer engine
   (:mod:`tierkv_backends.mooncake_arena`). A put gathers header and payload into it (the
@@ -20,8 +20,8 @@ node B after A exits as long as the storage nodes (``mooncake_client``) live.
   chunk must leave a destination untouched (and registering per call costs a metadata round trip).
 - A batch is one store call on one worker thread, bounded by ``timeout_s``; a worker the
   caller gave up on keeps its arena region but writes nothing more into the caller's
-  memory (:class:`tierkv.ownership.WriteGrant`). Calls that fail because the master or a
-  peer is unreachable count against a :class:`~tierkv.health.CircuitBreaker`: the tier
+  memory (:class:`tierkv.chunks.ownership.WriteGrant`). Calls that fail because the master or a
+  peer is unreachable count against a :class:`~tierkv.policy.health.CircuitBreaker`: the tier
   fails fast while unhealthy and a background probe brings it back.
 
 Over 400 lines (about 525) by choice: every store call runs on a worker thread behind one
@@ -45,15 +45,15 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
-from tierkv import serde
 from tierkv.backend import StorageBackend, check_batch, check_destinations
+from tierkv.backend.options import Option, format_size
+from tierkv.chunks import serde
+from tierkv.chunks.keys import KV_FORMATS, CacheKey
+from tierkv.chunks.memory import byte_runs, copy_into, direct_target, gather_bytes, scatter_bytes
+from tierkv.chunks.ownership import WriteGrant
 from tierkv.errors import ChunkFormatError, ConfigError, TierFullError, TierUnavailableError
-from tierkv.health import CircuitBreaker
-from tierkv.keys import KV_FORMATS, CacheKey
-from tierkv.memory import byte_runs, copy_into, direct_target, gather_bytes, scatter_bytes
-from tierkv.options import Option, format_size
-from tierkv.ownership import WriteGrant
-from tierkv.planner import SpeedSeed
+from tierkv.policy.health import CircuitBreaker
+from tierkv.policy.planner import SpeedSeed
 from tierkv_backends.mooncake_arena import StagingArena
 from tierkv_backends.mooncake_options import (
     BUFFER_TOO_SMALL,
@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MiB = 1 << 20
-#: bytes of a chunk header before its shape (tierkv.serde's fixed part)
+#: bytes of a chunk header before its shape (tierkv.chunks.serde's fixed part)
 _HEADER_FIXED = len(serde.encode_header(torch.zeros(()), None, digest=0))
 
 

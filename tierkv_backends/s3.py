@@ -33,9 +33,9 @@ How it talks to the store:
   server states it differs from its chunk header's) is deleted and counted, as a miss that
   does not count against the tier's health (:mod:`tierkv_backends.s3_requests`).
 - Ownership: a read writes into the caller's destinations, and a put reads the caller's
-  chunk, only while the call still owns them (:class:`tierkv.ownership.WriteGrant`): a
+  chunk, only while the call still owns them (:class:`tierkv.chunks.ownership.WriteGrant`): a
   request abandoned at ``timeout_s`` or by a cancellation never touches them afterwards.
-- Health: a batch whose requests all fail counts against a :class:`~tierkv.health.CircuitBreaker`;
+- Health: a batch whose requests all fail counts against a :class:`~tierkv.policy.health.CircuitBreaker`;
   after ``failure_threshold`` in a row the tier fails fast (no network) and a HEAD on the
   bucket probes it every ``probe_interval_s`` until it answers. Gets return what arrived
   within ``timeout_s`` (the rest are misses); puts that failed are counted and reported as
@@ -60,15 +60,15 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from tierkv import serde
 from tierkv.backend import BlobBackend, check_batch, check_destinations
+from tierkv.backend.options import Option, parse_options
+from tierkv.chunks import serde
+from tierkv.chunks.keys import KV_FORMATS, CacheKey
+from tierkv.chunks.memory import copy_into, direct_target
+from tierkv.chunks.ownership import WriteGrant
 from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
-from tierkv.health import CircuitBreaker
-from tierkv.keys import KV_FORMATS, CacheKey
-from tierkv.memory import copy_into, direct_target
-from tierkv.options import Option, parse_options
-from tierkv.ownership import WriteGrant
-from tierkv.planner import SpeedSeed
+from tierkv.policy.health import CircuitBreaker
+from tierkv.policy.planner import SpeedSeed
 from tierkv_backends.s3_existence import ExistenceCache
 from tierkv_backends.s3_objects import S3Objects
 from tierkv_backends.s3_options import MIN_PART, S3_OPTIONS
@@ -344,7 +344,7 @@ class S3Backend(BlobBackend):
 
         The destinations are the caller's until this returns (or raises): a request still
         running at ``timeout_s`` or at a cancellation loses its grant to write before this
-        call gives them back (:class:`tierkv.ownership.WriteGrant`).
+        call gives them back (:class:`tierkv.chunks.ownership.WriteGrant`).
         """
         check_destinations(keys, outs)
         names = [key.to_string() for key in keys]

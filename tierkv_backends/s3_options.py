@@ -7,7 +7,7 @@ drift between the config documentation and the constructor.
 
 from __future__ import annotations
 
-from tierkv.options import Option
+from tierkv.backend.options import Option
 from tierkv_backends.s3_requests import bucket_name, key_prefix
 
 MiB = 1 << 20

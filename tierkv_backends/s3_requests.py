@@ -27,7 +27,7 @@ from typing import Any
 
 import botocore.exceptions
 
-from tierkv import serde
+from tierkv.chunks import serde
 from tierkv.errors import ChunkFormatError
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")

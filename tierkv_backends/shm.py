@@ -31,13 +31,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from tierkv import offload, serde
 from tierkv.backend import StorageBackend, check_batch, check_destinations, fits_destination
-from tierkv.keys import CacheKey
-from tierkv.kvlayout import nbytes_of
-from tierkv.memory import cuda_available, empty_host
-from tierkv.options import Option, format_size
-from tierkv.planner import HOST_MEMORY_SEED, SpeedSeed
+from tierkv.backend.options import Option, format_size
+from tierkv.chunks import serde
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.kvlayout import nbytes_of
+from tierkv.chunks.memory import cuda_available, empty_host
+from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
+from tierkv.routing import offload
 from tierkv_backends.shm_file import MEMORY_FILE_SYSTEMS, file_system_type
 from tierkv_backends.shm_layout import SHAPE_DIMS, Geometry
 from tierkv_backends.shm_pool import Held, SharedPool, digest

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
+from tierkv.chunks.memory import huge_pages
 from tierkv.errors import ConfigError
-from tierkv.memory import huge_pages
 from tierkv_backends.shm_layout import (
     EMPTY,
     ENTRY_FIELDS,

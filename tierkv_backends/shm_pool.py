@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierkv import serde
+from tierkv.chunks import serde
 from tierkv.errors import CapacityError, ConfigError, TierKVError
 from tierkv_backends.shm_file import now_ns
 from tierkv_backends.shm_index import REHASH_FRACTION, PoolIndex

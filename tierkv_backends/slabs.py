@@ -9,7 +9,7 @@
   fit otherwise.
 
 Both never hold more than ``limit`` bytes and hand out uint8 tensors of
-:func:`tierkv.memory.size_class` bytes.
+:func:`tierkv.chunks.memory.size_class` bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from tierkv.memory import huge_pages, size_class
+from tierkv.chunks.memory import huge_pages, size_class
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
 from tierkv_backends.shm import SharedMemoryBackend
 
 MAX_CHUNKS = 512

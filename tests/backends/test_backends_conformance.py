@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tierkv.backend import StorageBackend
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
 from tierkv.testing import BackendTests
 from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 from tierkv_backends.cpu import CPUBackend

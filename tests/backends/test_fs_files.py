@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv import serde
-from tierkv.keys import CacheKey
-from tierkv.memory import byte_runs
+from tierkv.chunks import serde
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.memory import byte_runs
 from tierkv_backends import fs_files
 from tierkv_backends.fs import FSBackend
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierkv.backend.registry import load as load_backend_class
+from tierkv.chunks.keys import CacheKey
 from tierkv.errors import ConfigError, TierFullError, TierUnavailableError
-from tierkv.keys import CacheKey
-from tierkv.registry import load as load_backend_class
 from tierkv.testing import BackendTests
 from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 from tierkv.testing.mooncake_server import MooncakeCluster, MooncakeServerError, mooncake_importable

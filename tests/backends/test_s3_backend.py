@@ -19,7 +19,7 @@ from waiting import wait_until
 
 from tierkv import CacheKey, Engine, load_config
 from tierkv.backend import StorageBackend
-from tierkv.engine import build_tiers
+from tierkv.engine.blocking import build_tiers
 from tierkv.errors import ConfigError, TierUnavailableError
 from tierkv.testing import BackendTests, make_chunk, make_key, same_bytes
 from tierkv.testing.s3server import S3Server, free_ports
@@ -178,7 +178,7 @@ def test_garbage_object_from_another_writer_is_a_miss_deleted_and_counted(s3_ser
 
 
 def test_keys_carry_model_world_size_and_worker_under_the_prefix(s3_server: S3Server, s3_bucket: str) -> None:
-    from tierkv.keys import CacheKey
+    from tierkv.chunks.keys import CacheKey
 
     async def body() -> None:
         backend = make_s3(s3_server, s3_bucket, "team/kv/")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tierkv import BackendNotFoundError, ConfigError, load_config
-from tierkv.options import parse_size
+from tierkv.backend.options import parse_size
 
 
 def base(tmp_path: Path, **extra: object) -> dict:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from distributions import PLUGIN, make_dict_plugin, make_distribution
 
-from tierkv import BackendLoadError, Engine, registry
+from tierkv import BackendLoadError, Engine
+from tierkv.backend import registry
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from distributions import PLUGIN, make_dict_plugin, make_distribution
 
-from tierkv import BackendNotFoundError, Engine, registry
+from tierkv import BackendNotFoundError, Engine
+from tierkv.backend import registry
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ import torch
 from s3_fixtures import s3_tier_options
 
 from tierkv import Engine, load_config
+from tierkv.backend.options import OptionValues, parse_options
 from tierkv.config import TierConfig
-from tierkv.engine import build_tiers
+from tierkv.engine.blocking import build_tiers
 from tierkv.errors import ConfigError, TierKVError
-from tierkv.options import OptionValues, parse_options
 from tierkv.testing import make_chunk, make_key
 from tierkv.testing.faultproxy import FaultProxy
 from tierkv.testing.s3server import S3Server

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tierkv import Engine
-from tierkv.admission import Admission, FrequencySketch, parse_admission
 from tierkv.config import load_config
 from tierkv.errors import ConfigError
+from tierkv.policy.admission import Admission, FrequencySketch, parse_admission
 
 CHUNK = 16
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 8 * 4  # float32 vllm chunk: 2 layers, K and V, 2 heads x 8

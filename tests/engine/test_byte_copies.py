@@ -1,5 +1,5 @@
 """Byte copies between a contiguous chunk and the (layer, K/V) runs of a token slice: what
-every byte-level tier reads into and writes from (``tierkv.memory.scatter_bytes`` and
+every byte-level tier reads into and writes from (``tierkv.chunks.memory.scatter_bytes`` and
 ``gather_bytes``), for runs below and above the size numpy copies without the GIL; and the
 one torch copy of read-only bytes into a slice (``copy_from_bytes``, the trusted reads)."""
 
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from tierkv.memory import byte_runs, copy_from_bytes, gather_bytes, scatter_bytes
+from tierkv.chunks.memory import byte_runs, copy_from_bytes, gather_bytes, scatter_bytes
 
 
 @pytest.mark.parametrize("tokens", [3, 300])  # runs of 6 KiB (memoryview copies) and 600 KiB (numpy's)

@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from tierkv import Engine, codecs, copies
-from tierkv.coded import CodedBackend
+from tierkv import Engine
+from tierkv.backend import codecs
+from tierkv.backend.coded import CodedBackend
+from tierkv.chunks import copies
+from tierkv.chunks.keys import CacheKey
 from tierkv.config import load_config
 from tierkv.errors import ChunkFormatError, ConfigError
-from tierkv.keys import CacheKey
 from tierkv_backends.lmdb import LMDBBackend
 
 CHUNK = 32
@@ -70,7 +72,7 @@ def test_lossless_codecs_store_frames_and_read_back_exact(tmp_path: Path, codec:
 
 
 def copied_while(work: Any) -> int:
-    """Bytes :mod:`tierkv.copies` counted while ``work()`` ran on the retrieve path."""
+    """Bytes :mod:`tierkv.chunks.copies` counted while ``work()`` ran on the retrieve path."""
     counter = copies.CopyCounter()
     with copies.on_path(counter, "retrieve"):
         work()

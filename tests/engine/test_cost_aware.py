@@ -14,7 +14,7 @@ from s3_fixtures import s3_tier_options
 
 from tierkv import Engine
 from tierkv.errors import ConfigError
-from tierkv.planner import RecomputeModel, SpeedSeed, TierSpeed, plan_prefix
+from tierkv.policy.planner import RecomputeModel, SpeedSeed, TierSpeed, plan_prefix
 from tierkv.testing.faults import FaultyBackend
 from tierkv.testing.s3server import S3Server
 from tierkv.testing.slowproxy import SlowProxy

@@ -20,7 +20,8 @@ import pytest
 import torch
 from s3_fixtures import s3_tier_options
 
-from tierkv import AsyncEngine, Engine, kvlayout
+from tierkv import AsyncEngine, Engine
+from tierkv.chunks import kvlayout
 from tierkv.testing.faults import FaultyBackend
 from tierkv.testing.s3server import S3Server
 from tierkv_backends.fs import FSBackend

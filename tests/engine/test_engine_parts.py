@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv import Engine, copies
+from tierkv import Engine
 from tierkv.backend import StorageBackend
+from tierkv.chunks import copies
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.kvlayout import nbytes_of
+from tierkv.chunks.namespaces import in_namespace, named_key, namespaced_keys
 from tierkv.config import HealthConfig
 from tierkv.errors import ConfigError
-from tierkv.fill import FillJob, FillQueue
-from tierkv.keys import CacheKey
-from tierkv.kvlayout import nbytes_of
-from tierkv.locate import FILL_QUEUE, FILL_QUEUE_LEVEL, levels, levels_nowait, names, read_levels
-from tierkv.namespaces import in_namespace, named_key, namespaced_keys
-from tierkv.tier import Tier
-from tierkv.write_back import DirtyChunks
+from tierkv.routing.fill import FillJob, FillQueue
+from tierkv.routing.locate import FILL_QUEUE, FILL_QUEUE_LEVEL, levels, levels_nowait, names, read_levels
+from tierkv.routing.write_back import DirtyChunks
+from tierkv.tiers.tier import Tier
 from tierkv_backends._paths import ensure_writable_dir
 from tierkv_backends.cpu import CPUBackend
 from tierkv_backends.slabs import SlabArena

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from tierkv import AsyncEngine
-from tierkv.fill import FillJob, FillQueue
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
+from tierkv.routing.fill import FillJob, FillQueue
 from tierkv.testing.faults import FaultyBackend
 
 CHUNK = 16

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tierkv import Engine, EngineMetadata, MediaSpan, RequestIdentity
-from tierkv.identity import KEY_FORMAT
-from tierkv.keys import CacheKey, ChunkHasher, scope_of
-from tierkv.revisions import adapter_identity, directory_revision
+from tierkv.chunks.identity import KEY_FORMAT
+from tierkv.chunks.keys import CacheKey, ChunkHasher, scope_of
+from tierkv.chunks.revisions import adapter_identity, directory_revision
 
 CHUNK, LAYERS, HEADS, HEAD = 16, 2, 2, 4
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv import CacheKey, ChunkFormatError, ChunkHasher, serde
-from tierkv.keys import KeyMaker, as_token_array
+from tierkv import CacheKey, ChunkFormatError, ChunkHasher
+from tierkv.chunks import serde
+from tierkv.chunks.keys import KeyMaker, as_token_array
 
 
 def test_hashes_are_identical_across_processes_and_hash_seeds() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tierkv import Engine
-from tierkv.identity import RequestIdentity
+from tierkv.chunks.identity import RequestIdentity
 
 CHUNK = 16
 CONTEXT = multiprocessing.get_context("forkserver")

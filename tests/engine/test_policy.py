@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from tierkv.fill import FillJob, FillQueue
-from tierkv.health import CooldownBreaker
-from tierkv.keys import CacheKey
-from tierkv.policy import LRUIndex, S3FIFOIndex, make_index, pressure_decision
+from tierkv.chunks.keys import CacheKey
+from tierkv.policy.health import CooldownBreaker
+from tierkv.policy.residency import LRUIndex, S3FIFOIndex, make_index, pressure_decision
+from tierkv.routing.fill import FillJob, FillQueue
 
 
 def test_lru_victims_skip_pinned_and_protected() -> None:

@@ -129,7 +129,7 @@ def test_lmdb_options_are_validated(tmp_path: Path) -> None:
 def test_huge_page_advice_keeps_the_tensor_and_its_bytes() -> None:
     """Advisory only (THP may be off on this machine): the same tensor comes back, usable, and
     small or odd-sized buffers are left alone without error."""
-    from tierkv.memory import allocate_bytes, huge_pages
+    from tierkv.chunks.memory import allocate_bytes, huge_pages
 
     big = torch.empty(4 << 20, dtype=torch.uint8)
     assert huge_pages(big) is big

@@ -21,7 +21,7 @@ from tmpfs import small_tmpfs
 
 from tierkv import Engine, TierUnavailableError
 from tierkv.errors import TierFullError
-from tierkv.pressure import ScriptedProbe
+from tierkv.policy.pressure import ScriptedProbe
 from tierkv.testing.faults import FaultyBackend
 
 LAYERS, HEADS, HEAD = 2, 4, 64

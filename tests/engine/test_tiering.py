@@ -17,7 +17,7 @@ from waiting import wait_until
 
 from tierkv import Engine
 from tierkv.engine import AsyncEngine
-from tierkv.pressure import ScriptedProbe
+from tierkv.policy.pressure import ScriptedProbe
 from tierkv.testing.faults import FaultyBackend
 
 CHUNK = 16

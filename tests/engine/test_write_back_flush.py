@@ -148,7 +148,7 @@ def test_dirty_chunks_forced_out_by_pressure_are_reported_by_the_next_flush(tmp_
     dirty chunks it drops then are in no tier, and the next flush says so instead of returning
     as if it had written them (a flush that returns has written every chunk stored before it)."""
     from tierkv import TierUnavailableError
-    from tierkv.pressure import ScriptedProbe
+    from tierkv.policy.pressure import ScriptedProbe
     from tierkv.testing.faults import FaultyBackend
 
     cfg = {**config(tmp_path, "lmdb"), "pressure": {"poll_interval_ms": 2, "host_high_watermark": 0.9,

@@ -184,7 +184,7 @@ def test_the_shipped_lmdb_wheel_imports_on_this_python(tmp_path: Path) -> None:
 def test_pressure_scenario_fails_when_freed_memory_stays_with_the_process() -> None:
     """A device whose used memory never drops (the tier freed its chunks, the allocator kept the
     memory): the scenario must name that check and still pass the others."""
-    from tierkv.pressure import MemoryReading
+    from tierkv.policy.pressure import MemoryReading
 
     class KeepsMemory(gc.ModelledDevice):
         peak = 0

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv import kvlayout
 from tierkv.blend.interfaces import BlendRetriever, BlendRetrieverResult, BlendRetrieverTask
 from tierkv.blend.segments import FetchedSegment, SegmentKeys, fetch_segments, segment_keys
-from tierkv.engine import Engine
-from tierkv.identity import PLAIN, RequestIdentity
+from tierkv.chunks import kvlayout
+from tierkv.chunks.identity import PLAIN, RequestIdentity
+from tierkv.engine.blocking import Engine
 
 
 def split_segments(prompt: torch.Tensor, starts: Sequence[int]) -> list[tuple[int, int]]:

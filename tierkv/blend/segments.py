@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv import kvlayout
-from tierkv.engine import Engine
-from tierkv.identity import PLAIN, RequestIdentity
-from tierkv.keys import CacheKey, as_token_array
-from tierkv.namespaces import in_namespace, namespaced_keys
+from tierkv.chunks import kvlayout
+from tierkv.chunks.identity import PLAIN, RequestIdentity
+from tierkv.chunks.keys import CacheKey, as_token_array
+from tierkv.chunks.namespaces import in_namespace, namespaced_keys
+from tierkv.engine.blocking import Engine
 
 SEGMENT_NAMESPACE = "blend-segment"
 POSITIONS_NAMESPACE = "blend-positions"

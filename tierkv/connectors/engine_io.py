@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierkv import copies, kvlayout
-from tierkv.identity import PLAIN, RequestIdentity
-from tierkv.keys import CacheKey, as_token_array
+from tierkv.chunks import copies, kvlayout
+from tierkv.chunks.identity import PLAIN, RequestIdentity
+from tierkv.chunks.keys import CacheKey, as_token_array
 
 if TYPE_CHECKING:
     from tierkv.connectors.gpu import GPUConnector
-    from tierkv.engine import AsyncEngine, Engine
+    from tierkv.engine.blocking import AsyncEngine, Engine
 
 
 def _check_format(engine: AsyncEngine, connector: GPUConnector) -> None:
@@ -54,7 +54,7 @@ class ConnectorSource:
         self._gather_all([(dest, start, end)])
 
     def write_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Every chunk of ``work`` at once (see :func:`tierkv.transfer.write_all`)."""
+        """Every chunk of ``work`` at once (see :func:`tierkv.chunks.transfer.write_all`)."""
         self._gather_all(work)
 
     def _gather_all(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -92,7 +92,7 @@ class ConnectorSink:
         self._scatter_all([(chunk, start, end)])
 
     def read_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Every chunk of ``work`` at once (see :func:`tierkv.transfer.read_all`)."""
+        """Every chunk of ``work`` at once (see :func:`tierkv.chunks.transfer.read_all`)."""
         self._scatter_all(work)
 
     def _scatter_all(self, work: list[tuple[torch.Tensor, int, int]]) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from tierkv import copies, ops
-from tierkv.keys import KV_FORMATS
+from tierkv import ops
+from tierkv.chunks import copies
+from tierkv.chunks.keys import KV_FORMATS
 
 
 def _tensor_of(memory_obj: Any) -> torch.Tensor:

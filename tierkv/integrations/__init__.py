@@ -10,7 +10,7 @@
   (needs the ``hf`` extra: ``pip install 'tierkv[hf]'``).
 - :mod:`tierkv.integrations.vllm`: vLLM's older KV lookup buffer and store buffer interfaces,
   backed by an :class:`tierkv.Engine` (vLLM itself is not needed).
-- :mod:`tierkv.integrations.namespace`: kept for old imports (moved to :mod:`tierkv.namespaces`).
+- :mod:`tierkv.integrations.namespace`: kept for old imports (moved to :mod:`tierkv.chunks.namespaces`).
 
 The submodules are imported on demand so that ``import tierkv.integrations`` never pulls
 in transformers.

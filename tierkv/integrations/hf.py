@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
-from tierkv.async_engine import EngineMetadata, KVShape
 from tierkv.blend.executor import CacheBlendExecutor
 from tierkv.blend.retriever import SegmentBlendRetriever
 from tierkv.blend.segments import store_segments
-from tierkv.config import EngineConfig, load_config
-from tierkv.engine import Engine
-from tierkv.metadata import geometry_part
+from tierkv.config.loader import EngineConfig, load_config
+from tierkv.engine.async_engine import EngineMetadata, KVShape
+from tierkv.engine.blocking import Engine
+from tierkv.engine.metadata import geometry_part
 
 try:
     from transformers import DynamicCache

@@ -1,6 +1,6 @@
-"""Moved to :mod:`tierkv.namespaces` (key namespaces are a property of keys); kept so
+"""Moved to :mod:`tierkv.chunks.namespaces` (key namespaces are a property of keys); kept so
 ``from tierkv.integrations.namespace import ...`` keeps working."""
 
-from tierkv.namespaces import in_namespace, named_key, namespaced_keys
+from tierkv.chunks.namespaces import in_namespace, named_key, namespaced_keys
 
 __all__ = ["in_namespace", "named_key", "namespaced_keys"]

@@ -23,9 +23,9 @@ from collections import OrderedDict
 
 import torch
 
-from tierkv.engine import Engine
-from tierkv.keys import CacheKey, as_token_array
-from tierkv.namespaces import named_key
+from tierkv.chunks.keys import CacheKey, as_token_array
+from tierkv.chunks.namespaces import named_key
+from tierkv.engine.blocking import Engine
 
 LOOKUP_NAMESPACE = "vllm-lookup"
 STORE_NAMESPACE = "vllm-store"

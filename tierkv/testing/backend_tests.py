@@ -27,14 +27,14 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from tierkv.admission import Admission, FrequencySketch
-from tierkv.backend import InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion, SupportsPressure
-from tierkv.coded import CodedBackend
-from tierkv.config import HealthConfig
+from tierkv.backend.coded import CodedBackend
+from tierkv.backend.contract import InPlaceTier, NamesVictims, StorageBackend, SupportsDemotion, SupportsPressure
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.serde import SUPPORTED_DTYPES
+from tierkv.config.loader import HealthConfig
 from tierkv.errors import BackendClosedError, CapacityError
-from tierkv.keys import CacheKey
-from tierkv.serde import SUPPORTED_DTYPES
-from tierkv.tier import Tier
+from tierkv.policy.admission import Admission, FrequencySketch
+from tierkv.tiers.tier import Tier
 
 T = TypeVar("T")
 
@@ -439,7 +439,7 @@ class BackendTests:
             assert await backend.contains(make_key(index))
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
 
-    # -- codecs (tierkv.coded): what a tier with `codec:` stores in this backend --------------------
+    # -- codecs (tierkv.backend.coded): what a tier with `codec:` stores in this backend --------------------
     def test_coded_chunks_round_trip_and_lossy_ones_are_keyed_apart(self, tmp_path: Path) -> None:
         """``codec: lz4`` over this backend: frames are stored and decode to the exact chunk (into
         given memory and as new tensors); a reader without the codec finds no chunk it would
@@ -467,7 +467,7 @@ class BackendTests:
             assert same_bytes(await exact.get(keys[0]), chunks[0]), "the exact chunk is untouched"
         self.with_backend(tmp_path, body)
 
-    # -- admission (tierkv.admission): what the engine lets reach this backend ---------------------
+    # -- admission (tierkv.policy.admission): what the engine lets reach this backend ---------------------
     def test_admission_decides_what_reaches_this_backend(self, tmp_path: Path) -> None:
         """``reused(2)`` in front of this backend, through the engine's tier handle: the chunks
         seen twice are stored and read back exact, the ones seen once never reach it."""

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv.backend import StorageBackend
+from tierkv.backend.contract import StorageBackend
+from tierkv.chunks.keys import CacheKey
 from tierkv.errors import TierFullError, TierUnavailableError
-from tierkv.keys import CacheKey
 
 
 class FaultyBackend(StorageBackend):

@@ -21,8 +21,8 @@ from tierkv_redis import RedisBackend
 from tierkv_redis.testing import RedisClusterServers, server_binary
 
 from tierkv.backend import StorageBackend
+from tierkv.chunks.keys import CacheKey
 from tierkv.errors import ConfigError
-from tierkv.keys import CacheKey
 from tierkv.testing import BackendTests
 from tierkv.testing.backend_tests import make_chunk, make_key, same_bytes
 from tierkv.testing.requirements import missing

@@ -11,7 +11,7 @@ from tierkv_redis import RedisBackend
 from tierkv_redis.testing import RedisServer
 
 from tierkv.backend import StorageBackend
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
 from tierkv.testing import BackendTests
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
 
 _TESTS = str(Path(__file__).resolve().parents[2])
 if _TESTS not in sys.path:

@@ -73,7 +73,7 @@ def page_key(model: Path, tokens: list[int], page: int) -> Any:
     """The tierkv key SGLang's page ``page`` of ``tokens`` is stored under (SGLang's own page hash)."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from tierkv.revisions import directory_revision
+    from tierkv.chunks.revisions import directory_revision
 
     hashes = get_storage_hash_str(tokens[: (page + 1) * PAGE], None, page_size=PAGE)
     geometry = (f"mha:layers={LAYERS}:heads={KV_HEADS}:head_dim={HIDDEN // HEADS}:page={PAGE}:dtype=bfloat16"

@@ -20,8 +20,8 @@ if importlib.util.find_spec("vllm") is None:  # skipped where vLLM is not instal
                 allow_module_level=True)
 
 from tierkv import Engine  # noqa: E402
+from tierkv.chunks.identity import PLAIN, MediaSpan, RequestIdentity  # noqa: E402
 from tierkv.errors import ConfigError  # noqa: E402
-from tierkv.identity import PLAIN, MediaSpan, RequestIdentity  # noqa: E402
 from tierkv.integrations.vllm_v1.layouts import (  # noqa: E402
     PagedLayerConnector,
     detect_layout,

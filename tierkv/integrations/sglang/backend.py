@@ -36,13 +36,13 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from tierkv.engine import Engine, EngineMetadata
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.revisions import directory_revision
+from tierkv.engine.blocking import Engine, EngineMetadata
 from tierkv.integrations.sglang.config import BackendSettings, settings_from
 from tierkv.integrations.sglang.keys import PageKeySpace
 from tierkv.integrations.sglang.layout import PageLayout
 from tierkv.integrations.sglang.pages import PageIO, ViewSink, ViewSource
-from tierkv.keys import CacheKey
-from tierkv.revisions import directory_revision
 
 logger = logging.getLogger(__name__)
 

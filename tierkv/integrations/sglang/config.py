@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.config import EngineConfig, config_for_integration
+from tierkv.config.loader import EngineConfig, config_for_integration
 from tierkv.errors import ConfigError
 
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",

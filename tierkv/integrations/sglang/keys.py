@@ -3,7 +3,7 @@
 SGLang names each page of a prompt by a chained hash of its tokens (a hex string; other
 pools add a suffix such as ``.mamba``). tierkv keys carry the model, the tensor-parallel
 world size and rank, and a chunk hash. A page key here is in its own namespace
-(:data:`NAMESPACE`, as in :mod:`tierkv.namespaces`), so it never collides with the engine's
+(:data:`NAMESPACE`, as in :mod:`tierkv.chunks.namespaces`), so it never collides with the engine's
 prefix-chunk keys, and its hash also covers the page geometry (layers, heads, head size,
 page size, dtype, pipeline stage), the model's revision and tierkv's key format: caches of
 different models, revisions, shapes or TP layouts never mix, even in one shared tier.
@@ -19,9 +19,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tierkv.identity import KEY_FORMAT, PLAIN, make_scope
-from tierkv.keys import CacheKey
-from tierkv.namespaces import named_key
+from tierkv.chunks.identity import KEY_FORMAT, PLAIN, make_scope
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.namespaces import named_key
 
 NAMESPACE = "sglang-hicache"
 """Namespace of SGLang HiCache pages (a suffix of the model name in every key)."""

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv import policy
-from tierkv.engine import Engine
-from tierkv.keys import CacheKey
-from tierkv.memory import copy_into
-from tierkv.transfer import chunk_ranges
+from tierkv.chunks.keys import CacheKey
+from tierkv.chunks.memory import copy_into
+from tierkv.chunks.transfer import chunk_ranges
+from tierkv.engine.blocking import Engine
+from tierkv.policy import residency as policy
 
 
 class ViewSource:

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from tierkv.engine import EngineBuilder
+from tierkv.engine.blocking import EngineBuilder
 from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
 from tierkv.integrations.vllm_v1.kv_events import TierKVEvents

@@ -21,9 +21,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from tierkv.chunks.identity import MediaSpan, RequestIdentity
+from tierkv.chunks.revisions import adapter_identity, directory_revision
 from tierkv.errors import ConfigError
-from tierkv.identity import MediaSpan, RequestIdentity
-from tierkv.revisions import adapter_identity, directory_revision
 
 logger = logging.getLogger(__name__)
 

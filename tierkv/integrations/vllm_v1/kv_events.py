@@ -27,7 +27,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from tierkv.keys import CacheKey
+from tierkv.chunks.keys import CacheKey
 
 
 class TierKVEvents(KVConnectorKVEvents):

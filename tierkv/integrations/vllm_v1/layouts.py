@@ -40,9 +40,9 @@ import numpy as np
 import torch
 
 from tierkv import ops
+from tierkv.chunks.memory import copy_into
 from tierkv.connectors import GPUConnector
 from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS, MappedPageConnector, layouts_for_isa, requested_slots
-from tierkv.memory import copy_into
 
 LAYOUTS = ("cpu", "cpu_amx", "cpu_bfmmla", "content", "kv_first", "blocks_first")
 

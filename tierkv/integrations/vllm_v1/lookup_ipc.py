@@ -8,7 +8,7 @@ live in one process (vLLM's in-process executor) the answer is a direct call.
 
 Wire format (no pickle): request = uint32 token count + uint32 identity length + that many
 int32 ids (little endian) + the request's identity as UTF-8 JSON
-(:meth:`~tierkv.identity.RequestIdentity.to_wire`); reply = int64 cached tokens + int64 of
+(:meth:`~tierkv.chunks.identity.RequestIdentity.to_wire`); reply = int64 cached tokens + int64 of
 them in memory tiers. Any failure to ask
 (worker not up yet, worker gone) is answered as "nothing cached": a lookup never fails a
 request, it only costs a recompute.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tierkv.identity import RequestIdentity
+from tierkv.chunks.identity import RequestIdentity
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
 
 logger = logging.getLogger(__name__)

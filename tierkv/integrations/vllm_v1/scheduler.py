@@ -15,7 +15,7 @@ Rules:
   whose save was planned keeps its blocks after it finishes until the worker reports
   the save done (``request_finished`` returns True);
 - every lookup, load and save carries the request's identity (LoRA adapter, cache salt,
-  media: :class:`~tierkv.identity.RequestIdentity`), recorded when vLLM first asks about the
+  media: :class:`~tierkv.chunks.identity.RequestIdentity`), recorded when vLLM first asks about the
   request; a request without one (prompt embeddings, an adapter tierkv cannot read) is
   neither loaded nor saved, and counted.
 """
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.identity import PLAIN, RequestIdentity
-from tierkv.keys import as_token_array
+from tierkv.chunks.identity import PLAIN, RequestIdentity
+from tierkv.chunks.keys import as_token_array
 
 
 @dataclass(frozen=True)

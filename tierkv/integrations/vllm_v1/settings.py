@@ -24,7 +24,7 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
   one error and stays off (no loads, no saves), so a vLLM that changed its layout runs as
   if no connector were set instead of computing from misplaced K/V. ``false`` skips it;
 - ``identity_hook``: ``"package.module:function"`` called as ``function(request, identity)``
-  for every request: returns the :class:`~tierkv.identity.RequestIdentity` to key it with
+  for every request: returns the :class:`~tierkv.chunks.identity.RequestIdentity` to key it with
   (add ``extra`` parts, drop the salt to share across tenants knowingly) or None to leave
   the request uncached.
 """
@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.config import EngineConfig, config_for_integration
-from tierkv.engine import EngineMetadata
+from tierkv.config.loader import EngineConfig, config_for_integration
+from tierkv.engine.blocking import EngineMetadata
 from tierkv.errors import ConfigError
 
 _KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check",

@@ -27,18 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv.backend import InPlaceTier
+from tierkv.backend.contract import InPlaceTier
+from tierkv.chunks.identity import RequestIdentity
+from tierkv.chunks.ownership import WriteGrant
 from tierkv.connectors import ConnectorSink, store_with_connector
-from tierkv.engine import Engine
-from tierkv.identity import RequestIdentity
+from tierkv.engine.blocking import Engine
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
-from tierkv.locate import FILL_QUEUE
-from tierkv.ownership import WriteGrant
+from tierkv.routing.locate import FILL_QUEUE
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def keep_off_compute_cores(engine: Engine) -> set[int] | None:
 
 
 class _GuardedSink(ConnectorSink):
-    """A sink that writes into vLLM's blocks only under a :class:`~tierkv.ownership.WriteGrant`:
+    """A sink that writes into vLLM's blocks only under a :class:`~tierkv.chunks.ownership.WriteGrant`:
     once the load is abandoned (:meth:`abandon`: a timeout, vLLM finished the request) no
     chunk is written any more, and ``abandon`` returns only after a chunk being written has
     landed, so the blocks can go back to vLLM."""

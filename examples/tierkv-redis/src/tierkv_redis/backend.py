@@ -34,13 +34,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 
-from tierkv import serde
 from tierkv.backend import BlobBackend, check_destinations
+from tierkv.backend.options import Option, format_size
+from tierkv.chunks import serde
+from tierkv.chunks.keys import KV_FORMATS, CacheKey
+from tierkv.chunks.memory import as_bytes, copy_into, direct_target, empty_host, gather_bytes
 from tierkv.errors import CapacityError, ChunkFormatError, TierUnavailableError
-from tierkv.keys import KV_FORMATS, CacheKey
-from tierkv.memory import as_bytes, copy_into, direct_target, empty_host, gather_bytes
-from tierkv.options import Option, format_size
-from tierkv.planner import SpeedSeed
+from tierkv.policy.planner import SpeedSeed
 from tierkv_redis import cluster as redis_cluster
 from tierkv_redis.options import REDIS_MAX_VALUE_BYTES, duration, redact_url, redis_url, value_limit
 

@@ -11,8 +11,8 @@ import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from tierkv.backend.options import parse_size
 from tierkv.errors import ConfigError
-from tierkv.options import parse_size
 
 #: URL schemes redis-py understands
 URL_SCHEMES = ("redis", "rediss", "unix")

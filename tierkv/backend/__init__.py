@@ -1,0 +1,43 @@
+"""The backend contract and what wraps or finds backends.
+
+``tierkv.backend`` is the import a backend author needs: :class:`StorageBackend`,
+:class:`BlobBackend`, the capability Protocols and the destination helpers are re-exported
+from :mod:`tierkv.backend.contract`. Beside it: the option type every tier declares
+(``options``), the entry-point registry, codecs and the coded wrapper that applies them.
+"""
+
+from tierkv.backend.contract import (
+    FULL_DISK_ERRNOS,
+    BlobBackend,
+    ChunkHold,
+    DemoteSink,
+    InPlaceTier,
+    NamesVictims,
+    ReclaimsHeldMemory,
+    StorageBackend,
+    SupportsDemotion,
+    SupportsPressure,
+    check_batch,
+    check_destinations,
+    fill_destination,
+    fits_destination,
+    full_disk_error,
+)
+
+__all__ = [
+    "BlobBackend",
+    "ChunkHold",
+    "DemoteSink",
+    "FULL_DISK_ERRNOS",
+    "InPlaceTier",
+    "NamesVictims",
+    "ReclaimsHeldMemory",
+    "StorageBackend",
+    "SupportsDemotion",
+    "SupportsPressure",
+    "check_batch",
+    "check_destinations",
+    "fill_destination",
+    "fits_destination",
+    "full_disk_error",
+]
