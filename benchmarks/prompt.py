@@ -5,9 +5,6 @@ Workload: the Llama-3-8B KV shape (32 layers x 8 KV heads x 128, bfloat16, 128 K
 on an empty cache. The reference workload is 16 prompts (8.6 GB); the default here is 4 (2.1 GB)
 so that source KV, outputs, baselines and the tier fit 24 GiB next to other work.
 
-Over 400 lines (about 500) by choice: each row's baseline (memcpy, raw files, every raw
-py-lmdb configuration) is timed beside it in this one file, so what is compared is visible together.
-
 Per tier (cpu; lmdb as configured by default; ``lmdb-trusted``: lmdb with ``writemap: true`` and
 ``verify: false``, for a trusted local disk; fs), for the first pass after start-up and for the median of the passes
 after it (steady state):
@@ -51,38 +48,42 @@ pass; a steady ratio is the median of each pass's own ratio, and ``ratio_range``
 Run: ``python benchmarks/prompt.py [--prompts N] [--passes N] [--tiers cpu,lmdb,fs]``; from code:
 ``run_prompt(...) -> list[dict]``.
 
-Over 400 lines (about 600) by choice: the prompt-level benchmark and its same-run baselines
-(raw files, raw py-lmdb, memcpy), which copy exactly the byte layout tierkv's tiers use and
-serve no other benchmark; the shared table helpers are imported.
+The passes, their rows and targets are here; the parts they use sit beside it: the workload and
+its timers (``prompt_workload.py``), the raw baselines (``prompt_baselines.py``), the lookups
+(``prompt_lookup.py``) and the connector round trip (``prompt_connector.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import torch
-import xxhash
 
-from tierkv import Engine, MediaSpan, RequestIdentity, ops
-from tierkv.chunks.identity import PLAIN
-from tierkv.connectors import PagedConnector, retrieve_paged, store_paged
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LAYERS, HEADS, HEAD_SIZE, CHUNK, BLOCK_SIZE = 32, 8, 128, 256, 16
-DTYPE = torch.bfloat16
-TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_SIZE * DTYPE.itemsize
-REFERENCE_PROMPTS = 16
-LOOKUP_CALLS = 200
+from prompt_baselines import RAW_LMDB_BASELINE, RAW_LMDB_PUTS, RawFiles, RawLMDB, chunk_digests  # noqa: E402
+from prompt_connector import connector_rows  # noqa: E402
+from prompt_lookup import lookup_rows, lookup_us  # noqa: E402
+from prompt_workload import (  # noqa: E402
+    copies_per_byte,
+    copy_counts,
+    drop_page_cache,
+    random_kv,
+    tier_config,
+    timed,
+    timed_write,
+    touched,
+    workload_text,
+)
+
+from tierkv import Engine, ops  # noqa: E402
 
 # (op, baseline, target ratio) per tier; a target on GB/s is checked apart (FS_FLOORS)
 TARGETS: dict[str, list[tuple[str, str, float]]] = {
@@ -94,219 +95,6 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "lmdb-trusted": [("store", "raw lmdb put (writemap)", 0.9), ("retrieve out=", "raw lmdb", 0.9)],
 }
 FS_FLOORS = {"store": 2.3, "retrieve out= (cold)": 2.0}  # GB/s on the reference workload's disk
-LOOKUP_TARGET_US = 50.0
-
-
-def _timed_write(fn: Callable[[], Any]) -> float:
-    """A write timed from a quiet disk: what earlier writes left dirty is flushed first (not
-    timed), so each store pays for its own writeback throttling, not for the one before it."""
-    os.sync()
-    return _timed(fn)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _random_kv(num_tokens: int) -> torch.Tensor:
-    """A vllm-layout KV blob of random bits (every page touched)."""
-    kv = torch.empty(LAYERS, 2, num_tokens, HEADS, HEAD_SIZE, dtype=DTYPE)
-    kv.view(torch.int16).random_(-(2**15), 2**15 - 1)
-    return kv
-
-
-def _touched(shape: tuple[int, ...]) -> torch.Tensor:
-    out = torch.empty(shape, dtype=DTYPE)
-    out.view(torch.int16).fill_(0)
-    return out
-
-
-def _drop_page_cache(root: Path) -> None:
-    """Write back and drop the page cache of every file under ``root`` ("cold" reads)."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDWR)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _byte_runs(chunk: torch.Tensor) -> list[memoryview]:
-    """The chunk's bytes straight out of the prompt's KV: one run per (layer, K/V) slice,
-    each contiguous in a vllm-layout blob."""
-    return [chunk[layer, kv].view(torch.uint8).numpy().reshape(-1).data
-            for layer in range(chunk.shape[0]) for kv in range(2)]
-
-
-class RawFiles:
-    """The raw-files baseline: one file per chunk, writev out of the KV, preadv into ``out``."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def store(self, prompt: int, kv: torch.Tensor, publish: bool = False) -> None:
-        """``publish``: write each file under a temporary name and rename it into place, as
-        the fs tier does so that no reader sees a half-written chunk (the bare baseline lacks that)."""
-        for index, start in enumerate(range(0, kv.shape[2], CHUNK)):
-            runs = _byte_runs(kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)))
-            final = self.root / f"{prompt}-{index}"
-            path = final.with_name(f".{final.name}.tmp") if publish else final
-            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            try:
-                os.writev(fd, runs)
-            finally:
-                os.close(fd)
-            if publish:
-                os.replace(path, final)
-
-    def read(self, prompt: int, out: torch.Tensor) -> None:
-        for index, start in enumerate(range(0, out.shape[2], CHUNK)):
-            runs = _byte_runs(out.narrow(2, start, min(CHUNK, out.shape[2] - start)))
-            fd = os.open(self.root / f"{prompt}-{index}", os.O_RDONLY)
-            try:
-                os.preadv(fd, runs, 0)
-            finally:
-                os.close(fd)
-
-    def clear(self) -> None:
-        for path in self.root.iterdir():
-            path.unlink()
-
-
-RAW_LMDB_PUTS: dict[str, dict[str, Any]] = {
-    # name -> (py-lmdb open flags); "raw lmdb put" is the configuration that keeps LMDB's crash
-    # guarantees as tierkv uses them (a crashed process leaves the last committed batches
-    # intact; a full disk is an error): no writemap, no fsync per commit -- tierkv's default
-    "raw lmdb put": {"sync": False, "metasync": False, "writemap": False},
-    # + power loss loses at most the last commits, never the environment (ACI kept)
-    "raw lmdb put (sync, nometasync)": {"sync": True, "metasync": False, "writemap": False},
-    # + durable on power loss
-    "raw lmdb put (sync)": {"sync": True, "metasync": True, "writemap": False},
-    # values written straight into the shared map: one copy, but the map file is sparse (a
-    # full disk is a SIGBUS, not an error) and a stray write in the process reaches the data
-    "raw lmdb put (writemap)": {"sync": False, "metasync": False, "writemap": True},
-    "raw lmdb put (writemap, map_async)": {"sync": True, "metasync": True, "writemap": True, "map_async": True},
-}
-"""Raw py-lmdb put configurations timed next to the lmdb tiers' store (one transaction per prompt,
-i.e. per batch; ``raw lmdb put (txn per chunk)`` is the first one committing every chunk)."""
-RAW_LMDB_BASELINE = {"lmdb": "raw lmdb put", "lmdb-trusted": "raw lmdb put (writemap)"}
-
-
-class RawLMDB:
-    """The raw py-lmdb baseline: one write transaction per prompt (or per chunk); reads copy into ``out``."""
-
-    def __init__(self, root: Path, map_size: int, **flags: Any) -> None:
-        self.env = lmdb.open(str(root), map_size=map_size, **flags)
-
-    def store(self, prompt: int, kv: torch.Tensor, txn_per_chunk: bool = False) -> None:
-        starts = list(range(0, kv.shape[2], CHUNK))
-        batches = [[s] for s in starts] if txn_per_chunk else [starts]
-        for batch in batches:
-            with self.env.begin(write=True) as txn:
-                for start in batch:
-                    chunk = kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)).contiguous()
-                    txn.put(f"{prompt}-{start // CHUNK}".encode(), chunk.view(torch.uint8).numpy().data)
-
-    def read(self, prompt: int, out: torch.Tensor, digests: list[int] | None = None) -> None:
-        """Copy the prompt's chunks into ``out``; with ``digests`` (one XXH3 per chunk), each
-        value is checked against its digest before it is copied."""
-        with self.env.begin(buffers=True) as txn:
-            for index, start in enumerate(range(0, out.shape[2], CHUNK)):
-                target = out.narrow(2, start, min(CHUNK, out.shape[2] - start))
-                value = txn.get(f"{prompt}-{index}".encode())
-                if digests is not None and xxhash.xxh3_64_intdigest(value) != digests[index]:
-                    raise RuntimeError(f"raw lmdb: chunk {index} of prompt {prompt} does not match its digest")
-                flat = torch.frombuffer(value, dtype=DTYPE).view(target.shape)
-                target.view(torch.int16).copy_(flat.view(torch.int16))
-
-    def clear(self) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.drop(self.env.open_db(), delete=False)
-
-    def close(self) -> None:
-        self.env.close()
-
-
-def _chunk_digests(kv: torch.Tensor) -> list[int]:
-    """The XXH3 of each chunk's bytes as stored (the ``raw lmdb + XXH3`` reader checks them)."""
-    return [xxhash.xxh3_64_intdigest(kv.narrow(2, start, min(CHUNK, kv.shape[2] - start)).contiguous()
-                                     .view(torch.uint8).numpy().data)
-            for start in range(0, kv.shape[2], CHUNK)]
-
-
-def _config(tier: str, root: Path, pass_bytes: int) -> dict[str, Any]:
-    capacity = f"{int(pass_bytes * 1.25) // 2**20}MiB"
-    tiers = {"cpu": {"name": "host", "backend": "cpu", "capacity": capacity},
-             "lmdb": {"name": "disk", "backend": "lmdb", "path": str(root / "lmdb"), "capacity": "64GiB"},
-             "lmdb-trusted": {"name": "disk", "backend": "lmdb", "path": str(root / "lmdb-trusted"),
-                              "capacity": "64GiB", "writemap": True, "verify": False},
-             "fs": {"name": "files", "backend": "fs", "path": str(root / "fs"), "capacity": "64GiB"}}
-    return {"model": "bench-prompt", "chunk_size": CHUNK, "kv_format": "vllm", "tiers": [tiers[tier]]}
-
-
-def _copies(engine: Engine) -> dict[str, tuple[int, int]]:
-    return {path: (int(v["copied_bytes"]), int(v["delivered_bytes"])) for path, v in engine.stats()["copies"].items()}
-
-
-def _per_byte(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], path: str) -> float | None:
-    copied = after[path][0] - before[path][0]
-    delivered = after[path][1] - before[path][1]
-    return copied / delivered if delivered else None
-
-
-def _hash_chain(tokens: torch.Tensor) -> list[bytes]:
-    """The lookups' floor: the SHA-256 chain over the prompt's 256-token chunks (int32 ids),
-    which any content-addressed prefix cache computes, in a bare loop."""
-    data = tokens.to(torch.int32).numpy().tobytes()
-    step, previous, digests = CHUNK * 4, b"", []
-    for start in range(0, len(data), step):
-        previous = hashlib.sha256(previous + data[start : start + step]).digest()
-        digests.append(previous)
-    return digests
-
-
-def _lookup_us(tier: str, root: Path, prompt_tokens: int) -> dict[str, tuple[float, float]]:
-    """Median microseconds of one blocking ``Engine.lookup`` of a 4,096-token prompt, each
-    prompt asked once (a scheduler sees each request once): ``hit`` = fully cached prompts,
-    ``miss`` = new prompts; ``hit, tenant+adapter`` and ``hit, one image`` = the cached
-    prompts stored and looked up under a request identity (a salt and a LoRA adapter; a media
-    input over tokens 1,024-1,599): what binding the identity adds to a lookup is their
-    difference from ``hit``. Beside each, the bare hash chain of the same prompts (a miss
-    hashes the first chunk only), timed in turns with the lookups. The KV stored is tiny:
-    what a lookup costs does not depend on it."""
-    config = _config(tier, root / "lookup", 2**30)
-    cached = [torch.randint(0, 32_000, (prompt_tokens,)) for _ in range(LOOKUP_CALLS)]
-    new = [torch.randint(0, 32_000, (prompt_tokens,)) for _ in range(LOOKUP_CALLS)]
-    kv = torch.zeros(1, 2, prompt_tokens, 1, 8, dtype=DTYPE)
-    tenant = RequestIdentity(adapter="adapter:" + "ab" * 16, salt="tenant-a")
-    image = RequestIdentity(media=(MediaSpan("image:" + "cd" * 16, min(1024, prompt_tokens - 1), 576),))
-    kinds = (("hit", cached, PLAIN), ("miss", new, PLAIN), ("hit, tenant+adapter", cached, tenant),
-             ("hit, one image", cached, image))
-    result = {}
-    with Engine(config) as engine:
-        for identity in (PLAIN, tenant, image):
-            for tokens in cached:
-                engine.store(tokens, kv, identity=identity)
-        engine.flush()
-        for kind, prompts, identity in kinds:
-            samples, floor = [], []
-            for tokens in prompts:
-                start = time.perf_counter()
-                engine.lookup(tokens, identity=identity)
-                samples.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                _hash_chain(tokens if kind == "hit" else tokens[:CHUNK])
-                floor.append(time.perf_counter() - start)
-            result[kind] = (statistics.median(samples) * 1e6, statistics.median(floor) * 1e6)
-        if (engine.lookup(cached[0]) != prompt_tokens or engine.lookup(new[0]) != 0
-                or engine.lookup(cached[0], identity=tenant) != prompt_tokens
-                or engine.lookup(cached[0], identity=image) != prompt_tokens):
-            raise RuntimeError("lookup benchmark: the cached prompt must hit and the new one miss")
-    return result
 
 
 def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor],
@@ -321,11 +109,11 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
             (root / f"raw-lmdb-{number}").mkdir()
             raw_lmdbs[name] = RawLMDB(root / f"raw-lmdb-{number}", 4 * pass_bytes, **flags)
     raw_lmdb = raw_lmdbs.get(RAW_LMDB_BASELINE.get(tier, ""))
-    digests = [_chunk_digests(kv) for _, kv in prompts] if tier == "lmdb" else None
+    digests = [chunk_digests(kv) for _, kv in prompts] if tier == "lmdb" else None
     if raw_files is not None:
         raw_files.root.mkdir()
     started = time.perf_counter()
-    engine = Engine(_config(tier, root, pass_bytes))
+    engine = Engine(tier_config(tier, root, pass_bytes))
     startup_s = time.perf_counter() - started
     samples: dict[tuple[str, str], list[float]] = {}
     per_byte: dict[str, list[float]] = {}
@@ -336,57 +124,57 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
     def retrieve(op: str, phase: str, into_outs: bool) -> None:
         """Time one retrieve of every prompt (into ``outs`` or fresh), from a cold page cache for a "(cold)" op."""
         if op.endswith("(cold)"):
-            _drop_page_cache(root / tier)
-        record(op, phase, _timed(lambda: [engine.retrieve(t, out=o if into_outs else None)
+            drop_page_cache(root / tier)
+        record(op, phase, timed(lambda: [engine.retrieve(t, out=o if into_outs else None)
                                           for (t, _), o in zip(prompts, outs)]))
 
     def ours_pass(phase: str, number: int) -> None:
-        before = _copies(engine)
-        record("store", phase, _timed_write(lambda: ([engine.store(t, kv) for t, kv in prompts], engine.flush())))
-        per_byte.setdefault("store", []).append(_per_byte(before, _copies(engine), "store") or 0.0)
+        before = copy_counts(engine)
+        record("store", phase, timed_write(lambda: ([engine.store(t, kv) for t, kv in prompts], engine.flush())))
+        per_byte.setdefault("store", []).append(copies_per_byte(before, copy_counts(engine), "store") or 0.0)
         # fs: the fresh output from a cold page cache too (what retrieve(out=) must match); the
         # two cold reads take turns going first
         fresh_cold_first = tier == "fs" and number % 2 == 1
         if fresh_cold_first:
             retrieve("retrieve (cold)", phase, into_outs=False)
-        before_out = _copies(engine)
+        before_out = copy_counts(engine)
         retrieve("retrieve out= (cold)" if tier == "fs" else "retrieve out=", phase, into_outs=True)
-        after_out = _copies(engine)
+        after_out = copy_counts(engine)
         if tier == "fs" and not fresh_cold_first:
             retrieve("retrieve (cold)", phase, into_outs=False)
         retrieve("retrieve", phase, into_outs=False)
-        per_byte.setdefault("retrieve out=", []).append(_per_byte(before_out, after_out, "retrieve") or 0.0)
-        per_byte.setdefault("retrieve", []).append(_per_byte(after_out, _copies(engine), "retrieve") or 0.0)
+        per_byte.setdefault("retrieve out=", []).append(copies_per_byte(before_out, after_out, "retrieve") or 0.0)
+        per_byte.setdefault("retrieve", []).append(copies_per_byte(after_out, copy_counts(engine), "retrieve") or 0.0)
         for tokens, _ in prompts:  # the next pass starts on an empty cache
             engine.batched_delete(engine.keys_for(tokens))
 
     def baselines_pass(phase: str) -> None:
-        record("memcpy", phase, _timed(lambda: [d.copy_(kv) for (_, kv), d in zip(prompts, memcpy_dst)]))
+        record("memcpy", phase, timed(lambda: [d.copy_(kv) for (_, kv), d in zip(prompts, memcpy_dst)]))
         record("empty+copy", phase,
-               _timed(lambda: [torch.empty_like(kv).copy_(kv) for _, kv in prompts]))
+               timed(lambda: [torch.empty_like(kv).copy_(kv) for _, kv in prompts]))
         if raw_files is not None:
             record("raw files", phase,
-                   _timed_write(lambda: [raw_files.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
+                   timed_write(lambda: [raw_files.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
             if tier == "fs":
-                _drop_page_cache(raw_files.root)
+                drop_page_cache(raw_files.root)
                 record("raw files (cold)", phase,
-                       _timed(lambda: [raw_files.read(i, o) for i, o in enumerate(outs)]))
+                       timed(lambda: [raw_files.read(i, o) for i, o in enumerate(outs)]))
             raw_files.clear()
             if tier == "fs":  # with the tier's atomic publish: what crash safety costs the bare files
-                record("raw files (tmp+rename)", phase, _timed_write(
+                record("raw files (tmp+rename)", phase, timed_write(
                     lambda: [raw_files.store(i, kv, publish=True) for i, (_, kv) in enumerate(prompts)]))
                 raw_files.clear()
         for name, raw in raw_lmdbs.items():
-            record(name, phase, _timed_write(lambda raw=raw: [raw.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
+            record(name, phase, timed_write(lambda raw=raw: [raw.store(i, kv) for i, (_, kv) in enumerate(prompts)]))
             if raw is raw_lmdb:
-                record("raw lmdb", phase, _timed(lambda: [raw_lmdb.read(i, o) for i, o in enumerate(outs)]))
+                record("raw lmdb", phase, timed(lambda: [raw_lmdb.read(i, o) for i, o in enumerate(outs)]))
                 if digests is not None:
                     record("raw lmdb + XXH3", phase,
-                           _timed(lambda: [raw_lmdb.read(i, o, digests[i]) for i, o in enumerate(outs)]))
+                           timed(lambda: [raw_lmdb.read(i, o, digests[i]) for i, o in enumerate(outs)]))
             raw.clear()
             if name == "raw lmdb put":
                 record("raw lmdb put (txn per chunk)", phase,
-                       _timed_write(lambda raw=raw: [raw.store(i, kv, txn_per_chunk=True) for i, (_, kv) in enumerate(prompts)]))
+                       timed_write(lambda raw=raw: [raw.store(i, kv, txn_per_chunk=True) for i, (_, kv) in enumerate(prompts)]))
                 raw.clear()
 
     try:
@@ -402,9 +190,9 @@ def _bench_tier(tier: str, prompts: list[tuple[torch.Tensor, torch.Tensor]], out
                 ours_pass(phase, number)
         rows = _rows(tier, samples, per_byte, pass_bytes, startup_s)
         if tier != "lmdb-trusted":  # the same index as lmdb
-            rows += _lookup_rows(tier, _lookup_us(tier, root, prompts[0][0].numel()))
+            rows += lookup_rows(tier, lookup_us(tier, root, prompts[0][0].numel()))
         if tier == "cpu":
-            rows += _connector_rows(engine, prompts[0][0], passes)
+            rows += connector_rows(engine, prompts[0][0], passes)
     finally:
         engine.close()
         for raw in raw_lmdbs.values():
@@ -454,73 +242,6 @@ def _rows(tier: str, samples: dict[tuple[str, str], list[float]], per_byte: dict
     return rows
 
 
-def _lookup_rows(tier: str, lookups: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
-    return [{"tier": tier, "op": f"lookup {kind}", "pass": "steady", "ours_us": us, "baseline": "sha256 chain",
-             "baseline_us": floor, "ratio": floor / us,
-             "target": f"<= {LOOKUP_TARGET_US:.0f} us", "meets": us <= LOOKUP_TARGET_US}
-            for kind, (us, floor) in lookups.items()]
-
-
-def _paged_cache(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    layers = []
-    for _ in range(LAYERS):
-        pair = []
-        for _ in range(2):
-            block = torch.empty(num_blocks, BLOCK_SIZE, HEADS, HEAD_SIZE, dtype=DTYPE)
-            block.view(torch.int16).random_(-(2**15), 2**15 - 1)
-            pair.append(block)
-        layers.append((pair[0], pair[1]))
-    return layers
-
-
-def _connector_rows(engine: Engine, tokens: torch.Tensor, passes: int) -> list[dict[str, Any]]:
-    """PagedConnector: a CPU paged cache -> cpu tier -> another paged cache, vs the bare kernels."""
-    num_tokens = tokens.numel()
-    num_blocks = num_tokens // BLOCK_SIZE + 8
-    source, target = _paged_cache(num_blocks), _paged_cache(num_blocks)
-
-    def slots(seed: int) -> torch.Tensor:
-        blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[: num_tokens // BLOCK_SIZE]
-        return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)[None, :]).flatten()
-
-    source_slots, target_slots = slots(1), slots(2)
-    connector = PagedConnector(LAYERS, HEADS, HEAD_SIZE)
-    chunk = _touched((LAYERS, 2, CHUNK, HEADS, HEAD_SIZE))
-
-    def kernels() -> None:
-        for start in range(0, num_tokens, CHUNK):
-            view = chunk.narrow(2, 0, min(CHUNK, num_tokens - start))
-            ops.paged_gather(source, source_slots[start:start + CHUNK], out=view)
-            ops.paged_scatter(view, target, target_slots[start:start + CHUNK])
-
-    def round_trip() -> None:
-        store_paged(engine, connector, tokens, kvcaches=source, slot_mapping=source_slots)
-        retrieve_paged(engine, connector, tokens, kvcaches=target, slot_mapping=target_slots)
-        engine.batched_delete(engine.keys_for(tokens))
-
-    ours, base, per_byte = [], [], []
-    for _ in range(passes + 1):
-        before = _copies(engine)
-        ours.append(_timed(round_trip))
-        after = _copies(engine)
-        per_byte.append(((after["store"][0] - before["store"][0]) + (after["retrieve"][0] - before["retrieve"][0]))
-                        / max(1, (after["store"][1] - before["store"][1]) + (after["retrieve"][1] - before["retrieve"][1])))
-        base.append(_timed(kernels))
-    nbytes = 2 * num_tokens * TOKEN_BYTES  # gathered once and scattered once
-    rows = []
-    for phase, a, b in (("first", ours[:1], base[:1]), ("steady", ours[1:], base[1:])):
-        ratio = statistics.median(b) / statistics.median(a)
-        row: dict[str, Any] = {"tier": "cpu", "op": "connector round trip", "pass": phase,
-                               "ours_GBps": nbytes / statistics.median(a) / 1e9, "baseline": "paged kernels",
-                               "baseline_GBps": nbytes / statistics.median(b) / 1e9, "ratio": ratio,
-                               "copies_per_byte": per_byte[0 if phase == "first" else -1],
-                               "kernels": "extension" if ops.extension_status()["in_use"] else "reference"}
-        if phase == "steady":
-            row.update(target=">= 0.7", meets=ratio >= 0.7)
-        rows.append(row)
-    return rows
-
-
 TIERS = ("cpu", "lmdb", "lmdb-trusted", "fs")
 
 
@@ -533,8 +254,8 @@ def run_prompt(num_prompts: int = 4, prompt_tokens: int = 4096, passes: int = 4,
     except Exception as exc:  # no compiler: the connector runs the reference kernels, and says so
         print(f"extension unavailable ({type(exc).__name__}: {exc}); connector rows use the reference kernels")
     torch.manual_seed(0)
-    prompts = [(torch.randint(0, 32_000, (prompt_tokens,)), _random_kv(prompt_tokens)) for _ in range(num_prompts)]
-    outs = [_touched(tuple(kv.shape)) for _, kv in prompts]
+    prompts = [(torch.randint(0, 32_000, (prompt_tokens,)), random_kv(prompt_tokens)) for _ in range(num_prompts)]
+    outs = [touched(tuple(kv.shape)) for _, kv in prompts]
     rows: list[dict[str, Any]] = []
     for tier in tiers:
         workdir = Path(tempfile.mkdtemp(prefix=f"tierkv-prompt-{tier}-", dir=root))
@@ -544,14 +265,6 @@ def run_prompt(num_prompts: int = 4, prompt_tokens: int = 4096, passes: int = 4,
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     return rows
-
-
-def workload_text(num_prompts: int, prompt_tokens: int) -> str:
-    total = num_prompts * prompt_tokens * TOKEN_BYTES
-    scaled = (f"; scaled down from {REFERENCE_PROMPTS} prompts to fit 2 cores / 24 GiB"
-              if num_prompts < REFERENCE_PROMPTS else "")
-    return (f"{num_prompts} prompts x {prompt_tokens} tokens, {LAYERS} layers x {HEADS} KV heads x {HEAD_SIZE} "
-            f"bf16, chunk {CHUNK}: {total / 1e9:.2f} GB per pass{scaled}")
 
 
 COLUMNS = ["tier", "op", "pass", "ours_GBps", "baseline_GBps", "ratio", "ratio_range", "baseline", "copies_per_byte", "ours_us", "baseline_us",
@@ -577,7 +290,6 @@ def summarize_prompt(rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from tables import print_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,8 @@
 """The GPU check (benchmarks/gpu_check.py, issue 36) kept honest on a machine without a GPU: its
 dry run reports every CUDA part skipped with the reason and passes the CPU parts, and the pieces
 the device relies on (exit-code rules, JUnit counts, the shipped wheels, the entry-point
-dist-info, the pressure scenario's checks, the timing ratios) work here."""
+dist-info, the pressure scenario's checks, the timing ratios) work here. The parts live in the
+package benchmarks/gpu_checks/ (issue 49); the script is loaded by path, as a person runs it."""
 
 from __future__ import annotations
 
@@ -24,18 +25,41 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
 def load_gpu_check() -> ModuleType:
-    """The script as a module (benchmarks/ is not a package on every sys.path)."""
+    """The entry script as a module (benchmarks/ is not a package on every sys.path); loading it
+    makes its package of parts, gpu_checks, importable."""
     if "gpu_check" in sys.modules:
         return sys.modules["gpu_check"]
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up while the class is made
+    sys.modules["gpu_check"] = module
     spec.loader.exec_module(module)
     return module
 
 
-gc = load_gpu_check()
+script = load_gpu_check()
+
+from gpu_checks import (  # noqa: E402  (importable once the script is loaded)
+    context,
+    dependencies,
+    parts,
+    pressure,
+    pressure_devices,
+    processes,
+    pytest_runs,
+    report,
+    runner,
+    sanitizers,
+    suite,
+    timings,
+)
+
+
+def test_the_script_keeps_its_entry_points() -> None:
+    """The command users run and the helper benchmarks/node_cache_gpu.py imports from the script."""
+    assert script.write_dist_info is dependencies.write_dist_info
+    assert callable(script.main)
+    assert context.SCRIPT == SCRIPT
 
 
 @pytest.fixture(scope="module")
@@ -52,42 +76,42 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
 
 
 def test_dry_run_skips_every_cuda_part_with_the_reason(dry_run: tuple) -> None:
-    result, report, _ = dry_run
-    parts = report["parts"]
-    assert list(parts) == [part.name for part in gc.PARTS]
-    cuda_parts = [part.name for part in gc.PARTS if part.cuda]
+    result, outcome, _ = dry_run
+    reported = outcome["parts"]
+    assert list(reported) == [part.name for part in parts.PARTS]
+    cuda_parts = [part.name for part in parts.PARTS if part.cuda]
     assert set(cuda_parts) >= {"build", "cuda_tests", "pressure", "timings", "memcheck", "racecheck"}
-    expected = gc.NO_CUDA if not torch.cuda.is_available() else "dry run"
+    expected = context.NO_CUDA if not torch.cuda.is_available() else "dry run"
     for name in cuda_parts:
-        assert parts[name]["status"] == "skipped", (name, parts[name])
-        assert parts[name]["cuda"] is True
-        assert expected in parts[name]["reason"], (name, parts[name]["reason"])
+        assert reported[name]["status"] == "skipped", (name, reported[name])
+        assert reported[name]["cuda"] is True
+        assert expected in reported[name]["reason"], (name, reported[name]["reason"])
     if not torch.cuda.is_available():
-        assert all(parts[name]["reason"] == "no CUDA device" for name in cuda_parts)
-    assert report["mode"] == "dry-run"
-    assert report["summary"]["skipped"] == len(cuda_parts)
+        assert all(reported[name]["reason"] == "no CUDA device" for name in cuda_parts)
+    assert outcome["mode"] == "dry-run"
+    assert outcome["summary"]["skipped"] == len(cuda_parts)
 
 
 def test_dry_run_passes_the_cpu_parts(dry_run: tuple) -> None:
-    result, report, out = dry_run
-    parts = report["parts"]
-    cpu_parts = [part.name for part in gc.PARTS if not part.cuda]
+    result, outcome, out = dry_run
+    reported = outcome["parts"]
+    cpu_parts = [part.name for part in parts.PARTS if not part.cuda]
     assert cpu_parts == ["environment", "test_selection", "cpu_ops_tests", "pressure_rehearsal"]
     for name in cpu_parts:
-        assert parts[name]["status"] == "passed", (name, parts[name]["reason"])
-    assert result.returncode == 0 and report["exit_code"] == 0, result.stdout[-3000:]
-    environment = parts["environment"]["figures"]
+        assert reported[name]["status"] == "passed", (name, reported[name]["reason"])
+    assert result.returncode == 0 and outcome["exit_code"] == 0, result.stdout[-3000:]
+    environment = reported["environment"]["figures"]
     assert environment["cuda"]["available"] is torch.cuda.is_available()
-    assert set(gc.REQUIRED_BACKENDS) <= set(environment["backends"])
+    assert set(dependencies.REQUIRED_BACKENDS) <= set(environment["backends"])
     assert environment["prepare"]["dependencies"]["lmdb"] != "missing"
     # every node id the device runs names at least one test here
-    per_id = parts["test_selection"]["figures"]["per_id"]
-    assert set(per_id) == {*gc.KERNEL_TESTS, *gc.DEVICE_TESTS, *gc.NVCC_TESTS, *gc.RACECHECK_TESTS}
+    per_id = reported["test_selection"]["figures"]["per_id"]
+    assert set(per_id) == {*suite.KERNEL_TESTS, *suite.DEVICE_TESTS, *suite.NVCC_TESTS, *suite.RACECHECK_TESTS}
     assert all(count >= 1 for count in per_id.values()), per_id
     assert per_id["tests/ops/test_ops.py::test_cuda_paged_gather_scatter_bit_exact"] >= 36  # 6 dtypes x 3 layouts x 2 orders
-    ops_tests = parts["cpu_ops_tests"]["figures"]
+    ops_tests = reported["cpu_ops_tests"]["figures"]
     assert ops_tests["passed"] >= 5 and ops_tests["failed"] == 0 and ops_tests["skipped"] == 0
-    checks = {check["check"]: check["ok"] for check in parts["pressure_rehearsal"]["figures"]["checks"]}
+    checks = {check["check"]: check["ok"] for check in reported["pressure_rehearsal"]["figures"]["checks"]}
     assert all(checks.values()), checks
     assert {"stops admitting above the high watermark", "the coldest chunks went to the host tier",
             "no acknowledged chunk lost under pressure (all read back exact)",
@@ -95,35 +119,35 @@ def test_dry_run_passes_the_cpu_parts(dry_run: tuple) -> None:
 
 
 def test_dry_run_writes_and_prints_the_table(dry_run: tuple) -> None:
-    result, report, out = dry_run
+    result, outcome, out = dry_run
     table = (out / "gpu_check.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")]
-    assert [row.split("|")[1].strip() for row in rows] == [part.name for part in gc.PARTS]
+    assert [row.split("|")[1].strip() for row in rows] == [part.name for part in parts.PARTS]
     assert "| build | yes | skipped |" in table and "| environment | no | passed |" in table
     assert table in result.stdout
     assert (out / "logs" / "cpu_ops_tests.xml").is_file()
 
 
 def result(name: str, status: str, cuda: bool = True, skip_allowed: bool = False) -> object:
-    return gc.PartResult(name, name, cuda, status, skip_allowed=skip_allowed)
+    return context.PartResult(name, name, cuda, status, skip_allowed=skip_allowed)
 
 
 def test_exit_code_fails_on_a_failure_or_a_cuda_skip_on_the_device() -> None:
-    assert gc.exit_code([result("a", "passed"), result("b", "skipped", skip_allowed=True)]) == 0
-    assert gc.exit_code([result("a", "passed"), result("b", "failed")]) == 1
-    assert gc.exit_code([result("a", "passed"), result("b", "skipped")]) == 1  # a CUDA part skipped on a GPU
+    assert report.exit_code([result("a", "passed"), result("b", "skipped", skip_allowed=True)]) == 0
+    assert report.exit_code([result("a", "passed"), result("b", "failed")]) == 1
+    assert report.exit_code([result("a", "passed"), result("b", "skipped")]) == 1  # a CUDA part skipped on a GPU
 
 
 def test_skip_rules_per_mode(tmp_path: Path) -> None:
-    part = gc.PART_BY_NAME["racecheck"]
-    dry = gc.Runner(gc.Context(tmp_path, tmp_path, quick=False, mode="dry-run"), 60)
-    assert dry.skip_reason(part) == gc.NO_CUDA
-    assert dry.skip(part, gc.NO_CUDA).skip_allowed
-    device = gc.Runner(gc.Context(tmp_path, tmp_path, quick=True, mode="device", arch="9.0"), 60)
+    part = parts.PART_BY_NAME["racecheck"]
+    dry = runner.Runner(context.Context(tmp_path, tmp_path, quick=False, mode="dry-run"), 60)
+    assert dry.skip_reason(part) == context.NO_CUDA
+    assert dry.skip(part, context.NO_CUDA).skip_allowed
+    device = runner.Runner(context.Context(tmp_path, tmp_path, quick=True, mode="device", arch="9.0"), 60)
     assert device.skip_reason(part) == "left out by --quick"
     assert device.skip(part, "left out by --quick").skip_allowed
-    assert device.skip_reason(gc.PART_BY_NAME["memcheck"]) is None
-    assert not device.skip(gc.PART_BY_NAME["memcheck"], "compute-sanitizer is not on PATH").skip_allowed
+    assert device.skip_reason(parts.PART_BY_NAME["memcheck"]) is None
+    assert not device.skip(parts.PART_BY_NAME["memcheck"], "compute-sanitizer is not on PATH").skip_allowed
 
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
@@ -137,33 +161,33 @@ JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
 def test_junit_counts_and_a_skip_on_the_device_fails(tmp_path: Path) -> None:
     path = tmp_path / "run.xml"
     path.write_text(JUNIT)
-    run = gc.parse_junit(path)
+    run = pytest_runs.parse_junit(path)
     assert (run.passed, run.failed, run.skipped) == (1, 2, 1)
     assert run.skip_reasons == ["no CUDA device: needs a GPU"]
     assert "tests.test_ops::test_cuda_c: assert False" in run.failures
-    clean = gc.Finished(0, False, 1.0, "")
-    with pytest.raises(gc.PartFailed, match="2 failed"):
-        gc.require_clean_run(clean, run, device=False)
-    skipped_only = gc.PytestRun(passed=3, skipped=1, skip_reasons=["no CUDA device"])
-    assert gc.require_clean_run(clean, skipped_only, device=False)["skipped"] == 1
-    with pytest.raises(gc.PartFailed, match="1 CUDA tests skipped on a CUDA machine"):
-        gc.require_clean_run(clean, skipped_only, device=True)
-    with pytest.raises(gc.PartFailed, match="timed out"):
-        gc.require_clean_run(gc.Finished(-9, True, 240.0, "..."), gc.PytestRun(passed=1), device=True)
+    clean = processes.Finished(0, False, 1.0, "")
+    with pytest.raises(context.PartFailed, match="2 failed"):
+        pytest_runs.require_clean_run(clean, run, device=False)
+    skipped_only = pytest_runs.PytestRun(passed=3, skipped=1, skip_reasons=["no CUDA device"])
+    assert pytest_runs.require_clean_run(clean, skipped_only, device=False)["skipped"] == 1
+    with pytest.raises(context.PartFailed, match="1 CUDA tests skipped on a CUDA machine"):
+        pytest_runs.require_clean_run(clean, skipped_only, device=True)
+    with pytest.raises(context.PartFailed, match="timed out"):
+        pytest_runs.require_clean_run(processes.Finished(-9, True, 240.0, "..."), pytest_runs.PytestRun(passed=1), device=True)
 
 
 def test_sanitizer_verdicts() -> None:
-    assert gc.sanitizer_verdict("========= ERROR SUMMARY: 0 errors\n") == (0, "ERROR SUMMARY: 0 errors")
-    assert gc.sanitizer_verdict("x\n========= ERROR SUMMARY: 3 errors\n")[0] == 3
+    assert sanitizers.sanitizer_verdict("========= ERROR SUMMARY: 0 errors\n") == (0, "ERROR SUMMARY: 0 errors")
+    assert sanitizers.sanitizer_verdict("x\n========= ERROR SUMMARY: 3 errors\n")[0] == 3
     race = "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)"
-    assert gc.sanitizer_verdict(race)[0] == 1
-    assert gc.sanitizer_verdict("Segmentation fault") == (None, "no summary line")
+    assert sanitizers.sanitizer_verdict(race)[0] == 1
+    assert sanitizers.sanitizer_verdict("Segmentation fault") == (None, "no summary line")
 
 
 def test_dist_info_declares_the_backends_of_pyproject(tmp_path: Path) -> None:
-    version, points = gc.pyproject_entry_points()
+    version, points = dependencies.pyproject_entry_points()
     assert {"cpu", "gpu", "lmdb"} <= set(points) and points["gpu"] == "tierkv_backends.gpu:GPUBackend"
-    gc.write_dist_info(tmp_path)
+    dependencies.write_dist_info(tmp_path)
     (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
     assert dist.metadata["Name"] == "tierkv" and dist.version == version
     declared = {entry.name: entry.value for entry in dist.entry_points if entry.group == "tierkv.backends"}
@@ -171,11 +195,11 @@ def test_dist_info_declares_the_backends_of_pyproject(tmp_path: Path) -> None:
 
 
 def test_the_shipped_lmdb_wheel_imports_on_this_python(tmp_path: Path) -> None:
-    wheel = gc.wheel_for_this_python("lmdb")
+    wheel = dependencies.wheel_for_this_python("lmdb")
     if wheel is None:
-        pytest.skip(f"no lmdb wheel for this Python in {gc.WHEELS}: run scripts/gpu_wheels.sh")
-    assert sum(path.stat().st_size for path in gc.WHEELS.glob("*.whl")) < 20 << 20
-    gc.extract_wheel(wheel, tmp_path)
+        pytest.skip(f"no lmdb wheel for this Python in {dependencies.WHEELS}: run scripts/gpu_wheels.sh")
+    assert sum(path.stat().st_size for path in dependencies.WHEELS.glob("*.whl")) < 20 << 20
+    dependencies.extract_wheel(wheel, tmp_path)
     code = "import sys, lmdb; sys.exit(0 if lmdb.__file__.startswith(sys.argv[1]) else 1)"
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "PYTHONPATH": str(tmp_path)},
                    check=True, timeout=60)
@@ -186,7 +210,7 @@ def test_pressure_scenario_fails_when_freed_memory_stays_with_the_process() -> N
     memory): the scenario must name that check and still pass the others."""
     from tierkv.policy.pressure import MemoryReading
 
-    class KeepsMemory(gc.ModelledDevice):
+    class KeepsMemory(pressure_devices.ModelledDevice):
         peak = 0
 
         def read(self) -> MemoryReading:
@@ -194,18 +218,18 @@ def test_pressure_scenario_fails_when_freed_memory_stays_with_the_process() -> N
             self.peak = max(self.peak, allocated)
             return MemoryReading(self.base + self.held + self.peak, self.total, time.monotonic())
 
-    sizes = dataclasses.replace(gc.REHEARSAL_PRESSURE, settle_s=0.3)
+    sizes = dataclasses.replace(pressure.REHEARSAL_PRESSURE, settle_s=0.3)
     device = KeepsMemory(total=64 * sizes.tier_bytes, base=16 * sizes.tier_bytes)
-    with pytest.raises(gc.PartFailed, match="1 of 11 checks failed: the demoted chunks' device memory went back"):
-        gc.PressureScenario(sizes, "cpu", device, device, engine_probes={"gpu": device}).run()
+    with pytest.raises(context.PartFailed, match="1 of 11 checks failed: the demoted chunks' device memory went back"):
+        pressure.PressureScenario(sizes, "cpu", device, device, engine_probes={"gpu": device}).run()
 
 
 def test_timings_report_ratios_with_targets_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The timing code end to end at toy sizes (CPU numbers mean nothing; the structure does)."""
     monkeypatch.setenv("TIERKV_NO_EXT", "1")
-    sizes = gc.TimingSizes(layers=2, heads=2, head_size=16, tokens=256, block_size=16, chunk_tokens=64,
+    sizes = timings.TimingSizes(layers=2, heads=2, head_size=16, tokens=256, block_size=16, chunk_tokens=64,
                            overlap_tokens=1024, matmul=(32, 32, 32), matmuls=2, reps=2, warmup=1)
-    figures = gc.run_timings(sizes, "cpu", overlap=True)
+    figures = timings.run_timings(sizes, "cpu", overlap=True)
     assert figures["gather_scatter"]["gather_exact"]
     assert figures["connectors"]["exact"] == {"PagedConnector": True, "PagedConnectorV2": True}
     names = [entry["name"] for entry in figures["ratios"]]
@@ -219,7 +243,7 @@ def test_timings_report_ratios_with_targets_on_the_cpu(monkeypatch: pytest.Monke
 
 def test_device_squeezer_protocol_on_the_cpu() -> None:
     """The second process of the pressure scenario: allocates on command, frees, exits."""
-    squeezer = gc.DeviceSqueezer("cpu")
+    squeezer = pressure_devices.DeviceSqueezer("cpu")
     try:
         assert squeezer.allocate(1 << 20) == 1 << 20
         assert squeezer.allocate(1 << 20) == 2 << 20
