@@ -1,0 +1,283 @@
+"""The README and the docs site say only true things about the repository: every `tox -e` env,
+script, file path, `tierkv` subcommand and relative link they name exists, every YAML config
+they show is one tierkv accepts, and every page is in mkdocs.yml's nav.
+
+Fast and offline: nothing here starts a service or builds the site (`tox -e docs` does that)."""
+
+from __future__ import annotations
+
+import configparser
+import contextlib
+import functools
+import importlib
+import io
+import re
+import runpy
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tierkv
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+FENCE = re.compile(r"^([ \t]*)(```+)([\w+-]*)[^\n]*\n(.*?)^\1\2[ \t]*$", re.M | re.S)
+INLINE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# paths into the repository's own folders (a leading ~, /, $, . or word character means another place)
+REPO_PATH = re.compile(r"(?<![\w/.~$-])((?:benchmarks|scripts|tests|examples|docs|tierkv|tierkv_backends|cuda_ext|\.ci)"
+                       r"/[\w./-]*)")
+SCRIPT = re.compile(r"\b(?:python3?|bash)\s+((?:benchmarks|scripts|tests|examples|\.ci)/[\w./-]+)")
+TOX_ENV = re.compile(r"\btox\s+-e\s+([\w.,-]+)")
+PYTHON_M = re.compile(r"\bpython3?\s+-m\s+(tierkv[\w.]*)((?:\s+[\w-]+)?)")
+# `tierkv ...` in command position: at the start of a span or line, or after a shell operator
+TIERKV_CLI = re.compile(r"(?:^|[;&|]\s*)tierkv((?:\s+--?[\w-]+)*)\s+([a-z][\w-]*)((?:\s+[^\s;&|#]+)*)", re.M)
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+
+# top-level keys that make a YAML block a tierkv config (or a piece of one)
+CONFIG_KEYS = {"model", "model_revision", "chunk_size", "kv_format", "dtype", "write_policy", "world_size",
+               "worker_id", "tiers", "pressure", "background", "health", "recompute", "cost_aware"}
+TOP_TIER = {"name": "docs-test-top", "backend": "cpu", "capacity": "1GiB"}
+
+
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def read(page: Path) -> str:
+    return page.read_text(encoding="utf-8")
+
+
+def fenced(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced code block, the body dedented to its fence."""
+    blocks = []
+    for match in FENCE.finditer(text):
+        indent = len(match.group(1))
+        body = "\n".join(line[indent:] if line[:indent].isspace() else line for line in match.group(4).splitlines())
+        blocks.append((match.group(3).lower(), body))
+    return blocks
+
+
+def prose(text: str) -> str:
+    """The text without its fenced code blocks."""
+    return FENCE.sub("\n", text)
+
+
+def code_texts(text: str) -> list[str]:
+    """Every code block body and every inline code span."""
+    return [body for _, body in fenced(text)] + INLINE.findall(prose(text))
+
+
+def links(text: str) -> list[str]:
+    """Targets of the Markdown links and images outside code."""
+    return LINK.findall(INLINE.sub("code", prose(text)))
+
+
+def is_external(target: str) -> bool:
+    return bool(re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I)) or target.startswith("//")
+
+
+def slugify(heading: str) -> str:
+    """Python-Markdown's toc anchor for a heading (what mkdocs and GitHub both link to here)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
+    text = unicodedata.normalize("NFKD", text)
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(page: Path) -> set[str]:
+    return {slugify(match.group(2)) for match in HEADING.finditer(prose(read(page)))}
+
+
+def ignored_dirs() -> list[str]:
+    """Folders .gitignore names (benchmark outputs, fetched wheels): commands write them, a checkout lacks them."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return [line.strip().lstrip("/") for line in lines if line.strip().endswith("/") and "/" in line.strip()[:-1]]
+
+
+def tox_envs() -> set[str]:
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "tox.ini")
+    envs: set[str] = set()
+    for section in parser.sections():
+        if not section.startswith("testenv:"):
+            continue
+        name = section.split(":", 1)[1]
+        match = re.fullmatch(r"([\w.-]*)\{([^}]*)\}([\w.-]*)", name)
+        if match:
+            envs |= {match.group(1) + factor + match.group(3) for factor in match.group(2).split(",")}
+        else:
+            envs.add(name)
+    return envs
+
+
+def cli_main():
+    """The function behind the `tierkv` console script (pyproject.toml's [project.scripts])."""
+    match = re.search(r'^tierkv\s*=\s*"([\w.]+):(\w+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert match, "pyproject.toml: no `tierkv` console script"
+    return getattr(importlib.import_module(match.group(1)), match.group(2))
+
+
+def cli_help(argv: list[str]) -> str | None:
+    """The help text `tierkv ARGV --help` prints, or None when argparse refuses ARGV."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli_main()([*argv, "--help"])
+        except SystemExit as exc:
+            return out.getvalue() if exc.code == 0 else None
+    return out.getvalue()
+
+
+@functools.cache
+def module_help(module: str) -> tuple[int, str]:
+    """`python -m MODULE --help`, run in this process (tierkv and torch are imported already): exit status, output."""
+    out = io.StringIO()
+    argv = sys.argv
+    sys.argv = [module, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return (exc.code if isinstance(exc.code, int) else 1), out.getvalue()
+    except Exception as exc:  # an import error, a module that is not runnable
+        return 1, f"{out.getvalue()}{type(exc).__name__}: {exc}"
+    finally:
+        sys.argv = argv
+    return 0, out.getvalue()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_tox_envs_exist(page: Path) -> None:
+    envs = tox_envs()
+    wrong = sorted({name for match in TOX_ENV.finditer(read(page)) for name in match.group(1).split(",")
+                    if name and name not in envs})
+    assert not wrong, f"{page_id(page)} names tox envs that tox.ini lacks: {wrong} (it has {sorted(envs)})"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_scripts_and_paths_exist(page: Path) -> None:
+    text = read(page)
+    skip = ignored_dirs()
+    named = {match.group(1) for match in SCRIPT.finditer(text)}
+    for code in code_texts(text):
+        named |= {match.group(1) for match in REPO_PATH.finditer(code)}
+    missing = []
+    for path in sorted(named):
+        path = path.rstrip(".")
+        if any(ch in path for ch in "*{<") or any(path.startswith(folder) for folder in skip):
+            continue
+        if not (ROOT / path).exists():
+            missing.append(path)
+    assert not missing, f"{page_id(page)} names files the repository lacks: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_tierkv_commands_exist(page: Path) -> None:
+    wrong = []
+    for code in code_texts(read(page)):
+        for match in TIERKV_CLI.finditer(code):
+            pre_flags, command = match.group(1).split(), match.group(2)
+            post_flags = [word.split("=")[0] for word in match.group(3).split() if word.startswith("-")]
+            top = cli_help([])
+            sub = cli_help([command])
+            if sub is None:
+                wrong.append(f"tierkv {command}: no such subcommand")
+                continue
+            wrong += [f"tierkv {flag}: no such option" for flag in pre_flags if flag not in (top or "")]
+            wrong += [f"tierkv {command} {flag}: no such option" for flag in post_flags if flag not in sub]
+    assert not wrong, f"{page_id(page)}: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_python_m_tierkv_commands_exist(page: Path) -> None:
+    wrong = []
+    calls = {(m.group(1), m.group(2).strip()) for code in code_texts(read(page)) for m in PYTHON_M.finditer(code)}
+    for module, command in sorted(calls):
+        code, out = module_help(module)
+        if code != 0:
+            wrong.append(f"python -m {module} --help: exit status {code}: {out.strip().splitlines()[-1:]}")
+        elif command and not command.startswith("-") and not re.search(rf"\b{re.escape(command)}\b", out):
+            wrong.append(f"python -m {module} {command}: not in its --help")
+    assert not wrong, f"{page_id(page)}: {wrong}"
+
+
+def as_config(document: object) -> dict | None:
+    """A YAML block as a whole tierkv config, or None when it is not one (nor a piece of one)."""
+    if isinstance(document, dict) and CONFIG_KEYS & set(document):
+        return {"model": "docs-test", "tiers": [TOP_TIER], **document}
+    if isinstance(document, list) and document and all(isinstance(t, dict) and "backend" in t for t in document):
+        return {"model": "docs-test", "tiers": [TOP_TIER, *document]}  # tier entries, shown alone
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_yaml_configs_load(page: Path) -> None:
+    wrong = []
+    for index, (lang, body) in enumerate(fenced(read(page))):
+        if lang not in ("yaml", "yml"):
+            continue
+        try:
+            document = yaml.safe_load(body)
+        except yaml.YAMLError as exc:
+            wrong.append(f"yaml block {index}: not YAML: {' '.join(str(exc).split())}")
+            continue
+        config = as_config(document)
+        if config is None:
+            continue
+        try:
+            tierkv.load_config(config)  # validates every key and each tier's options; starts nothing
+        except Exception as exc:
+            wrong.append(f"yaml block {index}: {type(exc).__name__}: {exc}")
+    assert not wrong, f"{page_id(page)}: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_relative_links_exist(page: Path) -> None:
+    wrong = []
+    for target in links(read(page)):
+        if is_external(target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.is_relative_to(ROOT):
+            wrong.append(f"{target}: outside the repository")
+        elif page.is_relative_to(DOCS) and not dest.is_relative_to(DOCS):
+            wrong.append(f"{target}: outside docs/ (the site has only docs/)")
+        elif not dest.exists():
+            wrong.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            wrong.append(f"{target}: no heading with that anchor")
+    assert not wrong, f"{page_id(page)}: {wrong}"
+
+
+def nav_files(nav: object) -> list[str]:
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, list):
+        return [f for item in nav for f in nav_files(item)]
+    if isinstance(nav, dict):
+        return [f for value in nav.values() for f in nav_files(value)]
+    return []
+
+
+def test_every_page_in_nav() -> None:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert config.get("docs_dir", "docs") == "docs"
+    listed = [f for f in nav_files(config["nav"]) if not is_external(f)]
+    pages = {str(page.relative_to(DOCS)) for page in DOCS.rglob("*.md")}
+    assert not pages - set(listed), f"pages missing from mkdocs.yml's nav: {sorted(pages - set(listed))}"
+    assert not set(listed) - pages, f"mkdocs.yml's nav names pages docs/ lacks: {sorted(set(listed) - pages)}"
+
+
+def test_api_reference_uses_public_names() -> None:
+    """The API page documents objects under the names users import, which keep working when modules move."""
+    names = re.findall(r"^:::\s*([\w.]+)", read(DOCS / "api.md"), re.M)
+    assert names
+    wrong = [name for name in names if not re.fullmatch(r"tierkv\.(?:(?:backend|testing)\.)?[A-Za-z]\w*", name)]
+    assert not wrong, f"docs/api.md documents objects by module paths that are moving: {wrong}"
