@@ -244,3 +244,15 @@ def test_the_gpu_check_parts_say_their_job() -> None:
                          if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")
                          and not (ast.get_docstring(node) or "").strip()]
     assert not undocumented, f"no docstring: {undocumented}"
+
+
+def test_a_long_module_says_why_it_is_one() -> None:
+    """Modules stay at about 400 lines, or say at their top why they are one module."""
+    unexplained = []
+    for package in (*PACKAGES, "examples/tierkv-redis/src"):
+        for path in (ROOT / package).rglob("*.py"):
+            lines = path.read_text().count("\n")
+            docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+            if lines > 420 and "by choice" not in docstring:
+                unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+    assert unexplained == [], f"over 400 lines with no word on why: {unexplained}"

@@ -1,5 +1,9 @@
 """The tier router: chunk keys and tensors across the stack of tiers, nothing about prompts.
 
+Over 400 lines (about 530) by choice: one class whose state (the tiers, the fill worker, the
+dirty set, background tasks) every method shares; what could stand alone already does
+(locate, reads, fill, offload, write_back beside it).
+
 It decides *which* tier: the first that admits a put (:meth:`TierRouter.put` is the one
 store loop), where a read goes (:mod:`tierkv.routing.locate`, then the one-pass read of
 :mod:`tierkv.routing.reads`), how lower-tier hits move up (promotion) and evictions move down
