@@ -9,8 +9,11 @@ A KV cache is either one blob tensor — ``vllm``: ``[layers, 2, tokens, heads, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from tierkv.chunks.memory import cuda_available
 
 KVCache = torch.Tensor | Sequence[Sequence[torch.Tensor]]
 
@@ -95,6 +98,55 @@ def check_layers(kv: KVCache, fmt: str) -> None:
                     f"KV layer {index} {part}: shape {tuple(tensor.shape)} {tensor.dtype} differs from layer 0 K "
                     f"{tuple(first.shape)} {first.dtype}"
                 )
+
+
+@dataclass(frozen=True)
+class CallerKV:
+    """A caller's KV, checked once: one 5-D ``blob`` (a tensor, or per-layer pairs that live in
+    one buffer at regular offsets, viewed as one) or, when the pairs are separate allocations,
+    the ``layers`` themselves; with the blob's ``shape``, dtype, device and token dimension."""
+
+    blob: torch.Tensor | None
+    layers: Sequence[Sequence[torch.Tensor]] | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    token_dim: int
+
+
+def caller_kv(kv: KVCache, fmt: str, name: str = "KV") -> CallerKV:
+    """``kv`` (what a store reads or a retrieve's ``out``) checked and viewed, without a copy;
+    a ValueError naming ``name`` and the expected layout otherwise."""
+    if isinstance(kv, torch.Tensor):
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(f"{name} must be a {fmt} KV blob {_LAYOUT[fmt]}, got shape {tuple(kv.shape)}")
+        return CallerKV(kv, None, tuple(kv.shape), kv.dtype, kv.device, token_dim(fmt))
+    check_layers(kv, fmt)
+    first = kv[0][0]
+    view = blob_view(kv)
+    return CallerKV(view, None if view is not None else kv, (len(kv), 2, *first.shape), first.dtype, first.device,
+                    token_dim(fmt))
+
+
+def check_out(out: CallerKV, fmt: str, num_tokens: int, layout: tuple[tuple[int, ...], torch.dtype] | None,
+              dtype: torch.dtype | None) -> None:
+    """A retrieve's ``out`` must hold exactly ``num_tokens`` tokens in ``fmt``, on the CPU or a
+    CUDA device, and match the chunk ``layout`` (per-token shape and dtype) when the engine
+    knows it, and the configured ``dtype``: anything else is a ValueError saying what was expected."""
+    if out.device.type not in ("cpu", "cuda") or (out.device.type == "cuda" and not cuda_available()):
+        raise ValueError(f"out must be on the CPU or a CUDA device, got {out.device}")
+    tokens = out.shape[out.token_dim]
+    if tokens != num_tokens:
+        raise ValueError(f"out holds {tokens} tokens (dim {out.token_dim} of {fmt} shape {out.shape}) but "
+                         f"{num_tokens} tokens are to be retrieved")
+    if dtype is not None and out.dtype != dtype:
+        raise ValueError(f"out dtype {out.dtype} does not match the configured dtype {dtype}")
+    if layout is not None:
+        expected = with_tokens(layout[0], fmt, num_tokens)
+        actual = with_tokens(out.shape, fmt, num_tokens)
+        if actual != expected or out.dtype != layout[1]:
+            raise ValueError(f"out must be {expected} {layout[1]} (the layout of the stored chunks), "
+                             f"got {actual} {out.dtype}")
 
 
 def as_tuple(blob: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from tierkv.chunks import kvlayout
-from tierkv.chunks.memory import copy_into, cuda_available
+from tierkv.chunks.memory import copy_into
 
 
 class ChunkSource(Protocol):
@@ -76,20 +76,23 @@ def read_all(sink: ChunkSink, work: list[tuple[torch.Tensor, int, int]]) -> None
         sink.read_from(chunk, start, end)
 
 
-class BlobSource:
-    """A KV blob covering stored tokens from ``offset`` on."""
+def _with_tokens(shape: Sequence[int], dim: int, num_tokens: int) -> tuple[int, ...]:
+    return (*shape[:dim], num_tokens, *shape[dim + 1 :])
 
-    def __init__(self, blob: torch.Tensor, fmt: str, offset: int) -> None:
+
+class BlobSource:
+    """A KV blob (token dimension ``dim``) covering stored tokens from ``offset`` on."""
+
+    def __init__(self, blob: torch.Tensor, dim: int, offset: int) -> None:
         self.blob = blob
-        self.fmt = fmt
+        self.dim = dim
         self.offset = offset
-        self.dim = kvlayout.token_dim(fmt)
         self.dtype = blob.dtype
         self.device = blob.device
-        self.num_tokens = int(blob.shape[self.dim])
+        self.num_tokens = int(blob.shape[dim])
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return kvlayout.with_tokens(tuple(self.blob.shape), self.fmt, num_tokens)
+        return _with_tokens(self.blob.shape, self.dim, num_tokens)
 
     def view(self, start: int, end: int) -> torch.Tensor:
         return self.blob.narrow(self.dim, start - self.offset, end - start)
@@ -99,18 +102,17 @@ class BlobSource:
 
 
 class BlobSink:
-    """A KV blob receiving stored tokens from ``offset`` on; tokens before ``offset`` in a
-    chunk (an unaligned retrieve mask) are dropped."""
+    """A KV blob (token dimension ``dim``) receiving stored tokens from ``offset`` on; tokens
+    before ``offset`` in a chunk (an unaligned retrieve mask) are dropped."""
 
-    def __init__(self, blob: torch.Tensor, fmt: str, offset: int) -> None:
+    def __init__(self, blob: torch.Tensor, dim: int, offset: int) -> None:
         self.blob = blob
-        self.fmt = fmt
+        self.dim = dim
         self.offset = offset
-        self.dim = kvlayout.token_dim(fmt)
         self.dtype = blob.dtype
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return kvlayout.with_tokens(tuple(self.blob.shape), self.fmt, num_tokens)
+        return _with_tokens(self.blob.shape, self.dim, num_tokens)
 
     def destination(self, start: int, end: int) -> torch.Tensor | None:
         if start < self.offset:
@@ -124,17 +126,18 @@ class BlobSink:
 
 
 class TupleSink:
-    """Per-layer ``(K, V)`` tensors (separate allocations) receiving stored tokens from ``offset`` on."""
+    """Per-layer ``(K, V)`` tensors (separate allocations; the blob's token dimension ``dim``)
+    receiving stored tokens from ``offset`` on."""
 
-    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], fmt: str, offset: int) -> None:
+    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], dim: int, offset: int) -> None:
         self.layers = layers
-        self.fmt = fmt
+        self.dim = dim
         self.offset = offset
-        self.layer_dim = kvlayout.token_dim(fmt) - 2
+        self.layer_dim = dim - 2
         self.dtype = layers[0][0].dtype
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return kvlayout.with_tokens((len(self.layers), 2, *self.layers[0][0].shape), self.fmt, num_tokens)
+        return _with_tokens((len(self.layers), 2, *self.layers[0][0].shape), self.dim, num_tokens)
 
     def narrowed(self, num_tokens: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """The caller's tensors cut to the first ``num_tokens`` tokens (what a retrieve returns)."""
@@ -154,20 +157,21 @@ class TupleSink:
 
 
 class TupleSource:
-    """Per-layer ``(K, V)`` tensors (separate allocations) covering stored tokens from ``offset`` on."""
+    """Per-layer ``(K, V)`` tensors (separate allocations; the blob's token dimension ``dim``)
+    covering stored tokens from ``offset`` on."""
 
-    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], fmt: str, offset: int) -> None:
+    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], dim: int, offset: int) -> None:
         self.layers = layers
-        self.fmt = fmt
+        self.dim = dim
         self.offset = offset
-        self.layer_dim = kvlayout.token_dim(fmt) - 2
+        self.layer_dim = dim - 2
         first = layers[0][0]
         self.dtype = first.dtype
         self.device = first.device
         self.num_tokens = int(first.shape[self.layer_dim])
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return kvlayout.with_tokens((len(self.layers), 2, *self.layers[0][0].shape), self.fmt, num_tokens)
+        return _with_tokens((len(self.layers), 2, *self.layers[0][0].shape), self.dim, num_tokens)
 
     def view(self, start: int, end: int) -> torch.Tensor | None:
         return None
@@ -181,54 +185,24 @@ class TupleSource:
 def source_for(kv: kvlayout.KVCache, fmt: str, offset: int) -> BlobSource | TupleSource:
     """A source over the caller's KV (a blob, or per-layer pairs viewed as one blob when they
     share one storage with regular strides), after validating its layout."""
-    if isinstance(kv, torch.Tensor):
-        return BlobSource(kvlayout.as_blob(kv, fmt), fmt, offset)
-    kvlayout.check_layers(kv, fmt)
-    blob = kvlayout.blob_view(kv)
-    if blob is not None:
-        return BlobSource(blob, fmt, offset)
-    return TupleSource(kv, fmt, offset)
+    caller = kvlayout.caller_kv(kv, fmt)
+    if caller.blob is not None:
+        return BlobSource(caller.blob, caller.token_dim, offset)
+    assert caller.layers is not None
+    return TupleSource(caller.layers, caller.token_dim, offset)
 
 
 def sink_for(out: kvlayout.KVCache, fmt: str, offset: int, num_tokens: int,
              layout: tuple[tuple[int, ...], torch.dtype] | None, dtype: torch.dtype | None
              ) -> BlobSink | TupleSink:
-    """A sink over the caller's ``out``, checked before anything is read.
-
-    ``out`` must hold exactly ``num_tokens`` tokens in the engine's format, on the CPU or a
-    CUDA device, and match the chunk ``layout`` (per-token shape and dtype) when the engine
-    knows it, and the configured ``dtype``. Anything else is a ValueError saying what was
-    expected.
-    """
-    if isinstance(out, torch.Tensor):
-        blob = out
-        if blob.dim() != 5 or blob.shape[1] != 2:
-            raise ValueError(f"out must be a {fmt} KV blob {kvlayout.layout_text(fmt)}, got shape {tuple(blob.shape)}")
-        _check_out(tuple(blob.shape), blob.dtype, blob.device, fmt, num_tokens, layout, dtype)
-        return BlobSink(blob, fmt, offset)
-    kvlayout.check_layers(out, fmt)
-    first = out[0][0]
-    _check_out((len(out), 2, *first.shape), first.dtype, first.device, fmt, num_tokens, layout, dtype)
-    layers_blob = kvlayout.blob_view(out)
-    return BlobSink(layers_blob, fmt, offset) if layers_blob is not None else TupleSink(out, fmt, offset)
-
-
-def _check_out(shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device, fmt: str,
-               num_tokens: int, layout: tuple[tuple[int, ...], torch.dtype] | None, dtype: torch.dtype | None) -> None:
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not cuda_available()):
-        raise ValueError(f"out must be on the CPU or a CUDA device, got {device}")
-    tokens = shape[kvlayout.token_dim(fmt)]
-    if tokens != num_tokens:
-        raise ValueError(f"out holds {tokens} tokens (dim {kvlayout.token_dim(fmt)} of {fmt} shape {shape}) but "
-                         f"{num_tokens} tokens are to be retrieved")
-    if dtype is not None and out_dtype != dtype:
-        raise ValueError(f"out dtype {out_dtype} does not match the configured dtype {dtype}")
-    if layout is not None:
-        expected = kvlayout.with_tokens(layout[0], fmt, num_tokens)
-        actual = kvlayout.with_tokens(shape, fmt, num_tokens)
-        if actual != expected or out_dtype != layout[1]:
-            raise ValueError(f"out must be {expected} {layout[1]} (the layout of the stored chunks), "
-                             f"got {actual} {out_dtype}")
+    """A sink over the caller's ``out``, checked before anything is read
+    (:func:`~tierkv.chunks.kvlayout.check_out` says what ``out`` must be)."""
+    caller = kvlayout.caller_kv(out, fmt, name="out")
+    kvlayout.check_out(caller, fmt, num_tokens, layout, dtype)
+    if caller.blob is not None:
+        return BlobSink(caller.blob, caller.token_dim, offset)
+    assert caller.layers is not None
+    return TupleSink(caller.layers, caller.token_dim, offset)
 
 
 def chunk_ranges(first: int, end: int, chunk_size: int) -> list[tuple[int, int]]:

@@ -66,7 +66,7 @@ class ChunkLayout:
                 return None, None
             layout = self.from_chunk(tuple(preloaded.shape), preloaded.dtype)
         shape = kvlayout.with_tokens(layout[0], self.fmt, ranges[-1][1] - skip)
-        return transfer.BlobSink(empty_host(shape, layout[1]), self.fmt, skip), preloaded
+        return transfer.BlobSink(empty_host(shape, layout[1]), kvlayout.token_dim(self.fmt), skip), preloaded
 
     def learn_soon(self, key: CacheKey, level: int) -> None:
         """Read the chunk ``key`` of tier ``level`` in the background (once) to learn the layout;
