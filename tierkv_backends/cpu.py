@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from tierkv.backend.options import Option
-from tierkv_backends.memory_tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier, pinned_default
+from tierkv_backends.memory.tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier, pinned_default
 
 
 class CPUBackend(MemoryTier):

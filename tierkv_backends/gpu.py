@@ -22,7 +22,7 @@ from tierkv.backend.options import Option
 from tierkv.chunks import copies, ownership
 from tierkv.chunks.memory import copy_into, cuda_available, empty_host
 from tierkv.errors import ConfigError
-from tierkv_backends.memory_tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier
+from tierkv_backends.memory.tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The fs tier's chunk files: the payload is checksummed step by step as it is written
-(:func:`tierkv_backends.fs_files.write_payload`), and what lands on disk is exactly the chunk
+(:func:`tierkv_backends.fs.files.write_payload`), and what lands on disk is exactly the chunk
 format (header with the whole payload's checksum, then the payload), whatever the shape of
 the pieces: one piece larger than a step, many small ones, more pieces than IOV_MAX."""
 
@@ -15,8 +15,8 @@ import torch
 from tierkv.chunks import serde
 from tierkv.chunks.keys import CacheKey
 from tierkv.chunks.memory import byte_runs
-from tierkv_backends import fs_files
 from tierkv_backends.fs import FSBackend
+from tierkv_backends.fs import files as fs_files
 
 
 def _runs_of(data: bytes, sizes: list[int]) -> list[memoryview]:

@@ -235,7 +235,7 @@ def test_a_small_batch_fetches_ranges_of_one_object_in_parallel(s3_server: S3Ser
 
 
 def test_options_have_one_source_of_defaults(s3_server: S3Server, s3_bucket: str) -> None:
-    from tierkv_backends.s3_options import S3_OPTIONS
+    from tierkv_backends.s3.options import S3_OPTIONS
 
     backend = S3Backend(name="defaults", bucket=s3_bucket, **s3_server.client_options())
     try:

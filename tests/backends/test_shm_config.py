@@ -18,7 +18,7 @@ import shm_workers as workers
 from tierkv import Engine
 from tierkv.errors import ConfigError
 from tierkv_backends.shm import SharedMemoryBackend
-from tierkv_backends.shm_layout import MAGIC, Word
+from tierkv_backends.shm.layout import MAGIC, Word
 
 SHM = Path("/dev/shm")
 

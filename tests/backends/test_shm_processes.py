@@ -18,7 +18,7 @@ import pytest
 import shm_workers as workers
 from busy import busy_cores
 
-from tierkv_backends.shm_layout import State
+from tierkv_backends.shm.layout import State
 
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "tierkv", "tierkv_backends.shm", "shm_workers"])

@@ -27,7 +27,7 @@ from tierkv.routing.write_back import DirtyChunks
 from tierkv.tiers.tier import Tier
 from tierkv_backends._paths import ensure_writable_dir
 from tierkv_backends.cpu import CPUBackend
-from tierkv_backends.slabs import SlabArena
+from tierkv_backends.memory.slabs import SlabArena
 
 
 class UnindexedBackend(StorageBackend):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tierkv import AsyncEngine
-from tierkv_backends.memory_tier import MemoryTier
+from tierkv_backends.memory.tier import MemoryTier
 
 LAYERS, HEADS, HEAD = 4, 8, 64  # 8 KiB per token in float16
 CHUNK = 64  # 512 KiB chunks: a prompt of 16 chunks (8 MiB) is copied on a worker thread

@@ -12,7 +12,7 @@ node B after A exits as long as the storage nodes (``mooncake_client``) live.
 - Values are tierkv's checksummed chunk format (:mod:`tierkv.chunks.serde`, never pickle). A value
   that fails to verify is removed and is a miss; so is one the master evicted.
 - Zero-copy where the API allows: one staging arena is registered with the transfer engine
-  (:mod:`tierkv_backends.mooncake_arena`). A put gathers header and payload into it (the
+  (:mod:`tierkv_backends.mooncake.arena`). A put gathers header and payload into it (the
   put's one copy) and hands it over with ``batch_upsert_from``; ``batched_get_into`` lands
   each chunk there with ``batch_get_into``, verifies it in place and copies it once into
   the destination. The destination itself is not registered and read into: the transfer
@@ -54,8 +54,8 @@ from tierkv.chunks.ownership import WriteGrant
 from tierkv.errors import ChunkFormatError, ConfigError, TierFullError, TierUnavailableError
 from tierkv.policy.health import CircuitBreaker
 from tierkv.policy.planner import SpeedSeed
-from tierkv_backends.mooncake_arena import StagingArena
-from tierkv_backends.mooncake_options import (
+from tierkv_backends.mooncake.arena import StagingArena
+from tierkv_backends.mooncake.options import (
     BUFFER_TOO_SMALL,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
@@ -72,7 +72,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
     raise ImportError("the mooncake tier needs Mooncake Store: pip install 'tierkv[mooncake]' (CPU build: "
                       "mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1 librdmacm1") from _exc
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.mooncake")
 T = TypeVar("T")
 
 _MiB = 1 << 20

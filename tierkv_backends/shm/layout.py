@@ -18,7 +18,7 @@ One file on a memory file system, mapped by every process that names it::
 
 Everything but the entries and the data is derived: after a crash inside the lock the next holder
 rebuilds tables, free extents and reader counts from the entries and the live processes' holds
-(:mod:`tierkv_backends.shm_pool`).
+(:mod:`tierkv_backends.shm.pool`).
 """
 
 from __future__ import annotations

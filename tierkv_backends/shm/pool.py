@@ -27,8 +27,8 @@ The contract (docs/design.md, "One host cache per node"):
 Lookups read the live hash table without the lock (an answer may be stale by the time it is
 used; a read then misses, never returns another chunk's bytes).
 
-The file and its mapping are :mod:`tierkv_backends.shm_file`'s, the hash table and the free
-extents :mod:`tierkv_backends.shm_index`'s. Over 400 lines (about 510) by choice: the lock, the
+The file and its mapping are :mod:`tierkv_backends.shm.file`'s, the hash table and the free
+extents :mod:`tierkv_backends.shm.index`'s. Over 400 lines (about 510) by choice: the lock, the
 entries' states, holds, reaping and recovery are one state machine over one index (recovery
 rebuilds what every other method keeps; reaping undoes holds and writes), and splitting it
 would spread the invariants above across modules that each keep only part of them.
@@ -51,16 +51,11 @@ import torch
 
 from tierkv.chunks import serde
 from tierkv.errors import CapacityError, ConfigError, TierKVError
-from tierkv_backends.shm_file import now_ns
-from tierkv_backends.shm_index import REHASH_FRACTION, PoolIndex
-from tierkv_backends.shm_layout import (
-    SHAPE_DIMS,
-    Geometry,
-    State,
-    Word,
-)
+from tierkv_backends.shm.file import now_ns
+from tierkv_backends.shm.index import REHASH_FRACTION, PoolIndex
+from tierkv_backends.shm.layout import SHAPE_DIMS, Geometry, State, Word
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.shm_pool")
 
 
 

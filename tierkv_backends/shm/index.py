@@ -1,7 +1,7 @@
 """The index of a ``shm`` pool: its open-addressing hash table of entry ids (two buffers, one live)
 and the free extents of its data area (first fit, coalesced). Methods of the pool, called under
 its lock, except the lookups (:meth:`PoolIndex.contains`, :meth:`PoolIndex.find`), which read the
-live table without it. Kept apart from the pool's state machine (:mod:`tierkv_backends.shm_pool`)
+live table without it. Kept apart from the pool's state machine (:mod:`tierkv_backends.shm.pool`)
 because neither structure needs to know why an entry is where it is.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tierkv_backends.shm_file import PoolFile
-from tierkv_backends.shm_layout import DELETED, EMPTY, State, Word
+from tierkv_backends.shm.file import PoolFile
+from tierkv_backends.shm.layout import DELETED, EMPTY, State, Word
 
 REHASH_FRACTION = 4  # rebuild the table once a quarter of its slots are deleted markers
 

@@ -8,7 +8,7 @@ drift between the config documentation and the constructor.
 from __future__ import annotations
 
 from tierkv.backend.options import Option
-from tierkv_backends.s3_requests import bucket_name, key_prefix
+from tierkv_backends.s3.requests import bucket_name, key_prefix
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's minimum multipart part size (all parts but the last)

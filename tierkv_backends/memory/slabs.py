@@ -23,7 +23,7 @@ import torch
 
 from tierkv.chunks.memory import huge_pages, size_class
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.slabs")
 
 _MIN_SEGMENT = 64 << 20
 _SEGMENTS = 8

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import botocore.exceptions
 
 from tierkv.errors import ConfigError
-from tierkv_backends.s3_requests import (
+from tierkv_backends.s3.requests import (
     NO_BUCKET_CODES,
     TRANSIENT_ERRORS,
     IncompleteBodyError,
@@ -37,7 +37,7 @@ from tierkv_backends.s3_requests import (
     is_transient,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.s3_objects")
 T = TypeVar("T")
 
 
@@ -123,9 +123,9 @@ class S3Objects:
         """Bytes [start, end] of an object and the object's total size.
 
         A body that did not arrive whole (cut, short, reset mid-body) is a transient fault
-        (see :mod:`tierkv_backends.s3_requests`): retried here, never taken for corruption. A
+        (see :mod:`tierkv_backends.s3.requests`): retried here, never taken for corruption. A
         whole first range of an object whose size (Content-Range) differs from its chunk
-        header's raises :class:`~tierkv_backends.s3_requests.ObjectSizeError` at once: the
+        header's raises :class:`~tierkv_backends.s3.requests.ObjectSizeError` at once: the
         object is wrong, and asking again cannot help.
         """
         def call() -> tuple[bytes, int]:

@@ -11,7 +11,7 @@ The data path is the ``cpu`` tier's: a put reserves room in the pool and the sou
 each chunk there once (in place, :class:`~tierkv.backend.InPlaceTier`), a read copies once out
 of the pool into the caller's memory (``out=``, a connector's pages), and holds lend the
 pool's memory to connectors and fills. What the pool guarantees when processes die at any
-instant is :mod:`tierkv_backends.shm_pool`'s; where CUDA is present the data area is
+instant is :mod:`tierkv_backends.shm.pool`'s; where CUDA is present the data area is
 registered as pinned memory in every process (pieces of at most 64 GiB), so device copies go
 straight to and from it.
 
@@ -39,11 +39,11 @@ from tierkv.chunks.kvlayout import nbytes_of
 from tierkv.chunks.memory import cuda_available, empty_host
 from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.routing import offload
-from tierkv_backends.shm_file import MEMORY_FILE_SYSTEMS, file_system_type
-from tierkv_backends.shm_layout import SHAPE_DIMS, Geometry
-from tierkv_backends.shm_pool import Held, SharedPool, digest
+from tierkv_backends.shm.file import MEMORY_FILE_SYSTEMS, file_system_type
+from tierkv_backends.shm.layout import SHAPE_DIMS, Geometry
+from tierkv_backends.shm.pool import Held, SharedPool, digest
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.shm")
 
 _PIN_PIECE = 64 << 30  # cudaHostRegister takes at most this much at once on some drivers
 _DIGESTS_KEPT = 1 << 16

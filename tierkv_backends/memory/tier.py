@@ -1,7 +1,7 @@
 """Shared machinery of the memory tiers (``cpu`` and ``gpu``): slabs on one device,
 bounded by an effective capacity, with a pluggable eviction policy and demotion.
 
-Chunks live in slabs from :mod:`tierkv_backends.slabs` (by default a pool allocated and
+Chunks live in slabs from :mod:`tierkv_backends.memory.slabs` (by default a pool allocated and
 touched once at start-up). Besides the backend contract, a memory tier lets the engine
 move bytes without intermediate copies:
 
@@ -19,7 +19,7 @@ demoted, and a chunk being read is never chosen.
 Over 400 lines (about 435) by choice: reservations, commits, holds, eviction and demotion
 are one state machine over one index and one slab pool (a cancelled reserve gives back what
 eviction already freed; a hold outlives eviction), and splitting it would share that state
-across modules. The slab allocators are apart (:mod:`tierkv_backends.slabs`), and so are the
+across modules. The slab allocators are apart (:mod:`tierkv_backends.memory.slabs`), and so are the
 copies (:mod:`tierkv.routing.offload`).
 """
 
@@ -42,9 +42,9 @@ from tierkv.errors import CapacityError
 from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.policy.residency import EVICTION_POLICIES, make_index
 from tierkv.routing import offload
-from tierkv_backends.slabs import LazySlabs, SlabArena
+from tierkv_backends.memory.slabs import LazySlabs, SlabArena
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.memory_tier")
 
 _MAX_ROOM_ATTEMPTS = 8
 # A put waits at most this long for held slabs (of evicted chunks still being read) to come back.

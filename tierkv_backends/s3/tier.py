@@ -17,24 +17,24 @@ How it talks to the store:
   thread in the background within ``timeout_s`` more (its socket timeouts are capped at
   ``timeout_s``). Encoding, checksum and decoding of a chunk also happen in the worker.
 - Lookups: what this process stored, read or asked about is remembered
-  (:mod:`tierkv_backends.s3_existence`), so a lookup of known chunks is answered from memory
+  (:mod:`tierkv_backends.s3.existence`), so a lookup of known chunks is answered from memory
   (``batched_contains_nowait``, with no request), and only unknown chunks cost a HEAD.
 - Large chunks: a put of ``multipart_threshold`` bytes or more is a multipart upload of
   ``part_size`` parts sent in parallel; a get asks for the first ``part_size`` bytes and,
   when the object is larger, fetches the remaining ranges in parallel. Below those sizes
   (the default covers a 32-layer, 256-token Llama-3-8B chunk) it is one request each way --
   except, with ``min_range`` set, for a batch of fewer objects than ``max_concurrency``: its
-  idle request slots fetch ranges of the same object in parallel (:mod:`tierkv_backends.s3_objects`).
-- Layout: options and their defaults (one source) in :mod:`tierkv_backends.s3_options`, the
-  blocking requests in :mod:`tierkv_backends.s3_objects`, what a reply means in
-  :mod:`tierkv_backends.s3_requests`; here: batches, deadlines, health, caller memory.
+  idle request slots fetch ranges of the same object in parallel (:mod:`tierkv_backends.s3.objects`).
+- Layout: options and their defaults (one source) in :mod:`tierkv_backends.s3.options`, the
+  blocking requests in :mod:`tierkv_backends.s3.objects`, what a reply means in
+  :mod:`tierkv_backends.s3.requests`; here: batches, deadlines, health, caller memory.
 - Retries: throttling (SlowDown, 429, 503) and transient faults (connection refused/reset,
   timeouts, 5xx, a body cut, short or reset mid-transfer) are retried ``retries`` times with
   capped, jittered exponential backoff, never past the operation's ``timeout_s`` deadline.
   Anything else fails at once. A transport fault is never taken for corruption: only a whole
   body that is not what tierkv wrote (it fails its checksum, or the object's size as the
   server states it differs from its chunk header's) is deleted and counted, as a miss that
-  does not count against the tier's health (:mod:`tierkv_backends.s3_requests`).
+  does not count against the tier's health (:mod:`tierkv_backends.s3.requests`).
 - Ownership: a read writes into the caller's destinations, and a put reads the caller's
   chunk, only while the call still owns them (:class:`tierkv.chunks.ownership.WriteGrant`): a
   request abandoned at ``timeout_s`` or by a cancellation never touches them afterwards.
@@ -72,10 +72,10 @@ from tierkv.chunks.ownership import WriteGrant
 from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.policy.health import CircuitBreaker
 from tierkv.policy.planner import SpeedSeed
-from tierkv_backends.s3_existence import ExistenceCache
-from tierkv_backends.s3_objects import S3Objects
-from tierkv_backends.s3_options import MIN_PART, S3_OPTIONS
-from tierkv_backends.s3_requests import bucket_name, is_missing, is_transient, key_prefix
+from tierkv_backends.s3.existence import ExistenceCache
+from tierkv_backends.s3.objects import S3Objects
+from tierkv_backends.s3.options import MIN_PART, S3_OPTIONS
+from tierkv_backends.s3.requests import bucket_name, is_missing, is_transient, key_prefix
 
 try:
     import boto3
@@ -84,7 +84,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the s3 tier needs boto3: pip install 'tierkv[s3]'") from _exc
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.s3")
 T = TypeVar("T")
 
 _SLOTS = {"get": "read", "put": "write", "contains": "small", "delete": "small"}
@@ -104,7 +104,7 @@ class S3Backend(BlobBackend):
     options: ClassVar[dict[str, Option]] = S3_OPTIONS
 
     def __init__(self, name: str, capacity: int | None = None, **options: Any) -> None:
-        """``options``: the keys of :data:`~tierkv_backends.s3_options.S3_OPTIONS` (``bucket``
+        """``options``: the keys of :data:`~tierkv_backends.s3.options.S3_OPTIONS` (``bucket``
         required); what is not given takes its default from there, what is given is checked."""
         super().__init__(name, capacity)
         settings = parse_options(S3_OPTIONS, options, f"tier {name!r}")

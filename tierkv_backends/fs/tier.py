@@ -34,7 +34,7 @@ readable, and the next put tries again (after space was freed, it succeeds).
 Over 400 lines (about 500) by choice: one tier over one shared state -- the in-memory index,
 the rescans that refresh it for other processes' writes, the writers that rename into it and
 the LRU that deletes from it -- with every method a few lines; the byte-level I/O helpers
-live in :mod:`tierkv_backends.fs_files`.
+live in :mod:`tierkv_backends.fs.files`.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ from tierkv.errors import CapacityError, ChunkFormatError, ConfigError
 from tierkv.policy.planner import SpeedSeed
 from tierkv.policy.residency import LRUIndex
 from tierkv_backends._paths import ensure_writable_dir
-from tierkv_backends.fs_files import payload_offset, payload_offset_in, pwrite_all, read_all, write_payload
+from tierkv_backends.fs.files import payload_offset, payload_offset_in, pwrite_all, read_all, write_payload
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.fs")
 
 _SUFFIX = ".tkv"
 _IO_THREADS = 4  # files are independent: a few threads overlap syscalls and page-cache copies
@@ -94,7 +94,7 @@ def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> FileParts:
     """How to make the header, zero-copy views of the payload's pieces, and where they go.
     Checked here (a bad dtype fails before anything is written); the checksum is left to the
     writer thread, which takes it piece by piece as it writes (see
-    :func:`~tierkv_backends.fs_files.write_payload`)."""
+    :func:`~tierkv_backends.fs.files.write_payload`)."""
     fmt = key.fmt if key.fmt in KV_FORMATS else None
     runs = serde.payload_runs(chunk)
     length = len(serde.encode_header(chunk, fmt, runs, digest=0))  # the digest has a fixed size
@@ -268,7 +268,7 @@ class FSBackend(BlobBackend):
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
         """Read through :meth:`batched_get`: a chunk file is not one encoded chunk when its
-        payload starts on a page boundary (see :func:`~tierkv_backends.fs_files.payload_offset`)."""
+        payload starts on a page boundary (see :func:`~tierkv_backends.fs.files.payload_offset`)."""
         return (await self.batched_get([key]))[0]
 
     async def _write_indexed(self, items: list[tuple[str, FileParts]], sizes: dict[str, int],

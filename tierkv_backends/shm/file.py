@@ -2,7 +2,7 @@
 checked against the layout it must have, mapped shared by this process, and viewed part by part
 (numpy arrays of the header, tables, entries, free extents, processes and holds; a torch tensor of
 the data area; plain memoryviews for lookups). Nothing here changes the index after creation:
-:mod:`tierkv_backends.shm_index` and :mod:`tierkv_backends.shm_pool` do.
+:mod:`tierkv_backends.shm.index` and :mod:`tierkv_backends.shm.pool` do.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from tierkv.chunks.memory import huge_pages
 from tierkv.errors import ConfigError
-from tierkv_backends.shm_layout import (
+from tierkv_backends.shm.layout import (
     EMPTY,
     ENTRY_FIELDS,
     HEADER_BYTES,
@@ -32,7 +32,7 @@ from tierkv_backends.shm_layout import (
     header_problem,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tierkv_backends.shm_file")
 
 MEMORY_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
 
