@@ -16,6 +16,10 @@ HF integration, or CacheBlend) reading them gets the right K per token.
 
 And the registration self-check: with the layout forced wrong, the connector refuses (one
 error, no loads, no saves) and vLLM's outputs stay exactly its own.
+
+The storing run and the new process over lmdb are shared with test_vllm_v1.py (this module's
+prompts run in them after that module's, tests/vllm_truth.py: ``first_run``, ``second_run``);
+every count here is of this module's part alone.
 """
 
 from __future__ import annotations
@@ -26,13 +30,32 @@ from typing import Any
 import pytest
 import torch
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import CHUNK, HEADS, HIDDEN, KV_HEADS, LAYERS, PROMPTS, assert_exact, spec, vllm
+from vllm_truth import (
+    CHUNK,
+    EXACT_NAMES,
+    FIRST_RUN,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    PROMPTS,
+    SECOND_RUN,
+    assert_exact,
+    first_run,
+    grown,
+    loaded_in,
+    second_run,
+    spec,
+    vllm,
+)
 
 from tierkv.testing.vllm_runner import loaded_per_prompt
 
 pytestmark = VLLM_PROCESSES
 
-NAMES = ["partial_600", "block_edge_513", "partial_1000"]
+NAMES = EXACT_NAMES
+FIRST = len(FIRST_RUN) - 2 * len(NAMES)  # where this module's part of the shared first run starts
+SECOND = len(SECOND_RUN) - len(NAMES)  # and of the shared second run
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +74,22 @@ def extra(workdir: Path, *tiers: dict[str, Any], **more: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    root = tmp_path_factory.mktemp("disks")
-    return {"lmdb": {"name": "disk", "backend": "lmdb", "path": str(root / "lmdb"), "capacity": "1GiB"},
-            "fs": {"name": "files", "backend": "fs", "path": str(root / "fs")}}
+def shared_first(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The shared first run (tests/vllm_truth.py): every result of the process, and its tiers."""
+    assert FIRST_RUN[FIRST:] == NAMES * 2
+    return first_run(tmp_path_factory, model_dir)
 
 
 @pytest.fixture(scope="module")
-def cpu_run(model_dir: Path, disks: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
-            ) -> list[dict[str, Any]]:
-    """Each prompt twice in one vLLM: stored through cpu -> lmdb -> fs, then hit from the cpu tier."""
-    workdir = tmp_path_factory.mktemp("cpu")
-    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
-    return vllm({**spec(model_dir, [PROMPTS[n] for n in NAMES * 2], extra(workdir, host, disks["lmdb"], disks["fs"])),
-                 "metrics": True}, workdir)
+def disks(shared_first: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(shared_first["tiers"])
+
+
+@pytest.fixture(scope="module")
+def cpu_run(shared_first: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each prompt twice in one vLLM (after test_vllm_v1.py's prompts): stored through cpu -> lmdb
+    -> fs, then hit from the cpu tier. Every result of the process: this module's are ``[FIRST:]``."""
+    return list(shared_first["results"])
 
 
 def test_reference_depends_on_context(reference: dict[str, dict[str, Any]]) -> None:
@@ -74,10 +99,10 @@ def test_reference_depends_on_context(reference: dict[str, dict[str, Any]]) -> N
 
 
 def test_cpu_tier_hits_are_exact(cpu_run: list[dict[str, Any]], reference: dict[str, dict[str, Any]]) -> None:
-    loaded = loaded_per_prompt(cpu_run)
+    loaded = loaded_in(cpu_run, FIRST)
     assert loaded[: len(NAMES)] == [0] * len(NAMES), "the first pass finds nothing cached"
     assert loaded[len(NAMES):] == [len(PROMPTS[n]) - 1 for n in NAMES], "the second pass loads all but the last token"
-    for name, result in zip(NAMES * 2, cpu_run):
+    for name, result in zip(NAMES * 2, cpu_run[FIRST:]):
         assert_exact(name, result, reference[name])
 
 
@@ -85,32 +110,44 @@ def test_vllms_metrics_count_what_tierkv_did(cpu_run: list[dict[str, Any]]) -> N
     """vLLM's Prometheus registry (what ``vllm serve`` shows on ``/metrics``) carries tierkv's
     counters, equal to the connector's own after each request: the stores of the first pass,
     the loads of the second, and one load-time observation per load. (A counter not yet
-    moved is absent from the registry: read as 0.)"""
+    moved is absent from the registry: read as 0.) Every result of the shared process is
+    checked against the connector's own counts; what this module's part added, against its prompts."""
     for result in cpu_run:
         metrics, stats = result["metrics"] or {}, result["stats"] or {}
         assert metrics.get("vllm:tierkv_tokens_loaded", 0) == stats.get("tokens_loaded", 0), metrics
         assert metrics.get("vllm:tierkv_load_failures", 0) == stats.get("load_failures", 0), metrics
-    last = cpu_run[-1]["metrics"]
-    assert last["vllm:tierkv_tokens_loaded"] == sum(len(PROMPTS[n]) - 1 for n in NAMES)
-    assert last["vllm:tierkv_tokens_saved"] >= sum(len(PROMPTS[n]) for n in NAMES) - len(NAMES) * CHUNK
-    assert last["vllm:tierkv_load_seconds"] == len(NAMES), "one observation per synchronous load"
+    loaded = grown(cpu_run, FIRST, "vllm:tierkv_tokens_loaded")
+    assert loaded == sum(len(PROMPTS[n]) - 1 for n in NAMES)
+    saved = grown(cpu_run, FIRST, "vllm:tierkv_tokens_saved")
+    assert saved >= sum(len(PROMPTS[n]) for n in NAMES) - len(NAMES) * CHUNK
+    assert grown(cpu_run, FIRST, "vllm:tierkv_load_seconds") == len(NAMES), "one observation per synchronous load"
     # vLLM's own per-tier hit accounting: every hit of the second pass came from the cpu tier (host)
-    assert last["vllm:prompt_tokens_cached_by_source:host"] == last["vllm:tierkv_tokens_loaded"]
-    assert last.get("vllm:prompt_tokens_cached_by_source:disk", 0) == 0
+    assert grown(cpu_run, FIRST, "vllm:prompt_tokens_cached_by_source:host") == loaded
+    assert (cpu_run[-1]["metrics"] or {}).get("vllm:prompt_tokens_cached_by_source:disk", 0) == 0
 
 
 @pytest.mark.parametrize("tier", ["lmdb", "fs"])
 def test_disk_tier_hits_in_a_new_process_are_exact(tier: str, cpu_run: list[dict[str, Any]], model_dir: Path,
                                                    disks: dict[str, dict[str, Any]],
-                                                   reference: dict[str, dict[str, Any]], tmp_path: Path) -> None:
-    results = vllm({**spec(model_dir, [PROMPTS[n] for n in NAMES], extra(tmp_path, disks[tier])), "metrics": True},
-                   tmp_path)
-    assert loaded_per_prompt(results) == [len(PROMPTS[n]) - 1 for n in NAMES], f"every prompt is a {tier} hit"
-    for name, result in zip(NAMES, results):
+                                                   reference: dict[str, dict[str, Any]], tmp_path: Path,
+                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A new vLLM process whose tierkv reads the tier the first run filled: lmdb in the shared
+    second run (a cpu tier above it, empty in a new process; this module's prompts are its
+    ``[SECOND:]``, after test_vllm_v1.py's), fs in a process of its own (fs alone)."""
+    if tier == "lmdb":
+        assert SECOND_RUN[SECOND:] == NAMES
+        results, start = second_run(tmp_path_factory, model_dir), SECOND
+    else:
+        results = vllm({**spec(model_dir, [PROMPTS[n] for n in NAMES], extra(tmp_path, disks[tier])),
+                        "metrics": True}, tmp_path)
+        start = 0
+    assert loaded_in(results, start) == [len(PROMPTS[n]) - 1 for n in NAMES], f"every prompt is a {tier} hit"
+    for name, result in zip(NAMES, results[start:]):
         assert_exact(f"{tier}:{name}", result, reference[name])
-    by_source = results[-1]["metrics"]  # vLLM's per-tier hit accounting: a local disk tier is "disk"
-    assert by_source["vllm:prompt_tokens_cached_by_source:disk"] == sum(len(PROMPTS[n]) - 1 for n in NAMES)
-    assert by_source.get("vllm:prompt_tokens_cached_by_source:host", 0) == 0
+    # vLLM's per-tier hit accounting: a local disk tier is "disk"
+    disk = grown(results, start, "vllm:prompt_tokens_cached_by_source:disk")
+    assert disk == sum(len(PROMPTS[n]) - 1 for n in NAMES)
+    assert (results[-1]["metrics"] or {}).get("vllm:prompt_tokens_cached_by_source:host", 0) == 0
 
 
 def test_stored_chunks_are_the_kv_hf_transformers_computes(cpu_run: list[dict[str, Any]], model_dir: Path,

@@ -6,6 +6,11 @@ and the model's weights under an unchanged path. For every request the generated
 top-5 log-probabilities equal vLLM alone with the same adapter (within 0.01), tokens loaded
 across identities are zero, and a repeat within one identity loads all but the last token
 (so the hits come from tierkv, and the misses are not tierkv being off).
+
+Three vLLM processes: vLLM alone with the adapters (the reference); tierkv over every identity
+(a cpu tier, and an fs tier below it that outlives the process); then, with new weights saved
+over the model's directory, a new process over that fs tier: its token prompt (a miss of the
+old weights' KV, then a hit of its own) and prompt embeddings beside it.
 """
 
 from __future__ import annotations
@@ -72,16 +77,48 @@ def reference(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return dict(zip(names, vllm(spec(models, names, None), tmp_path_factory.mktemp("reference"))))
 
 
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An fs tier both tierkv processes use (it outlives the first)."""
+    return {"name": "files", "backend": "fs", "path": str(tmp_path_factory.mktemp("files") / "fs")}
+
+
+@pytest.fixture(scope="module")
+def identities(models: dict[str, Path], files: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+               ) -> list[dict[str, Any]]:
+    """SEQUENCE in a vLLM with tierkv: a cpu tier, the fs tier below it."""
+    workdir = tmp_path_factory.mktemp("identities")
+    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
+    return vllm(spec(models, SEQUENCE, extra(workdir, host, files)), workdir)
+
+
+@pytest.fixture(scope="module")
+def rewritten(models: dict[str, Path], files: dict[str, Any], reference: dict[str, dict[str, Any]],
+              identities: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """New weights saved over the model's directory once the runs of the old ones ended (the
+    reference and the identities), then a new vLLM (prompt embeddings on) over the fs tier
+    alone: Q twice, then the same random embeddings twice."""
+    save_random_llama(models["model"], initializer_range=0.15, seed=7)  # retrained: same shapes, same path
+    workdir = tmp_path_factory.mktemp("rewritten")
+    run = {"model": str(models["model"]), "prompts": REWRITTEN, "max_tokens": MAX_TOKENS, "logprobs": TOP,
+           "prompt_embeds": True, "tierkv": extra(workdir, files)}
+    return vllm(run, workdir)
+
+
+# the process after the rewrite: Q (the old weights' KV is in the fs tier) twice, then random
+# prompt embeddings twice (nothing to key them by)
+REWRITTEN: list[dict[str, Any]] = [{"ids": Q}, {"ids": Q}, {"embeds": [600, 1]}, {"embeds": [600, 1]}]
+
+
 def test_adapters_change_the_output(reference: dict[str, dict[str, Any]]) -> None:
     """Guard: with equal outputs for base and adapters, loading the wrong KV would go unseen."""
     assert len({tuple(reference[name]["tokens"]) for name in ("Q", "Q@a", "Q@b")}) == 3
     assert reference["R"]["tokens"] != reference["R@a"]["tokens"]
 
 
-def test_each_identity_loads_only_its_own_kv(models: dict[str, Path], reference: dict[str, dict[str, Any]],
-                                             tmp_path: Path) -> None:
-    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
-    results = vllm(spec(models, SEQUENCE, extra(tmp_path, host)), tmp_path)
+def test_each_identity_loads_only_its_own_kv(identities: list[dict[str, Any]],
+                                             reference: dict[str, dict[str, Any]]) -> None:
+    results = identities
     loaded = dict(zip(range(len(SEQUENCE)), loaded_per_prompt(results)))
     first = len(CASES)
     assert [loaded[i] for i in range(first)] == [0] * first, (
@@ -96,31 +133,26 @@ def test_each_identity_loads_only_its_own_kv(models: dict[str, Path], reference:
     assert stats.get("requests_unidentified", 0) == 0, stats
 
 
-def test_a_model_rewritten_under_the_same_path_is_a_miss(tmp_path: Path) -> None:
+def test_a_model_rewritten_under_the_same_path_is_a_miss(identities: list[dict[str, Any]],
+                                                          rewritten: list[dict[str, Any]]) -> None:
     """New weights saved over the model directory: a new vLLM process finds nothing of the
-    old weights' KV in the shared fs tier, and still hits its own."""
-    model = save_random_llama(tmp_path / "llama", initializer_range=0.15, seed=0)
-    files = {"name": "files", "backend": "fs", "path": str(tmp_path / "fs")}
-    run = {"model": str(model), "prompts": [Q], "max_tokens": MAX_TOKENS, "logprobs": TOP}
-    first = vllm({**run, "tierkv": extra(tmp_path / "first", files)}, tmp_path / "first")
-    assert (first[-1]["stats"] or {}).get("chunks_saved", 0) > 0, "the first model's KV was stored"
-    save_random_llama(model, initializer_range=0.15, seed=7)  # retrained: same shapes, same path
-    second = vllm({**run, "prompts": [Q, Q], "tierkv": extra(tmp_path / "second", files)}, tmp_path / "second")
+    old weights' KV in the shared fs tier (the identities' run stored Q there), and still hits its own."""
+    first = identities[SEQUENCE.index("Q")]  # Q with the old weights, no adapter, no salt
+    assert (identities[-1]["stats"] or {}).get("chunks_saved", 0) > 0, "the first model's KV was stored"
+    second = rewritten[:2]
+    assert REWRITTEN[:2] == [{"ids": Q}, {"ids": Q}]
     assert loaded_per_prompt(second) == [0, 599], "the old weights' KV is a miss; the new weights' KV hits"
-    assert second[0]["tokens"] != first[0]["tokens"], "guard: the new weights answer differently"
+    assert second[0]["tokens"] != first["tokens"], "guard: the new weights answer differently"
     assert_exact("rewritten", second[1], second[0])
 
 
-def test_prompt_embeds_are_neither_loaded_nor_saved(tmp_path: Path) -> None:
+def test_prompt_embeds_are_neither_loaded_nor_saved(rewritten: list[dict[str, Any]]) -> None:
     """A prompt given as embeddings has no token ids to key its KV by: vLLM serves it, tierkv
-    leaves it alone and counts it; a token prompt beside it is cached as usual."""
-    model = save_random_llama(tmp_path / "llama", initializer_range=0.15)
-    host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
-    prompts = [{"embeds": [600, 1]}, {"embeds": [600, 1]}, {"ids": Q}, {"ids": Q}]
-    results = vllm({"model": str(model), "prompts": prompts, "max_tokens": MAX_TOKENS, "prompt_embeds": True,
-                    "tierkv": extra(tmp_path, host)}, tmp_path)
-    assert loaded_per_prompt(results) == [0, 0, 0, 599]
-    assert results[0]["tokens"] == results[1]["tokens"], "vLLM serves the embeddings the same both times"
+    leaves it alone and counts it; a token prompt beside it (Q, before it) is cached as usual."""
+    results = rewritten
+    assert [prompt.get("embeds") for prompt in REWRITTEN] == [None, None, [600, 1], [600, 1]]
+    assert loaded_per_prompt(results) == [0, 599, 0, 0]
+    assert results[2]["tokens"] == results[3]["tokens"], "vLLM serves the embeddings the same both times"
     stats = results[-1]["stats"] or {}
     assert stats.get("requests_unidentified") == 2, stats
     assert stats.get("requests_saved") == 2, f"only the token prompt's two requests were saved: {stats}"

@@ -12,6 +12,9 @@ beyond the tier:
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,11 +23,12 @@ import pytest
 from vllm_marks import VLLM_PROCESSES
 from vllm_truth import CHUNK, PROMPTS, SAME_CORES, assert_exact, spec, vllm
 
-from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt, start_vllm
+from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt
 from tierkv_backends.shm import SharedMemoryBackend
 
 pytestmark = VLLM_PROCESSES
 CAPACITY = 256 << 20
+HOLD = Path(__file__).resolve().parents[2] / "vllm_hold.py"
 
 
 def node_extra(pool_path: Path, stats: Path) -> dict[str, Any]:
@@ -47,6 +51,17 @@ def pool_chunks(pool_path: Path) -> int:
         asyncio.run(tier.close())
 
 
+def start_held(run_spec: dict[str, Any], workdir: Path, go: Path) -> subprocess.Popen[str]:
+    """tierkv.testing.vllm_runner.start_vllm's process (same cores as the reference), run
+    through tests/vllm_hold.py: a prompt's pause ends once ``go`` exists."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "spec.json").write_text(json.dumps(run_spec))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", **SAME_CORES,
+           "TIERKV_TEST_GO": str(go)}
+    return subprocess.Popen([sys.executable, str(HOLD), str(workdir / "spec.json")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=workdir)
+
+
 def wait_for_saves(stats_file: Path, count: int, process: Any) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -65,14 +80,16 @@ def wait_for_saves(stats_file: Path, count: int, process: Any) -> None:
 def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_path: Path, tmp_path: Path,
                                                      vllm_reference: dict[str, dict[str, Any]]) -> None:
     first = PROMPTS["partial_600"]
-    later = {"ids": PROMPTS["partial_1000"], "pause_s": 60}  # A stays up while B serves
+    go = tmp_path / "b-done"
+    later = {"ids": PROMPTS["partial_1000"], "pause_s": 300}  # A stays up until B is done (go), 300 s at most
     a_stats = tmp_path / "a.json"
-    replica_a = start_vllm(spec(context_llama, [first, later], node_extra(pool_path, a_stats)), tmp_path / "a",
-                           env=SAME_CORES)
+    replica_a = start_held(spec(context_llama, [first, later], node_extra(pool_path, a_stats)), tmp_path / "a", go)
     try:
         wait_for_saves(a_stats, 1, replica_a)
         assert pool_chunks(pool_path) == chunks_of("partial_600")
         b_results = vllm(spec(context_llama, [first], node_extra(pool_path, tmp_path / "b.json")), tmp_path / "b")
+        assert replica_a.poll() is None, "replica A ran beside B until B was done"
+        go.touch()
         a_results = finish_vllm(replica_a)
     finally:
         if replica_a.poll() is None:

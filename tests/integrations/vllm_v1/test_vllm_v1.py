@@ -7,6 +7,9 @@ while loading what it can: a repeated prompt, a shared document with a new quest
 prefix hit), a prompt shorter than a chunk, a second vLLM process over the same LMDB tier, and
 a tier that fails every read while answering lookups (the failed loads are recomputed; no
 request fails).
+
+The first and the second vLLM process are shared with test_vllm_exact.py (its prompts run in
+them after this module's, tests/vllm_truth.py: ``first_run``, ``second_run``).
 """
 
 from __future__ import annotations
@@ -17,13 +20,24 @@ from typing import Any
 import pytest
 from distributions import make_distribution
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import CHUNK, PROMPTS, assert_exact, spec, vllm
+from vllm_truth import (
+    CHUNK,
+    PROMPTS,
+    SECOND_RUN,
+    V1_SEQUENCE,
+    assert_exact,
+    first_run,
+    loaded_in,
+    second_run,
+    spec,
+    vllm,
+)
 
 from tierkv.testing.vllm_runner import loaded_per_prompt
 
 pytestmark = VLLM_PROCESSES
 
-SEQUENCE = ["repeated", "repeated", "doc_q1", "doc_q2", "short", "short"]
+SEQUENCE = V1_SEQUENCE
 
 READ_FAILING = '''
 from tierkv.errors import TierUnavailableError
@@ -57,16 +71,16 @@ def reference(vllm_reference: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
 
 
 @pytest.fixture(scope="module")
-def shared_disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("shared") / "lmdb"
+def first_process(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """SEQUENCE, the first prompts of a vLLM with tierkv (cpu over lmdb, and fs below)."""
+    return first_run(tmp_path_factory, model_dir)["results"][: len(SEQUENCE)]
 
 
 @pytest.fixture(scope="module")
-def first_process(model_dir: Path, shared_disk: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    workdir = tmp_path_factory.mktemp("first")
-    tiers = [{"name": "host", "backend": "cpu", "capacity": "256MiB"},
-             {"name": "disk", "backend": "lmdb", "path": str(shared_disk), "capacity": "1GiB"}]
-    return vllm(spec(model_dir, [PROMPTS[n] for n in SEQUENCE], tierkv_extra(workdir, tiers, "stats")), workdir)
+def shared_disk(model_dir: Path, first_process: list[dict[str, Any]],
+                tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The lmdb tier the first process filled."""
+    return Path(first_run(tmp_path_factory, model_dir)["tiers"]["lmdb"]["path"])
 
 
 def test_outputs_match_vllm_without_tierkv(first_process: list[dict[str, Any]],
@@ -91,13 +105,13 @@ def test_prompt_shorter_than_a_chunk(first_process: list[dict[str, Any]]) -> Non
 
 
 def test_second_vllm_process_hits_what_the_first_stored(
-        model_dir: Path, shared_disk: Path, first_process: list[dict[str, Any]],
-        reference: dict[str, dict[str, Any]], tmp_path: Path) -> None:
-    tiers = [{"name": "host", "backend": "cpu", "capacity": "256MiB"},
-             {"name": "disk", "backend": "lmdb", "path": str(shared_disk), "capacity": "1GiB"}]
+        model_dir: Path, first_process: list[dict[str, Any]], reference: dict[str, dict[str, Any]],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A new vLLM, cpu over the first's lmdb: its first prompts (test_vllm_exact.py's follow)."""
     names = ["repeated", "doc_q2"]
-    results = vllm(spec(model_dir, [PROMPTS[n] for n in names], tierkv_extra(tmp_path, tiers, "stats")), tmp_path)
-    assert loaded_per_prompt(results) == [len(PROMPTS[n]) - 1 for n in names]
+    assert SECOND_RUN[: len(names)] == names
+    results = second_run(tmp_path_factory, model_dir)[: len(names)]
+    assert loaded_in(results, 0) == [len(PROMPTS[n]) - 1 for n in names]
     for name, result in zip(names, results):
         assert_exact(f"second process: {name}", result, reference[name])
 
