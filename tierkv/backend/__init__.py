@@ -2,8 +2,9 @@
 
 ``tierkv.backend`` is the import a backend author needs: :class:`StorageBackend`,
 :class:`BlobBackend`, the capability Protocols and the destination helpers are re-exported
-from :mod:`tierkv.backend.contract`. Beside it: the option type every tier declares
-(``options``), the entry-point registry, codecs and the coded wrapper that applies them.
+from :mod:`tierkv.backend.contract`, and :class:`Option` (the option type every tier declares)
+from :mod:`tierkv.backend.options`. Beside them: the entry-point registry, codecs and the
+coded wrapper that applies them.
 """
 
 from tierkv.backend.contract import (
@@ -23,6 +24,7 @@ from tierkv.backend.contract import (
     fits_destination,
     full_disk_error,
 )
+from tierkv.backend.options import Option
 
 __all__ = [
     "BlobBackend",
@@ -31,6 +33,7 @@ __all__ = [
     "FULL_DISK_ERRNOS",
     "InPlaceTier",
     "NamesVictims",
+    "Option",
     "ReclaimsHeldMemory",
     "StorageBackend",
     "SupportsDemotion",
