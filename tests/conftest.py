@@ -58,3 +58,41 @@ def vllm_reference(context_llama: Path, tmp_path_factory: pytest.TempPathFactory
         return dict(zip(names, vllm(spec(context_llama, [PROMPTS[n] for n in names], None), directory)))
 
     return dict(once(tmp_path_factory, "vllm-reference", run))
+
+
+# The modules that take longest on a 2-core machine (whole seconds of vLLM processes, kernel
+# builds, crash rounds), longest first. Collected first, pytest-xdist's loadfile scheduler
+# hands them out before the many short modules, which then fill in around them: the suite
+# ends when its longest module does, not a long module started last.
+LONGEST_FIRST = (
+    "integrations/vllm_v1/test_vllm_exact.py",
+    "integrations/vllm_v1/test_vllm_node_cache.py",
+    "integrations/vllm_v1/test_vllm_identity.py",
+    "integrations/vllm_v1/test_vllm_events.py",
+    "ops/test_cuda_ext_build.py",
+    "integrations/vllm_v1/test_vllm_v1.py",
+    "integrations/vllm_v1/test_serving_client.py",
+    "engine/test_durable_flush.py",
+    "backends/test_shm_processes.py",
+    "backends/test_cross_node.py",
+    "engine/test_ownership.py",
+    "integrations/test_hf_fp8.py",
+    "engine/test_fresh_process.py",
+    "engine/test_cost_aware.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the collected tests module by module, the longest modules first (a stable sort:
+    tests keep their order inside a module, and the other modules theirs)."""
+    tests_dir = Path(__file__).parent
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        try:
+            relative = item.path.relative_to(tests_dir).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(relative, len(rank))
+
+    items.sort(key=key)

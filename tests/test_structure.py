@@ -256,3 +256,13 @@ def test_a_long_module_says_why_it_is_one() -> None:
             if lines > 420 and "by choice" not in docstring:
                 unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
     assert unexplained == [], f"over 400 lines with no word on why: {unexplained}"
+
+
+def test_the_longest_first_list_names_modules_that_exist() -> None:
+    # read from the file: the module named conftest may be another folder's under xdist
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    LONGEST_FIRST = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                         and any(getattr(target, "id", "") == "LONGEST_FIRST" for target in node.targets))
+    assert len(LONGEST_FIRST) > 5
+    missing = [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()]
+    assert missing == [], f"tests/conftest.py LONGEST_FIRST names modules that are gone: {missing}"
