@@ -47,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hicache"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integrations" / "sglang_hicache"))
 
 from cpu_dtype import CHOICES, element_bytes, model_dtype  # noqa: E402
 from sglang_runner import make_model, run_spec  # noqa: E402
