@@ -1,5 +1,10 @@
 """A byte tier that keeps its chunks coded (``codec:`` in a tier's YAML, :mod:`tierkv.backend.codecs`).
 
+One module of about 410 lines, by choice: one wrapper over one backend: every call of the
+backend contract passes through it (puts encode, reads decode, ``auto`` chooses, reads feed the
+cost model), and a call split from its wrapper would need the wrapper's state; the codecs
+themselves are :mod:`tierkv.backend.codecs`.
+
 :class:`CodedBackend` sits between the tier's handle and its backend: a put encodes each
 chunk into a frame (or leaves it raw when coding would not pay), a read decodes frames
 into the caller's destinations. The backend stores, checksums and evicts frames like any
@@ -16,10 +21,6 @@ each batch then picks the candidate, or none, that gives the shortest expected r
 when that is at least 10% shorter than reading the chunk raw. The cost model sees the same
 numbers: :meth:`CodedBackend.split` is what :class:`~tierkv.policy.planner.TierSpeed` uses to turn
 a prefix's bytes into stored bytes and decode time.
-
-Over 400 lines (about 405) by choice: one wrapper over one backend, so every call of the
-backend contract passes through it (puts encode, reads decode, ``auto`` chooses, reads feed the
-cost model); the codecs themselves are :mod:`tierkv.backend.codecs`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """The prompt API: tokens in, KV out, across the tiers of the :class:`~tierkv.routing.router.TierRouter` it holds.
 
+One module of about 520 lines, by choice: it is the whole public prompt API, one class whose
+methods each carry their contract in their docstring, plus the router's surface re-exposed for
+callers of the engine; the logic behind them lives in the modules beside it (chunk_layout,
+prefix_plans, metadata) and below.
+
 ``AsyncEngine`` cuts prompts into chunk keys (prefix-chained hashes), stores a prompt's KV
 (each byte copied once, into the first tier that admits it), retrieves the cached prefix of
 a prompt (into memory the caller owns, a fresh output, or a connector's paged cache), answers
@@ -9,10 +14,6 @@ loading. ``Engine`` (:mod:`tierkv.engine.blocking`) is its blocking facade.
 What it builds on, each in its own module: keys (:class:`~tierkv.chunks.keys.KeyMaker`), the chunk
 layout (:mod:`tierkv.engine.chunk_layout`), the plan (:mod:`tierkv.engine.prefix_plans`), and the router
 (:mod:`tierkv.routing.router`), used through its public methods only.
-
-Over 400 lines (about 510) by choice: it is the whole public prompt API, every method with
-its contract in its docstring, plus the router's surface re-exposed for callers of the engine
-(``batched_*``, ``flush``, ``close``, ``tiers``); the logic behind them lives elsewhere.
 """
 
 from __future__ import annotations

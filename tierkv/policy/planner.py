@@ -1,5 +1,9 @@
 """Is loading a cached prefix faster than recomputing it? The cost model, pure (no I/O).
 
+One module of about 490 lines, by choice: three small pure models (a tier's speed, the recompute
+curve, coding) and the plan over them, kept together so the whole cost model reads in one place;
+none of them is used without the plan.
+
 A hit that takes longer to fetch than the prefill it saves makes time to first token worse;
 users of other KV-cache layers report exactly that (a file tier at 8K tokens slower than
 recompute). tierkv decides per request:
@@ -24,10 +28,6 @@ tokens, half of them in a cpu tier, the rest behind +200 ms and 20 MB/s) the pla
 hot half and recomputed the second, expecting to save ``T(4096) - T(2048)``; but the second half
 over a 2,048-token cache cost about as much as the whole prompt from scratch, so the partial
 load lost to loading everything (1.35x). The fetch estimate was right.
-
-Over 400 lines (about 485) by choice: three small pure models (a tier's speed, the recompute
-curve, coding) and the plan over them, kept together so the whole cost model reads in one
-place; none of them is used without the plan.
 """
 
 from __future__ import annotations

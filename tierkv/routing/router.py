@@ -1,8 +1,8 @@
 """The tier router: chunk keys and tensors across the stack of tiers, nothing about prompts.
 
-Over 400 lines (about 530) by choice: one class whose state (the tiers, the fill worker, the
-dirty set, background tasks) every method shares; what could stand alone already does
-(locate, reads, fill, offload, write_back beside it).
+One module of about 530 lines, by choice: one class whose state (the tiers, the fill worker, the
+dirty set, background tasks) every method shares; what could stand alone already does (locate,
+reads, fill, offload, write_back beside it).
 
 It decides *which* tier: the first that admits a put (:meth:`TierRouter.put` is the one
 store loop), where a read goes (:mod:`tierkv.routing.locate`, then the one-pass read of

@@ -1,7 +1,7 @@
 """Conformance suite for storage backends, ours and third parties'.
 
-Over 400 lines (about 520) by choice: one class a backend author subclasses; splitting it
-would make them subclass several.
+One module of about 520 lines, by choice: one class a backend author subclasses to run the whole
+conformance suite; splitting it would make them subclass several and miss some.
 
 Subclass :class:`BackendTests` in a pytest module and implement :meth:`make_backend`::
 

