@@ -62,6 +62,34 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pool_size(args: argparse.Namespace) -> int:
+    from tierkv.backend.options import format_size, parse_size
+
+    file_size = getattr(registry.load("shm"), "file_size", None)
+    if file_size is None:
+        raise TierKVError("the installed 'shm' backend cannot size a pool (no file_size)")
+    size = file_size(parse_size(args.capacity, "capacity"), args.path, args.max_chunks, args.max_processes,
+                             args.holds_per_process)
+    print(f"a pool of capacity {format_size(size['capacity'])} is a file of {format_size(size['file_bytes'])} "
+          f"({size['file_bytes']} bytes) at {size['path']}:")
+    print(f"  chunks        {format_size(size['capacity'])}")
+    print(f"  index         {format_size(size['index_bytes'])} ({size['max_chunks']} chunks, max_chunks)")
+    print(f"  hold rows     {format_size(size['hold_rows_bytes'])} ({size['max_processes']} processes x "
+          f"{size['holds_per_process']} holds: max_processes, holds_per_process)")
+    print(f"  header        {format_size(size['header_and_alignment_bytes'])} (with the data's 2 MiB alignment)")
+    if size["free_bytes"] is None:
+        print(f"  its file system: not found ({size['path']}'s directory does not exist yet)")
+        return 0
+    kind = size["file_system"] or "unknown"
+    print(f"  its file system ({kind}) has {format_size(size['free_bytes'])} free: "
+          + ("it fits" if size["fits"] else "it does NOT fit"))
+    if not size["fits"]:
+        print("tierkv: error: the pool does not fit: give a smaller capacity, or grow the file system (mount -o "
+              "remount,size=... /dev/shm; a container: --shm-size)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     from tierkv import demo
 
@@ -85,6 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="open a YAML config and print per-tier occupancy")
     inspect.add_argument("config")
     inspect.set_defaults(func=_cmd_inspect)
+    pool_size = commands.add_parser("pool-size", help="what an shm pool of a capacity costs in /dev/shm, and "
+                                                      "whether it fits")
+    pool_size.add_argument("capacity", help="the shm tier's capacity, e.g. 4GiB")
+    pool_size.add_argument("--path", default=None, help="the pool file (default /dev/shm/tierkv-<uid>.pool)")
+    pool_size.add_argument("--max-chunks", type=int, default=None, help="as the tier's max_chunks")
+    pool_size.add_argument("--max-processes", type=int, default=64, help="as the tier's max_processes")
+    pool_size.add_argument("--holds-per-process", type=int, default=16384, help="as the tier's holds_per_process")
+    pool_size.set_defaults(func=_cmd_pool_size)
     demo = commands.add_parser("demo", help="prefix reuse and CacheBlend on a small random-weight Llama (CPU)")
     _add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)

@@ -18,7 +18,7 @@ import shm_workers as workers
 from tierkv import Engine
 from tierkv.errors import ConfigError
 from tierkv_backends.shm import SharedMemoryBackend
-from tierkv_backends.shm.layout import MAGIC, Word
+from tierkv_backends.shm.layout import MAGIC, VERSION, Word
 
 SHM = Path("/dev/shm")
 
@@ -63,18 +63,24 @@ def test_another_geometry_capacity_or_format_is_refused_and_the_pool_kept(pool_p
     with open(pool_path, "r+b") as handle:  # a pool of a later layout version
         handle.seek(8 * int(Word.VERSION))
         handle.write((99).to_bytes(8, "little"))
-    with pytest.raises(ConfigError, match="layout version 99; this tierkv reads version 1"):
+    with pytest.raises(ConfigError, match=f"layout version 99; this tierkv reads version {VERSION}"):
         opened(pool_path)
 
 
 def test_a_file_that_is_not_a_pool_is_never_read_as_one(pool_path: Path) -> None:
     pool_path.write_bytes(os.urandom(1 << 16))
+    pool_path.chmod(0o600)
     with pytest.raises(ConfigError, match="not a tierkv pool"):
         opened(pool_path)
     assert pool_path.stat().st_size == 1 << 16, "the file was left as it was"
+    for contents in (b"", bytes(1 << 16)):  # empty, or a header of zeros: still not this process's to format
+        pool_path.write_bytes(contents)
+        with pytest.raises(ConfigError, match="not a tierkv pool"):
+            opened(pool_path)
+        assert pool_path.read_bytes() == contents, "a file tierkv did not create is never turned into a pool"
     header = bytearray(1 << 16)
     header[: 8] = MAGIC.to_bytes(8, "little")
-    header[8 * int(Word.VERSION) : 8 * int(Word.VERSION) + 8] = (1).to_bytes(8, "little")
+    header[8 * int(Word.VERSION) : 8 * int(Word.VERSION) + 8] = VERSION.to_bytes(8, "little")
     pool_path.write_bytes(bytes(header))  # the magic word, and nothing that matches its geometry
     with pytest.raises(ConfigError, match="its capacity is 0 bytes"):
         opened(pool_path)
@@ -118,3 +124,36 @@ def test_a_pool_this_process_may_not_open_is_an_error_naming_it(pool_path: Path)
     os.waitpid(child, 0)
     assert message.startswith("ConfigError") and "no permission to open the pool" in message, message
     assert str(pool_path) in message
+
+
+def test_pool_size_says_what_a_capacity_costs_and_whether_it_fits(pool_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    def pool_size(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tierkv.cli", "pool-size", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    said = pool_size("4MiB", "--path", str(pool_path))
+    assert said.returncode == 0, said.stderr
+    stated = int(re.search(r"is a file of .* \((\d+) bytes\)", said.stdout).group(1))  # type: ignore[union-attr]
+    tier = SharedMemoryBackend("node", 4 << 20, path=str(pool_path))
+    asyncio.run(tier.close())
+    assert stated == pool_path.stat().st_size > 4 << 20, "the real size of the file, index and hold rows included"
+    free = os.statvfs(pool_path.parent).f_bavail * os.statvfs(pool_path.parent).f_frsize
+    too_big = pool_size(str(2 * free), "--path", str(pool_path))
+    assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout and "tierkv: error:" in too_big.stderr
+
+
+def test_evictions_count_their_bytes(pool_path: Path) -> None:
+    tier = opened(pool_path, capacity=64 << 10)
+    try:
+        size = workers.chunk_of(0).numel() * 4
+        for index in range(40):
+            asyncio.run(tier.put(workers.key_of(index), workers.chunk_of(index)))
+        stats = tier.stats()
+        assert stats["evictions"] > 0 and stats["evicted_bytes"] >= stats["evictions"] * size, stats
+        assert stats["pool_evicted_bytes"] == stats["evicted_bytes"], "one process: the pool's count is its own"
+    finally:
+        asyncio.run(tier.close())

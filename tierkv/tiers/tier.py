@@ -74,6 +74,7 @@ class Tier:
         self.timeout = health.timeout_s
         self.full_retry_s = health.retry_after_s
         self.full: tuple[float, str] | None = None  # (when it said full, what it said)
+        self._last_failure = ""  # the last failure logged (its repeats are not)
         self.pressure: TierPressure | None = None
         self.coded: CodedBackend | None = None
         if codec != "none":  # the tier's reads feed its speed line with the bytes moved, not decoded
@@ -165,11 +166,20 @@ class Tier:
                 f"{health.consecutive_failures} failures in a row (retried in {max(0.0, retry_at - now):.1f}s; "
                 f"last error: {health.last_error})")
 
+    def succeeded(self) -> None:
+        """A call went through: the breaker closes, and the next failure is logged again."""
+        self.breaker.record_success()
+        self._last_failure = ""
+
     def failed(self, operation: str, exc: BaseException) -> None:
-        """Count a failed call and feed the health breaker."""
+        """Count a failed call and feed the health breaker. The same failure again (a tier that
+        stays down, probed every ``retry_after_s``) is logged at debug level, not once per call."""
         self.metrics.add("errors")
-        self.breaker.record_failure(time.monotonic(), f"{operation}: {type(exc).__name__}: {exc}")
-        logger.warning("tier %r: %s failed: %s: %s", self.name, operation, type(exc).__name__, exc)
+        said = f"{operation}: {type(exc).__name__}: {exc}"
+        self.breaker.record_failure(time.monotonic(), said)
+        level = logging.DEBUG if said == self._last_failure else logging.WARNING
+        self._last_failure = said
+        logger.log(level, "tier %r: %s failed: %s: %s", self.name, operation, type(exc).__name__, exc)
 
     # -- timeouts ---------------------------------------------------------------------------
     async def timed(self, awaitable: Awaitable[T]) -> T:
@@ -335,7 +345,7 @@ class Tier:
             self.failed("put", exc)
             raise
         self.metrics.put_latency.observe(time.perf_counter() - started)
-        self.breaker.record_success()
+        self.succeeded()
         if self.full is not None:
             self.full = None
             logger.info("tier %r: admitting again (a put succeeded)", self.name)
@@ -378,7 +388,7 @@ class Tier:
             self.failed("get", exc)
             return [False] * len(keys)
         self.metrics.get_latency.observe(time.perf_counter() - started)
-        self.breaker.record_success()
+        self.succeeded()
         self.count_read(len(got), [out for out, hit in zip(outs, got) if hit], started)
         return list(got)
 
@@ -394,7 +404,7 @@ class Tier:
             self.failed("get", exc)
             return [None] * len(keys)
         self.metrics.get_latency.observe(time.perf_counter() - started)
-        self.breaker.record_success()
+        self.succeeded()
         self.count_read(len(got), [c for c in got if c is not None], started)
         return got
 

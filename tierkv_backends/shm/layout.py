@@ -11,7 +11,9 @@ One file on a memory file system, mapped by every process that names it::
 - entries: struct-of-arrays, one slot per chunk (:data:`ENTRY_FIELDS`): digest, state, owner,
   readers, extent, layout, last use, scope;
 - free extents: (start, length) pairs of the data area, sorted by start, coalesced;
-- processes: a slot per attached process (pid, start time, pid namespace, heartbeat, token);
+- processes: a slot per attached process (pid, start time, pid namespace, heartbeat, token); the
+  process also holds a kernel lock on one byte per slot (:data:`LIVENESS_BASE`, far past the
+  file's end), so whether a slot's process lives is a question the kernel answers;
 - holds: per process slot, the entry ids it holds (-1 free), so a dead process's holds can be
   given back;
 - data: ``capacity`` bytes of chunk payloads.
@@ -31,10 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = int.from_bytes(b"TKVSHM\x00\x01", "little")
-VERSION = 1
+VERSION = 2  # 2: liveness by a kernel lock per process slot (pool.py), leases revoke holds only
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 SHAPE_DIMS = 8
+
+LIVENESS_BASE = 1 << 60
+"""Byte offset of slot 0's liveness lock (an open-file-description lock, never data)."""
 
 EMPTY, DELETED = -1, -2
 """Hash-table slots: no entry, or an entry removed (probing goes on past it)."""
@@ -72,6 +77,8 @@ class Word(enum.IntEnum):
     REAPED_PROCESSES = 17
     CREATED_NS = 18
     NEXT_ENTRY = 19  # where the search for a free entry starts
+    EVICTED_BYTES = 20
+    EXPIRED_LEASES = 21  # holds taken back from live processes whose heartbeat stopped (stopped, frozen)
 
 
 ENTRY_FIELDS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -117,6 +124,11 @@ class Geometry:
         packed = struct.pack("<6q", VERSION, self.capacity, self.max_chunks, self.max_processes,
                              self.holds_per_process, SHAPE_DIMS)
         return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
+
+
+def default_max_chunks(capacity: int) -> int:
+    """Chunks a pool indexes unless told: one per 256 KiB of capacity, at least 4096, at most 1M."""
+    return max(4096, min(1 << 20, capacity // (256 << 10)))
 
 
 def _aligned(offset: int, align: int = 64) -> int:

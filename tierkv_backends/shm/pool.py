@@ -3,32 +3,45 @@ the allocator, holds, eviction, and recovery from processes that die at any inst
 
 The contract (docs/design.md, "One host cache per node"):
 
-- **One lock, released by the kernel.** Every change to the index happens under an ``flock``
-  on the pool file (plus a thread lock inside the process). A process killed while holding it
-  loses it at once; the header word :attr:`Word.HOLDER` it set on entry is still set, so the
-  next holder knows the index may be half changed and rebuilds everything derived (tables,
-  free extents, reader counts) from the entries, which change one state word at a time.
+- **One lock, released by the kernel, never waited on without bound.** Every change to the
+  index happens under an ``flock`` on the pool file (plus a thread lock inside the process),
+  taken with a deadline (:mod:`tierkv_backends.shm.lock`: a holder that is stopped costs the
+  others one wait of ``lock_timeout_s``, then misses). A process killed while holding it loses
+  it at once; the header word :attr:`Word.HOLDER` it set on entry is still set, so the next
+  holder knows the index may be half changed and rebuilds everything derived (tables, free
+  extents, reader counts) from the entries, which change one state word at a time.
 - **Visible only when whole.** A put reserves an entry (WRITING, invisible, owned by its process
   slot) and an extent, fills the extent outside the lock, and commits (one store of the state
   word, then one store into the hash table). A writer that dies leaves a WRITING entry of a dead
   owner: reaped, its extent freed.
 - **No byte changes under a reader.** A read holds the entry (its reader count, and the entry id
   in the process's hold row in the pool) while it copies; an entry with readers is never
-  evicted and a replaced or deleted one is RETIRED until its last reader lets go. A dead
-  process's holds are given back when it is reaped; a process reaped while alive (its heartbeat
-  stopped for ``lease_s`` in another pid namespace) finds its token changed when it releases
-  and reports the read as a miss.
-- **No space leaked.** Dead processes (pid gone or reused, or a stale heartbeat across pid
-  namespaces) are reaped whenever room runs out and when a process attaches.
+  evicted and a replaced or deleted one is RETIRED until its last reader lets go.
+- **Dead is what the kernel says.** A process is dead when the kernel dropped its slot's
+  liveness lock (:mod:`tierkv_backends.shm.liveness`; any pid namespace): then its holds, its
+  unfinished writes and its slot are given back. A live process whose heartbeat stopped for
+  ``lease_s`` (stopped, frozen) has only its holds taken back and its token voided: when it runs
+  again it finds the token changed, forgets those holds without touching any count, reports
+  their reads as misses (``stale_reads``) and goes on in its own slot under a new token; what it
+  was writing stayed its own, so its write completes into memory nobody else was given.
+  Reader counts therefore never outlive their process, and no process writes into room it
+  does not own.
+- **No space leaked.** Dead processes are reaped whenever room runs out and when a process
+  attaches.
 - **Bounded.** Extents are carved from ``capacity`` bytes by first fit with coalescing; room is
   made by evicting committed entries without readers, least recently used first (``tick`` is
   CLOCK_MONOTONIC, one clock for every process on the node).
+- **A shrunk file is an error, not a signal.** Before each batch and at each heartbeat the
+  process compares the file's size with its mapping; a file someone truncated makes the pool
+  unusable to this process (:class:`PoolBrokenError`, one log line), never a SIGBUS, save for a
+  truncation in the instant between that check and a copy.
 
 Lookups read the live hash table without the lock (an answer may be stale by the time it is
 used; a read then misses, never returns another chunk's bytes).
 
 The file and its mapping are :mod:`tierkv_backends.shm.file`'s, the hash table and the free
-extents :mod:`tierkv_backends.shm.index`'s. Over 400 lines (about 510) by choice: the lock, the
+extents :mod:`tierkv_backends.shm.index`'s, the lock's deadline :mod:`tierkv_backends.shm.lock`'s, the attached processes
+:mod:`tierkv_backends.shm.processes`'. Over 400 lines (about 530) by choice: the lock, the
 entries' states, holds, reaping and recovery are one state machine over one index (recovery
 rebuilds what every other method keeps; reaping undoes holds and writes), and splitting it
 would spread the invariants above across modules that each keep only part of them.
@@ -37,26 +50,26 @@ would spread the invariants above across modules that each keep only part of the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
-import os
-import secrets
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tierkv.chunks import serde
-from tierkv.errors import CapacityError, ConfigError, TierKVError
+from tierkv.errors import CapacityError, TierKVError, TierUnavailableError
+from tierkv_backends.shm import liveness
 from tierkv_backends.shm.file import now_ns
-from tierkv_backends.shm.index import REHASH_FRACTION, PoolIndex
+from tierkv_backends.shm.index import REHASH_FRACTION
 from tierkv_backends.shm.layout import SHAPE_DIMS, Geometry, State, Word
+from tierkv_backends.shm.lock import PoolLock
+from tierkv_backends.shm.processes import PoolBrokenError, PoolProcesses
 
 logger = logging.getLogger("tierkv_backends.shm_pool")
 
+__all__ = ["Held", "PoolBrokenError", "SharedPool", "alloc_size", "digest"]
 
 
 def digest(key: bytes) -> tuple[int, int]:
@@ -73,23 +86,6 @@ def alloc_size(nbytes: int) -> int:
     return max(align, -(-nbytes // align) * align)
 
 
-def _process_start(pid: int) -> int:
-    """A process's start time in clock ticks since boot (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 @dataclass
 class Held:
     """One hold on an entry: its id and the position of the hold in this process's row."""
@@ -99,113 +95,115 @@ class Held:
     token: int
 
 
-class SharedPool(PoolIndex):
+_ATTACH_WAIT_S = 10.0  # the lock at attach: longer than a call's wait, still bounded
+
+
+class SharedPool(PoolProcesses):
     """One process's view of a pool file (see the module docstring)."""
 
     def __init__(self, path: str, geometry: Geometry, mode: int = 0o600, lease_s: float = 30.0,
-                 where: str = "shm tier") -> None:
+                 where: str = "shm tier", lock_timeout_s: float = 1.0) -> None:
         super().__init__(path, geometry, mode, where)
-        self.lease_s = lease_s
-        self.evicted = 0  # evictions this process made
-        self._thread_lock = threading.RLock()
+        self._init_processes(lease_s)
+        self.evicted = 0  # evictions this process made (taken by the tier's counters)
+        self.evicted_bytes = 0
+        self._lock = PoolLock(self._fd, lock_timeout_s, self._holder, where, path)
         try:
-            self._pidns = _pid_namespace()
-            self.slot = -1
-            self.token = 0
-            self._free_positions: list[int] = []
-            with self.lock():
+            with self.lock(_ATTACH_WAIT_S):
                 self.reap()
                 self._claim_slot()
         except BaseException:
             self._close_files()
             raise
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="tierkv-shm-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._start_heartbeat()
 
     # -- the lock ------------------------------------------------------------------------------
+    @property
+    def lock_timeouts(self) -> int:
+        """Waits for the lock that gave up (:class:`~tierkv_backends.shm.lock.PoolBusyError`)."""
+        return self._lock.timeouts
+
     @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """The pool's one lock: the process's thread lock, then the file's flock. A holder that
-        died inside leaves :attr:`Word.HOLDER` set; the next holder rebuilds first. A change
-        that failed with a tierkv error left the index whole (every such path gives back what
-        it took); any other exception leaves the word set, so the next holder rebuilds too."""
-        with self._thread_lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                if int(self.words[Word.HOLDER]) != 0:
-                    self.recover()
-                self.words[Word.HOLDER] = self.slot + 1 if self.slot >= 0 else self.geometry.max_processes + 1
-                try:
-                    yield
-                except TierKVError:
-                    self.words[Word.HOLDER] = 0
-                    raise
-                self.words[Word.HOLDER] = 0
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def lock(self, wait_s: float | None = None) -> Iterator[None]:
+        """The pool's one lock, within ``wait_s`` (default ``lock_timeout_s``), else
+        :class:`PoolBusyError` (see :mod:`tierkv_backends.shm.lock`). A holder that died inside
+        leaves :attr:`Word.HOLDER` set; the next holder rebuilds first. A change that failed with
+        a tierkv error left the index whole (every such path gives back what it took); any other
+        exception leaves the word set, so the next holder rebuilds too."""
+        self.check_intact()
+        self._lock.acquire(wait_s)
+        try:
+            with self._inside():
+                yield
+        finally:
+            self._lock.release()
 
-    # -- processes -----------------------------------------------------------------------------
-    def _claim_slot(self) -> None:
-        pids = self.procs["pid"]
-        free = np.flatnonzero(pids == 0)
-        if not len(free):
-            raise ConfigError(f"{self.where}: the pool at {self.path!r} has all its {self.geometry.max_processes} "
-                              "process slots taken by live processes (max_processes)")
-        slot = int(free[0])
-        self.token = secrets.randbits(62) + 1
-        self.holds[slot][:] = -1
-        self.procs["start"][slot] = _process_start(os.getpid())
-        self.procs["pidns"][slot] = self._pidns
-        self.procs["heartbeat"][slot] = now_ns()
-        self.procs["token"][slot] = self.token
-        self.procs["holds"][slot] = 0
-        self.procs["pid"][slot] = os.getpid()
-        self.slot = slot
-        self._free_positions = list(range(self.geometry.holds_per_process - 1, -1, -1))
+    @contextlib.asynccontextmanager
+    async def alock(self, wait_s: float | None = None) -> AsyncIterator[None]:
+        """:meth:`lock`, waiting on the event loop; the body must not await."""
+        self.check_intact()
+        await self._lock.acquire_async(wait_s)
+        try:
+            with self._inside():
+                yield
+        finally:
+            self._lock.release()
 
-    def _beat(self) -> None:
-        while not self._stop.wait(max(0.05, self.lease_s / 4)):
-            try:
-                if self.slot >= 0 and int(self.procs["token"][self.slot]) == self.token:
-                    self.procs["heartbeat"][self.slot] = now_ns()
-            except (AttributeError, ValueError):  # closing: the mapping is gone
-                return
-
-    def alive(self, slot: int) -> bool:
-        """Whether the process in ``slot`` still runs (by pid and start time in this pid namespace,
-        by its heartbeat in another)."""
-        pid = int(self.procs["pid"][slot])
-        if pid == 0:
-            return False
-        if slot == self.slot and pid == os.getpid():
-            return True
-        if int(self.procs["pidns"][slot]) == self._pidns:
-            return _process_start(pid) == int(self.procs["start"][slot])
-        return now_ns() - int(self.procs["heartbeat"][slot]) < self.lease_s * 1e9
+    @contextlib.contextmanager
+    def _inside(self) -> Iterator[None]:
+        if not self._lock.outermost:  # nested in this thread: the outer holding did the checks
+            yield
+            return
+        self.check_intact()
+        if int(self.words[Word.HOLDER]) != 0:
+            self.recover()
+        self.words[Word.HOLDER] = self.slot + 1 if self.slot >= 0 else self.geometry.max_processes + 1
+        if self.slot >= 0:
+            self._rejoin_if_revoked()
+            self._release_pending()
+        try:
+            yield
+        except TierKVError:
+            self.words[Word.HOLDER] = 0
+            raise
+        self.words[Word.HOLDER] = 0
 
     def reap(self) -> int:
-        """Give back what dead processes held (their holds, their unfinished writes, their slot);
-        how many were reaped. Under the lock."""
-        reaped = 0
-        for slot in np.flatnonzero(self.procs["pid"] != 0):
-            slot = int(slot)
-            if slot == self.slot or self.alive(slot):
+        """Give back what dead processes held (their holds, their unfinished writes, their slot),
+        and take back the holds of live processes whose heartbeat stopped for ``lease_s`` (their
+        unfinished writes stay theirs: a stopped writer resumes into them); how many processes
+        were reaped. Under the lock."""
+        reaped = expired = 0
+        for slot in (int(s) for s in np.flatnonzero(self.procs["pid"] != 0)):
+            if slot == self.slot:
                 continue
-            row = self.holds[slot]
-            for entry in row[row >= 0]:
-                self._unhold(int(entry))
-            row[:] = -1
+            if self.alive(slot):
+                if int(self.procs["token"][slot]) != 0 and self._lease_expired(slot):
+                    self._take_holds_back(slot)
+                    self.procs["token"][slot] = 0  # its holds are void: it rejoins when it runs again
+                    expired += 1
+                continue
+            self._take_holds_back(slot)
             for entry in np.flatnonzero((self.entries["state"] == State.WRITING) & (self.entries["owner"] == slot)):
                 self._free_entry(int(entry))
             self.procs["token"][slot] = 0
-            self.procs["holds"][slot] = 0
             self.procs["pid"][slot] = 0
             reaped += 1
         if reaped:
             self.words[Word.REAPED_PROCESSES] += reaped
             logger.info("%s: gave back what %d dead process(es) held in the pool at %s", self.where, reaped, self.path)
-        return reaped
+        if expired:
+            self.words[Word.EXPIRED_LEASES] += expired
+            logger.warning("%s: took back the holds of %d process(es) in the pool at %s that did not run for lease_s="
+                           "%gs (stopped or frozen)", self.where, expired, self.path, self.lease_s)
+        return reaped + expired
+
+    def _take_holds_back(self, slot: int) -> None:
+        row = self.holds[slot]
+        for entry in row[row >= 0]:
+            self._unhold(int(entry))
+        row[:] = -1
+        self.procs["holds"][slot] = 0
 
     # -- recovery ------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -325,9 +323,12 @@ class SharedPool(PoolIndex):
                         raise CapacityError(f"{self.where}: no room for {size} bytes in the pool: the rest of its "
                                             f"{self.geometry.capacity} bytes is being read or written")
                     if int(self.entries["state"][victim]) == State.COMMITTED and not self.entries["readers"][victim]:
+                        freed = int(self.entries["alloc"][victim])
                         self._drop(victim)
                         self.words[Word.EVICTIONS] += 1
+                        self.words[Word.EVICTED_BYTES] += freed
                         self.evicted += 1
+                        self.evicted_bytes += freed
                     start = self._take(size)
                 entry = self._new_entry()
                 if entry is None:
@@ -376,7 +377,7 @@ class SharedPool(PoolIndex):
         Under the lock."""
         for entry in entries:
             if int(self.entries["state"][entry]) != State.WRITING or int(self.entries["owner"][entry]) != self.slot:
-                continue  # reaped meanwhile (this process was taken for dead): nothing to commit
+                continue  # not this process's to commit (given back meanwhile): nothing to do
             self.entries["tick"][entry] = now_ns()
             self.entries["state"][entry] = State.COMMITTED
             replaced = self._publish(entry)
@@ -433,6 +434,28 @@ class SharedPool(PoolIndex):
         self._unhold(held.entry)
         return True
 
+    def release_later(self, held: Held) -> bool:
+        """A release that could not take the lock (it is stuck): done at this process's next
+        holding of it. Whether the read under the hold was valid, from this process's token
+        without the lock: holds are taken back only under the lock, by changing the token first,
+        so a token unchanged after the copy means nobody could have evicted the chunk during it."""
+        if self.slot < 0 or held.token != self.token or int(self.procs["token"][self.slot]) != held.token:
+            return False
+        self._pending.append(held)
+        return True
+
+    def abort_later(self, entries: Sequence[int]) -> None:
+        """Reserved entries whose commit or abort could not take the lock: given back at this
+        process's next holding of it (they stay this live process's WRITING room until then)."""
+        self._pending_aborts.extend(entries)
+
+    def _release_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for held in pending:
+            self.release(held)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        self.abort(aborts)
+
     def _unhold(self, entry: int) -> None:
         readers = int(self.entries["readers"][entry]) - 1
         self.entries["readers"][entry] = max(0, readers)
@@ -453,10 +476,14 @@ class SharedPool(PoolIndex):
         return int(self.words[Word.USED_BYTES])
 
     def counters(self) -> dict[str, int]:
+        mine = {"lock_timeouts": self.lock_timeouts, "holds_taken_back": self.rejoins, "broken": self.broken is not None}
+        if self.broken is not None:  # the mapping must not be touched
+            return mine
         words = self.words
         return {"pool_chunks": int(words[Word.COMMITTED_CHUNKS]), "pool_evictions": int(words[Word.EVICTIONS]),
-                "recoveries": int(words[Word.RECOVERIES]), "reaped_processes": int(words[Word.REAPED_PROCESSES]),
-                "processes": int((self.procs["pid"] != 0).sum()), "free_extents": int(words[Word.FREE_COUNT])}
+                "pool_evicted_bytes": int(words[Word.EVICTED_BYTES]), "recoveries": int(words[Word.RECOVERIES]),
+                "reaped_processes": int(words[Word.REAPED_PROCESSES]), "expired_leases": int(words[Word.EXPIRED_LEASES]),
+                "processes": int((self.procs["pid"] != 0).sum()), "free_extents": int(words[Word.FREE_COUNT]), **mine}
 
     def scope_usage(self) -> dict[int, tuple[int, int]]:
         """Per scope id: (chunks, bytes) of committed entries, every process's."""
@@ -474,7 +501,9 @@ class SharedPool(PoolIndex):
 
     # -- closing -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give back this process's holds and unfinished writes and its slot; unmap."""
+        """Give back this process's holds and unfinished writes and its slot; unmap. Bounded: a
+        lock that stays busy (or a shrunk file) leaves them to the others, who reap this process
+        once it is gone."""
         self._stop.set()
         if self._map is not None and self.slot >= 0:
             try:
@@ -484,15 +513,15 @@ class SharedPool(PoolIndex):
                         for entry in row[row >= 0]:
                             self._unhold(int(entry))
                         row[:] = -1
-                        mine = np.flatnonzero((self.entries["state"] == State.WRITING)
-                                              & (self.entries["owner"] == self.slot))
-                        for entry in mine:
-                            self._free_entry(int(entry))
-                        self.procs["token"][self.slot] = 0
-                        self.procs["holds"][self.slot] = 0
-                        self.procs["pid"][self.slot] = 0
-            except OSError as exc:  # the file went away under us: nothing left to give back
+                    mine = np.flatnonzero((self.entries["state"] == State.WRITING)
+                                          & (self.entries["owner"] == self.slot))
+                    for entry in mine:
+                        self._free_entry(int(entry))
+                    self.procs["token"][self.slot] = 0
+                    self.procs["holds"][self.slot] = 0
+                    self.procs["pid"][self.slot] = 0
+                    liveness.give_up(self._fd, self.slot)
+            except (OSError, TierUnavailableError) as exc:  # gone, shrunk or stuck: the others reap this one
                 logger.warning("%s: closing the pool at %s: %s", self.where, self.path, exc)
         self.slot = -1
         self._close_files()
-

@@ -23,6 +23,7 @@ pool lives in memory (``/dev/shm``, or a hugetlbfs mount).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,8 +41,9 @@ from tierkv.chunks.memory import cuda_available, empty_host
 from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.routing import offload
 from tierkv_backends.shm.file import MEMORY_FILE_SYSTEMS, file_system_type
-from tierkv_backends.shm.layout import SHAPE_DIMS, Geometry
-from tierkv_backends.shm.pool import Held, SharedPool, digest
+from tierkv_backends.shm.layout import HEADER_BYTES, SHAPE_DIMS, Geometry, Layout, default_max_chunks
+from tierkv_backends.shm.lock import PoolBusyError
+from tierkv_backends.shm.pool import Held, PoolBrokenError, SharedPool, digest
 
 logger = logging.getLogger("tierkv_backends.shm")
 
@@ -112,15 +114,21 @@ class SharedMemoryBackend(StorageBackend):
         "max_processes": Option("int", 64, minimum=1, doc="processes attached at once"),
         "holds_per_process": Option("int", 16384, minimum=16, doc="chunks one process may hold at once "
                                                                   "(reads in flight, fills waiting)"),
-        "lease_s": Option("float", 30.0, minimum=0.1, doc="a process in another pid namespace that has not "
-                                                          "beaten its heartbeat for this long is taken for dead"),
+        "lease_s": Option("float", 30.0, minimum=0.1, doc="a live process whose heartbeat stopped for this long "
+                                                          "(stopped, frozen) has its holds taken back, so the pool "
+                                                          "can evict what it was reading; a process is dead only when "
+                                                          "the kernel says so"),
+        "lock_timeout_s": Option("float", 1.0, minimum=0.001, doc="how long a call waits for the pool's lock "
+                                                                  "before it gives up (a store goes to the next "
+                                                                  "tier, a read misses) and, until the lock is free "
+                                                                  "again, stops waiting for it"),
         "pinned": Option("bool", None, doc="register the pool as pinned memory for CUDA copies (default: when "
                                            "CUDA is available)"),
     }
 
     def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int | str = 0o600,
                  max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int = 16384,
-                 lease_s: float = 30.0, pinned: bool | None = None) -> None:
+                 lease_s: float = 30.0, lock_timeout_s: float = 1.0, pinned: bool | None = None) -> None:
         super().__init__(name, capacity)
         assert self.capacity is not None  # requires_capacity guarantees it
         self.path = path or _default_path()
@@ -129,15 +137,38 @@ class SharedMemoryBackend(StorageBackend):
             logger.warning("tier %r: %s is on a %s file system, not in memory (tmpfs such as /dev/shm, or "
                            "hugetlbfs): the kernel writes the pool's pages back to disk, and a half-written pool "
                            "may survive a reboot", name, self.path, kind)
-        chunks = max_chunks or max(4096, min(1 << 20, self.capacity // (256 << 10)))
-        geometry = Geometry(self.capacity, chunks, max_processes, holds_per_process)
-        self.pool = SharedPool(self.path, geometry, _mode(mode), lease_s, where=f"tier {name!r}")
+        geometry = Geometry(self.capacity, max_chunks or default_max_chunks(self.capacity), max_processes,
+                            holds_per_process)
+        self.pool = SharedPool(self.path, geometry, _mode(mode), lease_s, where=f"tier {name!r}",
+                               lock_timeout_s=lock_timeout_s)
         self._digests: dict[CacheKey, tuple[int, int]] = {}
         self._pinned: list[int] = []
         if pinned if pinned is not None else cuda_available():
             self._pin()
         self.device = torch.device("cpu")
-        self.counters.update({"stale_reads": 0})
+        self.counters.update({"stale_reads": 0, "skipped_stores": 0, "busy_misses": 0})
+
+    @classmethod
+    def file_size(cls, capacity: int, path: str | None = None, max_chunks: int | None = None,
+                  max_processes: int = 64, holds_per_process: int = 16384) -> dict[str, Any]:
+        """What a pool of ``capacity`` costs in its file system (``tierkv pool-size``): the file's
+        bytes, where they go, and the room the file system at ``path`` has for it."""
+        geometry = Geometry(capacity, max_chunks or default_max_chunks(capacity), max_processes, holds_per_process)
+        layout = Layout.of(geometry)
+        holds = 4 * max_processes * holds_per_process
+        path = path or _default_path()
+        directory = os.path.dirname(os.path.abspath(path)) or "."
+        try:
+            stats = os.statvfs(directory)
+            free: int | None = stats.f_bavail * stats.f_frsize
+        except OSError:
+            free = None
+        return {"path": path, "capacity": capacity, "file_bytes": layout.file_bytes,
+                "index_bytes": layout.holds - HEADER_BYTES, "hold_rows_bytes": holds,
+                "header_and_alignment_bytes": HEADER_BYTES + layout.data - layout.holds - holds,
+                "max_chunks": geometry.max_chunks, "max_processes": max_processes,
+                "holds_per_process": holds_per_process, "file_system": file_system_type(directory) or None,
+                "free_bytes": free, "fits": None if free is None else free >= layout.file_bytes}
 
     # -- keys ----------------------------------------------------------------------------------
     def _digest(self, key: CacheKey) -> tuple[int, int]:
@@ -205,25 +236,44 @@ class SharedMemoryBackend(StorageBackend):
             serde.dtype_code(dtype)
             self._check_fits(nbytes_of(shape, dtype))
         batch = list(latest)
-        with self.pool.lock():
-            entries = self.pool.reserve([self._digest(key) for key in batch], [_scope_id(key.scope) for key in batch],
-                                        [latest[key] for key in batch])
-            self._count_evictions()
+        try:
+            async with self.pool.alock():
+                entries = self.pool.reserve([self._digest(key) for key in batch],
+                                            [_scope_id(key.scope) for key in batch], [latest[key] for key in batch])
+                self._count_evictions()
+        except (PoolBusyError, PoolBrokenError):
+            self.counters["skipped_stores"] += len(batch)
+            raise
         try:
             await write({key: self.pool.view(entry) for key, entry in zip(batch, entries)})
         except BaseException:
-            with self.pool.lock():
-                self.pool.abort(entries)
+            with contextlib.suppress(PoolBusyError, PoolBrokenError):  # given back later; the first error stands
+                await self._finish(entries, commit=False)
             raise
-        with self.pool.lock():
-            self.pool.commit(entries)
+        await self._finish(entries, commit=True)
         if on_commit is not None:
             on_commit()
         return len(keys)
 
+    async def _finish(self, entries: list[int], commit: bool) -> None:
+        """Commit (or give back) reserved entries; when the lock stays busy (or the file shrank)
+        they are given back at this process's next holding of the lock, never left behind."""
+        try:
+            async with self.pool.alock():
+                if commit:
+                    self.pool.commit(entries)
+                else:
+                    self.pool.abort(entries)
+        except (PoolBusyError, PoolBrokenError):
+            self.pool.abort_later(entries)
+            self.counters["skipped_stores"] += len(entries)
+            raise
+
     def _count_evictions(self) -> None:
         made, self.pool.evicted = self.pool.evicted, 0
+        freed, self.pool.evicted_bytes = self.pool.evicted_bytes, 0
         self.counters["evictions"] += made
+        self.counters["evicted_bytes"] += freed
 
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
         await self.batched_put([key], [chunk])
@@ -246,16 +296,25 @@ class SharedMemoryBackend(StorageBackend):
         self._ensure_open()
         if not keys:
             return []
-        with self.pool.lock():
-            held = self.pool.hold(self._digest_rows(keys))
-            views = [None if h is None else self.pool.view(h.entry) for h in held]
+        try:
+            with self.pool.lock():
+                held = self.pool.hold(self._digest_rows(keys))
+                views = [None if h is None else self.pool.view(h.entry) for h in held]
+        except (PoolBusyError, PoolBrokenError):  # the lock is stuck, or the file shrank: misses
+            self.counters["busy_misses"] += len(keys)
+            return [None] * len(keys)
         return [None if h is None or view is None else PoolHold(self, h, view) for h, view in zip(held, views)]
 
     def _release(self, held: Sequence[Held]) -> list[bool]:
         if self.pool.slot < 0:  # closed: the pool took its holds back
             return [False] * len(held)
-        with self.pool.lock():
-            valid = [self.pool.release(h) for h in held]
+        try:
+            with self.pool.lock():
+                valid = [self.pool.release(h) for h in held]
+        except PoolBusyError:  # released at the next holding of the lock
+            valid = [self.pool.release_later(h) for h in held]
+        except PoolBrokenError:  # nothing read from a shrunk file counts
+            valid = [False] * len(held)
         stale = len(valid) - sum(valid)
         if stale:
             self.counters["stale_reads"] += stale
@@ -302,6 +361,10 @@ class SharedMemoryBackend(StorageBackend):
     def _found(self, keys: Sequence[CacheKey]) -> list[bool]:
         if not keys:
             return []
+        try:
+            self.pool.check_intact()
+        except PoolBrokenError:
+            return [False] * len(keys)
         if len(keys) <= 256:  # a prompt's chunks: plain Python beats numpy's per-call cost
             return self.pool.contains([self._digest(key) for key in keys])
         return (self.pool.find(self._digest_rows(keys)) >= 0).tolist()
@@ -309,16 +372,18 @@ class SharedMemoryBackend(StorageBackend):
     async def delete(self, key: CacheKey) -> bool:
         self._ensure_open()
         d0, d1 = self._digest(key)
-        with self.pool.lock():
+        async with self.pool.alock():
             return self.pool.delete(d0, d1)
 
     # -- reporting ---------------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
         """Bytes the pool holds, every process's."""
-        return self.pool.used_bytes if not self._closed else 0
+        return self.pool.used_bytes if not self._closed and self.pool.broken is None else 0
 
     def scope_usage(self) -> dict[str, dict[str, int]]:
+        if self.pool.broken is not None:
+            return {}
         usage = self.pool.scope_usage()
         return {f"{scope:016x}": {"chunks": chunks, "bytes": nbytes} for scope, (chunks, nbytes) in usage.items()}
 
