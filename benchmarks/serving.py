@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from serving_workloads import Request, Trace, traces  # noqa: E402
 from tables import print_table  # noqa: E402
 
 from tierkv.testing.mooncake_server import free_port  # noqa: E402  (one loopback port, free now)
+from tierkv.testing.processes import start_group, stop_group  # noqa: E402
 
 CHUNK = 256
 MAX_MODEL_LEN = 2304
@@ -99,8 +99,8 @@ def start_server(model: Path, port: int, config: Config, log: Path) -> subproces
             "kv_role": "kv_both", "kv_connector_extra_config": extra})]
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "wb") as handle:
-        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(log, "wb") as handle:  # a process group of its own: the API server, its engine core and worker
+        return start_group(args, stdout=handle, stderr=subprocess.STDOUT, env=env)
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> None:
@@ -119,14 +119,9 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: f
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(30)
+    """Stop the server's whole process group (TERM, 30 s, KILL), even when the API server has
+    exited already: its engine core and worker may not have."""
+    stop_group(process, grace_s=30.0)
 
 
 # -- one configuration -----------------------------------------------------------------------------

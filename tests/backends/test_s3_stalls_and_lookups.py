@@ -25,6 +25,7 @@ from tierkv.testing.faultproxy import FaultProxy
 from tierkv.testing.s3server import S3Server
 
 CHUNK = 16
+MISS_TTLS_S = (1.0, 4.0, 16.0)  # lookup_miss_ttl_s tried in turn, until the calls fit in one
 
 
 def kv_of(tokens: torch.Tensor) -> torch.Tensor:
@@ -122,11 +123,25 @@ def test_a_repeated_lookup_asks_the_store_nothing(s3_server: S3Server, s3_bucket
 
 
 def test_a_chunk_found_missing_is_asked_again_once_the_answer_is_old(s3_server: S3Server, s3_bucket: str) -> None:
-    cfg = s3_only(s3_server, s3_bucket, s3_server.endpoint_url, lookup_miss_ttl_s=0.5)
-    tokens = prompt(0, chunks=2)
-    with Engine(cfg) as reader, Engine(cfg) as writer:
-        assert reader.lookup(tokens) == 0
-        writer.store(tokens, kv_of(tokens))  # another replica stores it
-        assert reader.lookup(tokens) == 0, "within lookup_miss_ttl_s the miss is believed"
-        time.sleep(0.6)
-        assert reader.lookup(tokens) >= CHUNK, "then the store is asked again"
+    """A miss is believed for ``lookup_miss_ttl_s`` (a lookup meanwhile asks nothing and finds
+    nothing, though another replica stored the chunk), then asked again. The TTL runs on the
+    clock, so what each lookup must answer follows from the time measured around the calls:
+    the miss is recorded during the first lookup, so it is fresh for the whole second lookup
+    when that ends less than a TTL after the first began, and old once a TTL has passed since
+    the first ended. A machine too slow to store a chunk within the TTL gets a longer one."""
+    for attempt, ttl in enumerate(MISS_TTLS_S):
+        cfg = s3_only(s3_server, s3_bucket, s3_server.endpoint_url, lookup_miss_ttl_s=ttl)
+        tokens = prompt(attempt, chunks=2)
+        with Engine(cfg) as reader, Engine(cfg) as writer:
+            began = time.monotonic()
+            assert reader.lookup(tokens) == 0
+            answered = time.monotonic()  # the miss was recorded between `began` and now
+            writer.store(tokens, kv_of(tokens))  # another replica stores it
+            believed = reader.lookup(tokens)
+            if time.monotonic() - began >= ttl:
+                continue  # the miss may have aged out during these calls: try again with a longer TTL
+            assert believed == 0, "within lookup_miss_ttl_s the miss is believed"
+            time.sleep(max(0.0, answered + ttl - time.monotonic()) + 0.05)  # the miss is old now
+            assert reader.lookup(tokens) >= CHUNK, "then the store is asked again"
+            return
+    pytest.fail(f"a lookup, a store of two chunks and a lookup never fit in lookup_miss_ttl_s {MISS_TTLS_S}")

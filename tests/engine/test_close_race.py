@@ -1,6 +1,8 @@
 """``close()`` racing calls from other threads (and tasks): every call either completes or
 raises BackendClosedError promptly; no thread waits on a loop that is gone (real cpu, lmdb
-and fs tiers; every join is bounded)."""
+and fs tiers; every join is bounded). By construction, not by timing: ``close()`` refuses new
+calls, lets the calls already running end against open tiers, and only then closes them
+(tierkv/routing/calls.py), so a store in flight is never failed by a tier closed under it."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fill_cancel import HeldWrites
 
 from tierkv import AsyncEngine, BackendClosedError, Engine, EngineBuilder
+from tierkv.routing.router import TierRouter
 
 CHUNK, LAYERS, HEADS, HEAD = 16, 2, 2, 4
 THREADS, ROUNDS, JOIN_S = 6, 4, 60.0
@@ -124,3 +128,77 @@ def test_async_engine_tasks_racing_close(tmp_path: Path) -> None:
         return outcomes
 
     assert asyncio.run(main()) == ["closed"] * THREADS
+
+
+def disk_only(tmp_path: Path) -> dict[str, object]:
+    return {"model": "m", "chunk_size": CHUNK, "cost_aware": False,
+            "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+
+
+def test_a_store_running_when_close_starts_completes_before_its_tier_closes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store held inside its tier's write when ``close()`` starts: close waits for it (the
+    tier stays open), refuses every call made meanwhile, and the store completes once let go;
+    only then are the tiers closed. (A grace far past any test's bound: the wait is for the
+    store, however slow the machine.)"""
+    monkeypatch.setattr(TierRouter, "close_grace_s", 10 * JOIN_S)
+
+    async def main() -> None:
+        engine = AsyncEngine(disk_only(tmp_path))
+        disk = engine.wrap_tier("disk", HeldWrites)
+        tokens = torch.arange(40)
+        store = asyncio.create_task(engine.store(tokens, torch.randn(LAYERS, 2, 40, HEADS, HEAD)))
+        await asyncio.wait_for(disk.writing.wait(), JOIN_S)
+        closer = asyncio.create_task(engine.close())
+        for _ in range(20):  # every loop turn close could take: it waits on the store, not on a clock
+            await asyncio.sleep(0)
+        assert not closer.done() and not disk.inner.closed, "close() closed the tier under a running store"
+        with pytest.raises(BackendClosedError):
+            await engine.lookup(tokens)
+        disk.open.set()
+        assert await asyncio.wait_for(store, JOIN_S) == 3, "the store that began before close() completed"
+        await asyncio.wait_for(closer, JOIN_S)
+        assert disk.inner.closed
+
+    asyncio.run(main())
+
+
+def test_a_store_that_outlasts_the_close_grace_ends_with_backend_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store still held when close()'s grace is over (a hung tier) has its tier closed under
+    it: it ends with BackendClosedError, not with the TierUnavailableError of a store no tier
+    took."""
+    monkeypatch.setattr(TierRouter, "close_grace_s", 0.0)
+
+    async def main() -> None:
+        engine = AsyncEngine(disk_only(tmp_path))
+        disk = engine.wrap_tier("disk", HeldWrites)
+        store = asyncio.create_task(engine.store(torch.arange(40), torch.randn(LAYERS, 2, 40, HEADS, HEAD)))
+        await asyncio.wait_for(disk.writing.wait(), JOIN_S)
+        await asyncio.wait_for(engine.close(), JOIN_S)
+        assert disk.inner.closed
+        disk.open.set()
+        with pytest.raises(BackendClosedError):
+            await asyncio.wait_for(store, JOIN_S)
+
+    asyncio.run(main())
+
+
+def test_a_second_close_waits_for_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``close()`` calls at once: the second returns only once the first has closed the tiers."""
+    monkeypatch.setattr(TierRouter, "close_grace_s", 10 * JOIN_S)
+
+    async def main() -> None:
+        engine = AsyncEngine(disk_only(tmp_path))
+        disk = engine.wrap_tier("disk", HeldWrites)
+        store = asyncio.create_task(engine.store(torch.arange(40), torch.randn(LAYERS, 2, 40, HEADS, HEAD)))
+        await asyncio.wait_for(disk.writing.wait(), JOIN_S)
+        first, second = asyncio.create_task(engine.close()), asyncio.create_task(engine.close())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not second.done(), "the second close() returned while the first was still closing"
+        disk.open.set()
+        await asyncio.wait_for(asyncio.gather(store, first, second), JOIN_S)
+        assert disk.inner.closed
+
+    asyncio.run(main())

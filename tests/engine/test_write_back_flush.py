@@ -98,15 +98,17 @@ def test_a_prompt_whose_flush_returned_survives_sigkill(lower: str, tmp_path: Pa
     for round_, kill_after in enumerate((1, 3, 6)):
         root = tmp_path / str(round_)
         process = writer(root, lower, PROMPTS, flush=True, mode="wait")
-        assert process.stdout is not None
-        acknowledged = 0
-        deadline = time.monotonic() + 120
-        while acknowledged < kill_after and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if line.startswith("stored"):
-                acknowledged += 1
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(60)
+        try:
+            assert process.stdout is not None
+            acknowledged = 0
+            deadline = time.monotonic() + 120
+            while acknowledged < kill_after and time.monotonic() < deadline:
+                line = process.stdout.readline()
+                if line.startswith("stored"):
+                    acknowledged += 1
+        finally:  # killed however the loop ends: the writer would otherwise wait 600 s
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(60)
         held = found(root, lower, PROMPTS)
         assert held[:acknowledged] == [True] * acknowledged, f"round {round_}: flushed prompts lost: {held}"
 

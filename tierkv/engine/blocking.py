@@ -46,11 +46,13 @@ class Engine:
 
     Safe to share between threads, :meth:`close` included: a call that races ``close()``
     either completes or raises :class:`BackendClosedError`; no caller waits on a loop that is
-    gone. Calls already running when ``close()`` starts get up to ``close_grace_s`` to end
-    (a tier closed under them ends them with ``BackendClosedError``); any still running then
-    are cancelled on the loop, and their callers get ``BackendClosedError`` only once the
-    cancelled work has ended (a copy into the caller's memory finishes before the call
-    returns, as for any cancellation: :mod:`tierkv.chunks.ownership`).
+    gone. Calls already running when ``close()`` starts run to their end against open tiers
+    (the router closes no tier under a running call: :mod:`tierkv.routing.calls`, up to its
+    ``close_grace_s``; a tier closed under a call still running then ends it with
+    ``BackendClosedError``); any still running ``close_grace_s`` after that are cancelled on
+    the loop, and their callers get ``BackendClosedError`` only once the cancelled work has
+    ended (a copy into the caller's memory finishes before the call returns, as for any
+    cancellation: :mod:`tierkv.chunks.ownership`).
     """
 
     close_grace_s: ClassVar[float] = 10.0

@@ -1,8 +1,8 @@
 """The tier router: chunk keys and tensors across the stack of tiers, nothing about prompts.
 
-One module of about 530 lines, by choice: one class whose state (the tiers, the fill worker, the
-dirty set, background tasks) every method shares; what could stand alone already does (locate,
-reads, fill, offload, write_back beside it).
+One module of about 565 lines, by choice: one class whose state (the tiers, the fill worker, the
+dirty set, background tasks, the calls running) every method shares; what could stand alone
+already does (locate, reads, fill, offload, write_back, calls beside it).
 
 It decides *which* tier: the first that admits a put (:meth:`TierRouter.put` is the one
 store loop), where a read goes (:mod:`tierkv.routing.locate`, then the one-pass read of
@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +38,7 @@ from tierkv.policy.admission import FrequencySketch
 from tierkv.policy.planner import HOST_MEMORY_SEED, TierSpeed
 from tierkv.policy.pressure import MemoryProbe
 from tierkv.routing import locate
+from tierkv.routing.calls import CallGate
 from tierkv.routing.fill import FillQueue, FillWorker
 from tierkv.routing.locate import FILL_QUEUE, FILL_QUEUE_LEVEL, Level, Levels
 from tierkv.routing.offload import gathered, source_writer
@@ -91,6 +92,9 @@ def _close_quietly(backend: StorageBackend) -> None:
 class TierRouter:
     """Routes batches of chunk keys across the tiers (see the module docstring)."""
 
+    close_grace_s: ClassVar[float] = 10.0
+    """How long :meth:`close` waits for the calls already running before it closes the tiers."""
+
     def __init__(self, config: EngineConfig, probes: Mapping[str, MemoryProbe] | None = None) -> None:
         self.config = config
         self.write_policy = config.write_policy
@@ -114,7 +118,9 @@ class TierRouter:
         self._probes = dict(probes or {})
         self._nvml_state = nvml_status()
         self._started = False
-        self._closed = False
+        self._calls = CallGate()  # the calls running; close() shuts it before it closes a tier
+        self._closing: asyncio.Future[None] | None = None  # the first close(), which later ones wait for
+        self._closed = False  # the tiers are being closed (or are): a store failing now failed because of it
         self._dirty: DirtyChunks | None = DirtyChunks() if self.write_policy == "write_back" else None
         if self.write_policy == "write_back":
             for level, tier in enumerate(self.tiers[:-1]):
@@ -150,8 +156,8 @@ class TierRouter:
             tier.watch_pressure(self._probes.get(tier.name), self.config.pressure, self.spawn)
 
     def ensure_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError("engine is closed")
+        """Raise BackendClosedError once :meth:`close` has begun (from any thread)."""
+        self._calls.check()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background: :meth:`flush` waits for it, a failure is logged."""
@@ -222,10 +228,26 @@ class TierRouter:
             raise TierUnavailableError("flush: " + "; ".join(problems))
 
     async def close(self, flush: bool = True) -> None:
-        """Flush (``flush=False``: without writing write-back's dirty chunks down; they are
-        lost with the memory tiers), then close every tier. Idempotent."""
-        if self._closed:
+        """Refuse new calls, let the running ones end (up to :attr:`close_grace_s`), flush
+        (``flush=False``: without writing write-back's dirty chunks down; they are lost with
+        the memory tiers), then close every tier. A call that began before ``close()`` thus
+        completes against open tiers, and every later one raises BackendClosedError.
+        Idempotent: a second caller waits for the first's close to end."""
+        if self._closing is not None:
+            if not self._closing.done():
+                await asyncio.shield(self._closing)
             return
+        self._closing = asyncio.get_running_loop().create_future()
+        try:
+            await self._close(flush)
+        finally:
+            self._closing.set_result(None)
+
+    async def _close(self, flush: bool) -> None:
+        left = await self._calls.shut(self.close_grace_s)
+        if left:
+            logger.warning("tierkv: closing the tiers under %d call(s) still running %.0f s after close()", left,
+                           self.close_grace_s)
         if flush:
             try:
                 await self.flush()
@@ -245,8 +267,8 @@ class TierRouter:
     # -- where chunks are -------------------------------------------------------------------
     async def levels(self, keys: Sequence[CacheKey]) -> Levels:
         """The level of the highest tier holding each key (:mod:`tierkv.routing.locate`); None if nowhere."""
-        self.ensure_open()
-        return await locate.levels(self.tiers, self._fill, keys)
+        with self._calls.call():
+            return await locate.levels(self.tiers, self._fill, keys)
 
     def levels_nowait(self, keys: Sequence[CacheKey]) -> Levels | None:
         """:meth:`levels` from in-memory indexes, from any thread; None when that needs I/O."""
@@ -294,7 +316,12 @@ class TierRouter:
         """The one store loop: ``put_at`` the first tier that admits the batch, else an error
         naming every tier and why it was skipped. ``put_at``'s event is set when the caller is
         cancelled (its fill then does not wait for room in the queue)."""
-        self.ensure_open()
+        with self._calls.call():
+            return await self._store_in_first(keys, nbytes, put_at)
+
+    async def _store_in_first(self, keys: list[CacheKey], nbytes: int,
+                              put_at: Callable[[Tier, asyncio.Event], Awaitable[int]]) -> int:
+        """:meth:`_store`'s loop, a call the gate admitted."""
         await self.start()
         if not keys:
             return 0
@@ -316,6 +343,9 @@ class TierRouter:
                 except Exception as exc:
                     errors.append(exc)
                     skipped[tier.name] = rejection(exc)
+        if self._closed:  # the tiers were closed under a store that outlasted close()'s grace
+            raise BackendClosedError(f"engine closed while a store of {len(keys)} chunk(s) was running") from (
+                errors[0] if errors else None)
         held = locate.held_anywhere(self.tiers, self._fill, keys)
         if all(held):  # nothing to save: a tier that cannot take writes now holds them all
             logger.debug("tierkv: a store of %d chunk(s) no tier took is already cached", len(keys))
@@ -359,15 +389,15 @@ class TierRouter:
 
         A tier that fails is counted and skipped, as for reads: the call removes what it can.
         """
-        self.ensure_open()
-        await self._fill.join()
-        if self._dirty is not None:
-            self._dirty.discard(keys)
-        removed = 0
-        for tier in self.tiers:
-            if tier.available():
-                removed += await tier.delete(keys)
-        return removed
+        with self._calls.call():
+            await self._fill.join()
+            if self._dirty is not None:
+                self._dirty.discard(keys)
+            removed = 0
+            for tier in self.tiers:
+                if tier.available():
+                    removed += await tier.delete(keys)
+            return removed
 
     # -- reads ------------------------------------------------------------------------------
     async def read_into(self, keys: list[CacheKey], levels: Sequence[int | None], ranges: list[tuple[int, int]],
@@ -377,25 +407,27 @@ class TierRouter:
         read of :mod:`tierkv.routing.reads`); the number of leading chunks delivered. ``caller_owned``:
         the sink's memory is the caller's (a tier that streams before it verifies reads into
         staging); ``preloaded``: chunk 0, already read."""
-        await self.start()  # a read may queue work (late fills) and a reader's memory tiers are watched too
-        delivered = await self._reader.read_into(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
-        self._sighted(keys[:delivered], levels[:delivered])
-        return delivered
+        with self._calls.call():
+            await self.start()  # a read may queue work (late fills) and a reader's memory tiers are watched too
+            delivered = await self._reader.read_into(keys, levels, ranges, sink, caller_owned, preloaded, deadline)
+            self._sighted(keys[:delivered], levels[:delivered])
+            return delivered
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """Chunks for ``keys`` in order (None for misses), each from the highest tier holding it,
         once the prefetches moving them have landed. Hits below the top are promoted."""
-        self.ensure_open()
-        await self.start()
-        await self.wait_inflight(keys)
-        chunks = await self._reader.get(keys)
-        if self.sketch is not None:
-            self.sketch.add([key for key, chunk in zip(keys, chunks) if chunk is not None])
-        return chunks
+        with self._calls.call():
+            await self.start()
+            await self.wait_inflight(keys)
+            chunks = await self._reader.get(keys)
+            if self.sketch is not None:
+                self.sketch.add([key for key, chunk in zip(keys, chunks) if chunk is not None])
+            return chunks
 
     async def get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
         """:meth:`batched_get` without waiting for prefetches (fresh tensors, safe to abandon)."""
-        return await self._reader.get(keys)
+        with self._calls.call():
+            return await self._reader.get(keys)
 
     async def get_from(self, level: int, keys: list[CacheKey]) -> list[torch.Tensor | None]:
         """Get ``keys`` from tier ``level`` only (within the health timeout; errors are misses)."""
@@ -417,6 +449,7 @@ class TierRouter:
     async def prefetch(self, keys: Sequence[CacheKey], levels: Sequence[int | None]) -> None:
         """Start moving the chunks located at ``levels`` below the top up; returns at once.
         A read of them meanwhile waits for the chunks still in flight (:meth:`wait_inflight`)."""
+        self.ensure_open()  # what it starts runs in the background, which close() waits for
         await self.start()
         moving = [key for key, level in zip(keys, levels) if level and key not in self._inflight]
         if not moving:

@@ -31,9 +31,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tierkv.testing.processes import start_group, stop_group
+
+RESET_WITHIN_S = 120.0
+"""How long :func:`reset_prefix_cache` waits for vLLM to free the blocks of requests already
+answered (their saves in flight) before it counts the reset as failed."""
 
 
 def save_random_llama(path: str | os.PathLike[str], num_layers: int = 2, hidden_size: int = 256, num_heads: int = 4,
@@ -93,14 +101,20 @@ def loaded_per_prompt(results: list[dict[str, Any]]) -> list[int]:
 def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None, timeout: float = 600,
              kv_cache_gib: int = 1, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Run ``spec`` in a fresh process (with ``env`` added to the environment); the per-prompt
-    results. Raises RuntimeError with the end of vLLM's output when the run fails."""
+    results. Raises RuntimeError with the end of vLLM's output when the run fails. vLLM's
+    processes are all gone when it returns or raises, however it ends (:func:`finish_vllm`)."""
     return finish_vllm(start_vllm(spec, workdir, pythonpath, kv_cache_gib, env), timeout)
 
 
 def start_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None, kv_cache_gib: int = 1,
-               env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+               env: dict[str, str] | None = None, command: Sequence[str] | None = None) -> subprocess.Popen[str]:
     """Start :func:`run_vllm`'s process and return at once (a replica that runs beside another);
-    :func:`finish_vllm` waits for its results."""
+    :func:`finish_vllm` waits for its results, and stops vLLM's processes. The process leads a
+    process group of its own (:mod:`tierkv.testing.processes`): vLLM's engine core and worker
+    are in it, so a caller that cannot wait for the results stops the whole group with
+    :func:`~tierkv.testing.processes.stop_group` (in a ``finally``). ``command``: what runs
+    the spec file instead of ``python -m tierkv.testing.vllm_runner`` (the file's path is
+    appended)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_file = workdir / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -109,18 +123,24 @@ def start_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = No
     if pythonpath is not None:
         environment["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(pythonpath), environment.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen([sys.executable, "-m", "tierkv.testing.vllm_runner", str(spec_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=workdir)
+    runner = list(command) if command is not None else [sys.executable, "-m", "tierkv.testing.vllm_runner"]
+    return start_group([*runner, str(spec_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env=environment, cwd=workdir)
 
 
 def finish_vllm(process: subprocess.Popen[str], timeout: float = 600) -> list[dict[str, Any]]:
-    """The per-prompt results of a process :func:`start_vllm` started, once it ended."""
+    """The per-prompt results of a process :func:`start_vllm` started, once it ended. Its whole
+    process group is stopped on the way out, whatever happened (a timeout, an interrupt such as
+    pytest-timeout's, a failed run): no engine core or worker outlives the call."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        stdout, stderr = process.communicate()
-        raise RuntimeError(f"vLLM run did not end within {timeout:.0f} s:\n{stderr[-6000:]}") from None
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(process)
+            stdout, stderr = process.communicate()
+            raise RuntimeError(f"vLLM run did not end within {timeout:.0f} s:\n{stderr[-6000:]}") from None
+    finally:
+        stop_group(process)
     lines = [line for line in stdout.splitlines() if line.startswith("TIERKV-RESULT ")]
     if process.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM run failed (exit {process.returncode}):\n{stderr[-6000:]}")
@@ -155,7 +175,8 @@ def main(spec_path: str) -> int:
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                     endpoint=spec["kv_events"], topic="kv")
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
-              enable_prefix_caching=bool(spec.get("prefix_caching", False)), max_model_len=max_len, max_num_batched_tokens=max_len,
+              enable_prefix_caching=bool(spec.get("prefix_caching", False)), max_model_len=max_len,
+              max_num_batched_tokens=int(spec.get("max_num_batched_tokens", max_len)),
               disable_log_stats=not spec.get("metrics"), **kwargs)
     lora_requests = {}
     if loras:
@@ -169,9 +190,11 @@ def main(spec_path: str) -> int:
     for prompt in spec["prompts"]:
         described = prompt if isinstance(prompt, dict) else {"ids": prompt}
         time.sleep(float(described.get("pause_s", 0)))  # untimed: e.g. let write-through fills drain
+        if described.get("wait_for"):  # until the stats file shows a counter reach a value (saves landed)
+            wait_for_stat(stats_file, *described["wait_for"])
         started = time.perf_counter()
         if described.get("reset_first"):  # vLLM's reset_prefix_cache, connector included, before this prompt
-            described = {**described, "reset": bool(llm.reset_prefix_cache(reset_connector=True))}
+            described = {**described, "reset": reset_prefix_cache(llm)}
         if "embeds" in described:
             import torch
 
@@ -199,6 +222,44 @@ def main(spec_path: str) -> int:
     del llm
     print("TIERKV-RESULT " + json.dumps(results), flush=True)
     return 0
+
+
+def wait_for_stat(stats_file: str | None, name: str, at_least: int, within_s: float = RESET_WITHIN_S) -> None:
+    """Wait until worker 0's stats file shows counter ``name`` at ``at_least`` or more (e.g.
+    ``requests_saved``: the saves of the prompts before have landed, so the next prompt's
+    lookup sees them whatever the machine's load); raises TimeoutError after ``within_s``."""
+    if not stats_file:
+        raise ValueError("wait_for needs the connector's stats_file")
+    deadline = time.perf_counter() + within_s
+    while True:
+        try:
+            with open(stats_file) as handle:
+                if int(json.load(handle).get(name, 0)) >= at_least:
+                    return
+        except (OSError, ValueError):
+            pass  # not written yet
+        if time.perf_counter() >= deadline:
+            raise TimeoutError(f"{name} did not reach {at_least} in {stats_file} within {within_s:.0f} s")
+        threading.Event().wait(0.1)  # not time.sleep: tests/vllm_hold.py stands in for this module's time
+
+
+def reset_prefix_cache(llm: Any, within_s: float = RESET_WITHIN_S) -> bool:
+    """``llm.reset_prefix_cache(reset_connector=True)`` once vLLM can reset at all; whether the
+    reset succeeded (False: vLLM's blocks stayed in use for ``within_s``, or the connector
+    failed).
+
+    vLLM resets its prefix cache only when no block is in use, and a finished request's blocks
+    stay in use until the connector's save of them is reported done: a step after the request
+    ended at the soonest, later on a busy machine. A reset sent right after ``generate``
+    returned can find them in use and fail for vLLM's part alone. So vLLM's own reset is asked
+    first, until it succeeds (those blocks are free: nothing is in flight), then the one with
+    the connector, whose answer is then the connector's."""
+    deadline = time.perf_counter() + within_s
+    while not llm.reset_prefix_cache():
+        if time.perf_counter() >= deadline:
+            return False
+        threading.Event().wait(0.2)  # not time.sleep: tests/vllm_hold.py stands in for this module's time
+    return bool(llm.reset_prefix_cache(reset_connector=True))
 
 
 def _tierkv_metrics(llm: Any) -> dict[str, float]:

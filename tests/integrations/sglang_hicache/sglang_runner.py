@@ -134,7 +134,12 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 def run_spec(spec: dict[str, Any], workdir: Path, timeout_s: float = 600) -> list[dict[str, Any]]:
-    """Run ``spec`` in a new process (with the CPU stand-ins); its step results."""
+    """Run ``spec`` in a new process (with the CPU stand-ins); its step results. The process
+    leads a process group of its own, stopped whole however the call ends (a timeout, a
+    failure, pytest-timeout's interrupt): SGLang's scheduler and detokenizer processes are in
+    it, and would outlive a kill of the runner alone (:mod:`tierkv.testing.processes`)."""
+    from tierkv.testing.processes import start_group, stop_group
+
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "spec.json", workdir / "out.json"
     spec_path.write_text(json.dumps(spec))
@@ -143,11 +148,18 @@ def run_spec(spec: dict[str, Any], workdir: Path, timeout_s: float = 600) -> lis
            "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     log = workdir / "sglang.log"
     with open(log, "w") as handle:
-        proc = subprocess.run([sys.executable, __file__, str(spec_path), str(out_path)], env=env, stdout=handle,
-                              stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
-    if proc.returncode != 0 or not out_path.exists():
+        proc = start_group([sys.executable, __file__, str(spec_path), str(out_path)], env=env, stdout=handle,
+                           stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"SGLang run did not end within {timeout_s:.0f} s; log tail:\n"
+                               f"{log.read_text()[-4000:]}") from None
+        finally:
+            stop_group(proc)
+    if returncode != 0 or not out_path.exists():
         tail = log.read_text()[-4000:]
-        raise RuntimeError(f"SGLang run failed (exit {proc.returncode}); log tail:\n{tail}")
+        raise RuntimeError(f"SGLang run failed (exit {returncode}); log tail:\n{tail}")
     return json.loads(out_path.read_text())["results"]
 
 

@@ -131,7 +131,8 @@ def test_reset_cache_clears_the_instances_memory_tiers(tmp_path_factory: pytest.
     host = {"name": "host", "backend": "cpu", "capacity": "64MiB"}
     disk = {"name": "disk", "backend": "lmdb", "path": str(workdir / "lmdb"), "capacity": "256MiB"}
     spec = {"model": str(model), "max_tokens": 2,
-            "prompts": [prompt, prompt, {"ids": prompt, "reset_first": True}],
+            # the repeat waits for the first prompt's save to land (a lookup does not see a save in flight)
+            "prompts": [prompt, {"ids": prompt, "wait_for": ["requests_saved", 1]}, {"ids": prompt, "reset_first": True}],
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
                        "stats_file": str(workdir / "stats.json")}}
     results = run_vllm(spec, workdir / "memory-only", env=SAME_CORES)

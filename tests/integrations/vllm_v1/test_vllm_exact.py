@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_marks import VLLM_PROCESSES
+from vllm_marks import VLLM_PROCESSES, needs_vllm_fp8_cache
 from vllm_truth import (
     CHUNK,
     EXACT_NAMES,
@@ -210,8 +210,7 @@ def test_a_wrong_layout_is_refused_and_vllm_stays_exact(model_dir: Path, referen
     assert stats.get("tokens_loaded", 0) == 0 and stats.get("chunks_saved", 0) == 0
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="vLLM keeps an fp8 KV cache on CPUs with AVX-512 "
-                    "or AMX only")
+@needs_vllm_fp8_cache
 def test_an_fp8_cache_hits_exactly(model_dir: Path, tmp_path: Path) -> None:
     """vLLM with ``kv_cache_dtype="fp8_e5m2"``: tierkv stores the cache's fp8 bytes as they
     are (uint8 chunks, keys that bind the cache dtype) and a hit computes what vLLM computes

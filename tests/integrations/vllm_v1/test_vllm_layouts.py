@@ -2,9 +2,11 @@
 
 For vLLM's CPU attention the writer is the installed vLLM's own op,
 ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (ISAs ``vec`` and ``vec16``, the ones vLLM
-picks on a CPU without AMX, and ``amx``, whose cache write is plain packing and runs on any
-x86 CPU; bf16/fp16/fp32 caches and fp8 ones (``fp8_e4m3``, ``fp8_e5m2``, where the CPU has
-AVX-512); block and head sizes it allows): a known pattern written by the
+picks on a CPU without AMX, and ``amx``, whose cache write is plain packing but is compiled
+only into vLLM's AVX512-BF16 build of its kernels, so it runs on any CPU with AVX-512 and
+AVX512-BF16 and is skipped elsewhere, an AVX2-only CPU included; bf16/fp16/fp32 caches and
+fp8 ones (``fp8_e4m3``, ``fp8_e5m2``, where the CPU has AVX-512); block and head sizes it
+allows; tests/vllm_marks.py says which build has which kernel): a known pattern written by the
 op must read back exactly through tierkv's views, token by token, and tierkv writing tokens
 into a partly filled block (87 of 128 slots) must leave the cache byte for byte as vLLM's op
 leaves it. The CUDA backends' writer (``reshape_and_cache_flash``) cannot run on CPU; for
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from paged_caches import build_extension_for_tests
-from vllm_marks import needs_vllm
+from vllm_marks import needs_vllm, needs_vllm_amx_kernel, needs_vllm_fp8_cache
 
 from tierkv import ops
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, cached_pattern, verify_layout
@@ -56,10 +58,6 @@ def cpu_writer(isa: str, kv_cache_dtype: str = "auto") -> Writer:
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_cache_dtype)
 
     return write
-
-
-def has_avx512() -> bool:
-    return bool(torch.cpu._is_avx512_supported())
 
 
 def fp8_kind(kind: str) -> str:
@@ -140,14 +138,20 @@ def writer_for(layout: str, kind: str) -> Writer:
     return cpu_writer(kind.split(":")[0], fp8_kind(kind)) if layout.startswith("cpu") else flash_writer(layout)
 
 
-needs_avx512 = pytest.mark.skipif(not has_avx512(), reason="vLLM writes fp8 CPU caches only on CPUs with AVX-512 or AMX")
+def writer_marks(kind: str) -> list[pytest.MarkDecorator]:
+    """What vLLM's CPU writer ``kind`` (``"amx:fp8_e5m2"``, ``"vec"``, ``"flash"``) needs of
+    this CPU: vLLM's build with its amx kernel, its fp8 kernels (tests/vllm_marks.py)."""
+    isa = kind.split(":")[0]
+    if isa == "flash":
+        return []
+    return [needs_vllm, *([needs_vllm_amx_kernel] if isa == "amx" else []),
+            *([needs_vllm_fp8_cache] if fp8_kind(kind) != "auto" else [])]
 
 
 def params(cases: list[tuple]) -> list:
-    marks = lambda case: ([needs_vllm] if case[0].startswith("cpu") else []) + (  # noqa: E731
-        [needs_avx512] if ":fp8" in case[1] else [])
-    return [pytest.param(*case, marks=marks(case), id=f"{case[0]}-{case[1]}-b{case[2]}-h{case[3]}-{case[4]}".replace(
-        "torch.", "")) for case in cases]
+    return [pytest.param(*case, marks=writer_marks(case[1]),
+                         id=f"{case[0]}-{case[1]}-b{case[2]}-h{case[3]}-{case[4]}".replace("torch.", ""))
+            for case in cases]
 
 
 @pytest.mark.parametrize(("layout", "kind", "block_size", "head_size", "dtype"), params(CASES))
@@ -224,8 +228,8 @@ def vllm_layer_writer(layers: list[torch.Tensor], write: Writer) -> Callable[[in
     return lambda index, key, value, slots: write(layers[index], key, value, slots)
 
 
-@needs_vllm
-@pytest.mark.parametrize(("isa", "layout"), [("vec", "cpu"), ("vec16", "cpu"), ("amx", "cpu_amx")])
+@pytest.mark.parametrize(("isa", "layout"), [pytest.param(isa, layout, marks=writer_marks(isa))
+                                            for isa, layout in (("vec", "cpu"), ("vec16", "cpu"), ("amx", "cpu_amx"))])
 def test_self_check_passes_on_vllms_cpu_kernel(isa: str, layout: str, copy_path: str) -> None:
     layers = [torch.randn(8, HEADS, 128, 256).to(torch.bfloat16) for _ in range(LAYERS)]
     before = [layer.clone() for layer in layers]
@@ -234,9 +238,9 @@ def test_self_check_passes_on_vllms_cpu_kernel(isa: str, layout: str, copy_path:
     assert all(torch.equal(a, b) for a, b in zip(layers, before)), "the check restores the blocks it used"
 
 
-@needs_vllm
-@needs_avx512
-@pytest.mark.parametrize(("isa", "layout", "fp8"), [("vec", "cpu", "fp8_e4m3"), ("amx", "cpu_amx", "fp8_e5m2")])
+@pytest.mark.parametrize(("isa", "layout", "fp8"), [pytest.param(isa, layout, fp8, marks=writer_marks(f"{isa}:{fp8}"))
+                                                   for isa, layout, fp8 in (("vec", "cpu", "fp8_e4m3"),
+                                                                            ("amx", "cpu_amx", "fp8_e5m2"))])
 def test_self_check_passes_on_an_fp8_cache_with_scales(isa: str, layout: str, fp8: str) -> None:
     """An fp8 cache (uint8 bytes) with scales other than 1: the check expects what vLLM's
     quantizer stores (divided by the scale, rounded toward zero) and finds it."""
@@ -256,6 +260,7 @@ def test_self_check_passes_on_an_fp8_cache_with_scales(isa: str, layout: str, fp
 
 
 @needs_vllm
+@needs_vllm_amx_kernel
 def test_self_check_refuses_the_vec_order_on_an_amx_cache() -> None:
     """vLLM's amx op writes tiles: tierkv's vec views read them wrong, and the check says so."""
     layers = [torch.zeros(4, HEADS, 32, 128, dtype=torch.bfloat16) for _ in range(LAYERS)]

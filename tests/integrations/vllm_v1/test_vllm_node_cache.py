@@ -12,7 +12,6 @@ beyond the tier:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,12 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_marks import VLLM_PROCESSES
+from vllm_marks import RUN_S, VLLM_PROCESSES
 from vllm_truth import CHUNK, PROMPTS, SAME_CORES, assert_exact, spec, vllm
 
-from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt
+from tierkv.testing.processes import stop_group
+from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt, start_vllm
 from tierkv_backends.shm import SharedMemoryBackend
 
+# STEP_S bounds each step's wait (A's start and first save, A's pause while B runs, A's end), as
+# run_vllm bounds B's run: on a loaded 2-core machine (load 4-12) a vLLM start and a prompt take
+# minutes, not the seconds they take on a quiet one; the test's budget is VLLM_PROCESSES' (it
+# covers the session's reference run too, a fixture this test may be the one to make). Whatever
+# ends the test, replica A's whole process group is stopped (start_held, stop_group).
+STEP_S = float(RUN_S)
 pytestmark = VLLM_PROCESSES
 CAPACITY = 256 << 20
 HOLD = Path(__file__).resolve().parents[2] / "vllm_hold.py"
@@ -52,18 +58,16 @@ def pool_chunks(pool_path: Path) -> int:
 
 
 def start_held(run_spec: dict[str, Any], workdir: Path, go: Path) -> subprocess.Popen[str]:
-    """tierkv.testing.vllm_runner.start_vllm's process (same cores as the reference), run
-    through tests/vllm_hold.py: a prompt's pause ends once ``go`` exists."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "spec.json").write_text(json.dumps(run_spec))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", **SAME_CORES,
-           "TIERKV_TEST_GO": str(go)}
-    return subprocess.Popen([sys.executable, str(HOLD), str(workdir / "spec.json")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=workdir)
+    """tierkv.testing.vllm_runner.start_vllm's process (same cores as the reference, a process
+    group of its own), run through tests/vllm_hold.py: a prompt's pause ends once ``go`` exists."""
+    return start_vllm(run_spec, workdir, env={**SAME_CORES, "TIERKV_TEST_GO": str(go)},
+                      command=[sys.executable, str(HOLD)])
 
 
 def wait_for_saves(stats_file: Path, count: int, process: Any) -> None:
-    deadline = time.monotonic() + 300
+    """Until replica A's stats file reports ``count`` saved requests (a failure detector bounded
+    by STEP_S, not a timing: on a busy machine a vLLM start and a prompt take minutes)."""
+    deadline = time.monotonic() + STEP_S
     while time.monotonic() < deadline:
         if stats_file.exists():
             try:
@@ -74,14 +78,14 @@ def wait_for_saves(stats_file: Path, count: int, process: Any) -> None:
         if process.poll() is not None:
             pytest.fail(f"replica A ended before it reported {count} save(s):\n{process.stderr.read()[-4000:]}")
         time.sleep(0.2)
-    pytest.fail(f"replica A did not report {count} save(s) within 300 s")
+    pytest.fail(f"replica A did not report {count} save(s) within {STEP_S:.0f} s")
 
 
 def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_path: Path, tmp_path: Path,
                                                      vllm_reference: dict[str, dict[str, Any]]) -> None:
     first = PROMPTS["partial_600"]
     go = tmp_path / "b-done"
-    later = {"ids": PROMPTS["partial_1000"], "pause_s": 300}  # A stays up until B is done (go), 300 s at most
+    later = {"ids": PROMPTS["partial_1000"], "pause_s": STEP_S}  # A stays up until B is done (go), STEP_S at most
     a_stats = tmp_path / "a.json"
     replica_a = start_held(spec(context_llama, [first, later], node_extra(pool_path, a_stats)), tmp_path / "a", go)
     try:
@@ -90,10 +94,9 @@ def test_two_replicas_running_at_once_share_one_pool(context_llama: Path, pool_p
         b_results = vllm(spec(context_llama, [first], node_extra(pool_path, tmp_path / "b.json")), tmp_path / "b")
         assert replica_a.poll() is None, "replica A ran beside B until B was done"
         go.touch()
-        a_results = finish_vllm(replica_a)
+        a_results = finish_vllm(replica_a, timeout=STEP_S)
     finally:
-        if replica_a.poll() is None:
-            replica_a.kill()
+        stop_group(replica_a)  # replica A's engine core and worker too, however the test ends
     assert loaded_per_prompt(b_results) == [len(first) - 1], "B's prompt came from the pool A filled"
     assert_exact("replica B", b_results[0], vllm_reference["partial_600"])
     assert b_results[0]["stats"].get("chunks_saved", 0) == 0, "B stored nothing again: one copy on the node"

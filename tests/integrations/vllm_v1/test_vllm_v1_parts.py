@@ -321,6 +321,44 @@ def test_worker_lookup_counts_the_planned_prefix_and_the_part_in_memory(tmp_path
         assert worker.lookup(tokens, PLAIN) == LookupResult(-1, 0), "off: the scheduler stops planning"
 
 
+def test_a_reset_waits_for_the_saves_and_fills_started_before_it(tmp_path: Path) -> None:
+    """vLLM's reset_cache while saves are in flight (a lower tier that writes slowly holds the
+    fill queue full, so the last save waits for room): the reset returns only once every save
+    started before it has landed and the fills have reached the disk, then clears the cpu tier.
+    Nothing lands in the cleared tier after the reset (a prompt would load from a cache vLLM was
+    told is empty), and the disk, the other instances' cache too, keeps every prompt."""
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+    from tierkv.testing.faults import FaultyBackend
+
+    chunk = 2 * BLOCK
+    chunk_bytes = LAYERS * 2 * chunk * HEADS * HEAD * 2  # bf16
+    config = {"model": "reset-test", "chunk_size": chunk, "cost_aware": False,
+              "background": {"queue_bytes": f"{2 * chunk_bytes}B", "when_full": "wait"},
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"},
+                        {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "64MiB"}]}
+    layers = [make_layer("cpu", torch.Generator().manual_seed(3)) for _ in range(LAYERS)]
+    prompts = [np.arange(1, chunk + 1, dtype=np.int32) + 1000 * index for index in range(3)]
+    with Engine(config) as engine:
+        disk = engine.wrap_tier("disk", FaultyBackend)
+        disk.stall_s, disk.stall_ops = 120.0, {"batched_put"}  # its writes wait until stall_s is back to 0
+        worker = WorkerTransfers(engine)
+        worker.register(layers, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        for index, tokens in enumerate(prompts):  # one fill written (held), one queued, the third save waits
+            worker.save(SaveSpec(f"r{index}", tokens, (2 * index, 2 * index + 1)))
+        outcome: dict[str, Any] = {}
+        resetter = threading.Thread(target=lambda: outcome.update(cleared=worker.reset_memory_tiers()))
+        try:
+            resetter.start()
+            resetter.join(0.5)
+            assert resetter.is_alive(), "the reset returned while a save started before it was still waiting"
+        finally:
+            disk.stall_s = 0.0  # the disk writes again
+        resetter.join(60)
+        assert outcome == {"cleared": 3}, "the saves landed first, then the reset cleared all three chunks"
+        for tokens in prompts:
+            assert engine.locate_prefix(tokens) == ["disk"], "the cpu tier is empty, the disk keeps the prompt"
+
+
 def test_stats_file_is_replaced_whole_per_rank_and_only_on_change(tmp_path: Path) -> None:
     from tierkv.integrations.vllm_v1.stats_file import StatsFile
 

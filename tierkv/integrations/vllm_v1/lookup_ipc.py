@@ -142,9 +142,10 @@ def _reset_or_fail(reset: Reset | None) -> int:
 class LookupClient:
     """Asks the worker's :class:`LookupServer` (or calls it, in the same process)."""
 
-    def __init__(self, path: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, path: str, timeout_s: float = 5.0, reset_timeout_s: float = 150.0) -> None:
         self.path = path
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a lookup's answer: the scheduler asks for every request
+        self.reset_timeout_s = reset_timeout_s  # a reset's: it waits for the saves and fills in flight
         self._conn: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -171,7 +172,9 @@ class LookupClient:
         return LookupResult(0, 0)
 
     def reset(self) -> int:
-        """Ask the worker to reset its cache; the chunks it cleared, -1 when it could not."""
+        """Ask the worker to reset its cache; the chunks it cleared, -1 when it could not. The
+        worker first waits for the saves and fills in flight (up to its ``RESET_WAIT_S``), so
+        this waits up to ``reset_timeout_s``, not a lookup's ``timeout_s``."""
         with _LOCAL_LOCK:
             local = _LOCAL.get(self.path)
         if local is not None:
@@ -179,8 +182,12 @@ class LookupClient:
         with self._lock:
             try:
                 conn = self._connect()
-                conn.sendall(_HEADER.pack(_RESET, 0))
-                cleared, _ = _REPLY.unpack(_receive(conn, _REPLY.size))
+                conn.settimeout(self.reset_timeout_s)
+                try:
+                    conn.sendall(_HEADER.pack(_RESET, 0))
+                    cleared, _ = _REPLY.unpack(_receive(conn, _REPLY.size))
+                finally:
+                    conn.settimeout(self.timeout_s)
                 return int(cleared)
             except OSError as exc:
                 self._drop()

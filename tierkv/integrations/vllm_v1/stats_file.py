@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 
 
@@ -19,14 +20,18 @@ class StatsFile:
     def __init__(self, path: str | None, worker_id: int) -> None:
         self.path = None if not path else path if worker_id == 0 else f"{path}.rank{worker_id}"
         self._written: dict[str, int] | None = None
+        self._lock = threading.Lock()  # vLLM's step thread and the engine's (a save that landed) both write
 
     def write(self, stats: Mapping[str, int]) -> None:
         """Replace the file with ``stats`` when they differ from what was last written."""
-        current = dict(stats)
-        if self.path is None or current == self._written:
+        if self.path is None:
             return
-        temporary = f"{self.path}.tmp"
-        with open(temporary, "w") as handle:
-            json.dump(current, handle)
-        os.replace(temporary, self.path)
-        self._written = current
+        with self._lock:
+            current = dict(stats)
+            if current == self._written:
+                return
+            temporary = f"{self.path}.tmp"
+            with open(temporary, "w") as handle:
+                json.dump(current, handle)
+            os.replace(temporary, self.path)
+            self._written = current
