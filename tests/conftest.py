@@ -65,6 +65,7 @@ def vllm_reference(context_llama: Path, tmp_path_factory: pytest.TempPathFactory
 # hands them out before the many short modules, which then fill in around them: the suite
 # ends when its longest module does, not a long module started last.
 LONGEST_FIRST = (
+    "integrations/vllm_v1/test_vllm_hybrid.py",
     "integrations/vllm_v1/test_vllm_exact.py",
     "integrations/vllm_v1/test_vllm_node_cache.py",
     "integrations/vllm_v1/test_vllm_identity.py",
@@ -80,6 +81,15 @@ LONGEST_FIRST = (
     "engine/test_fresh_process.py",
     "engine/test_cost_aware.py",
 )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop every serving-engine process group a test started and did not stop (vLLM, SGLang,
+    ``vllm serve``: tierkv.testing.processes), in each xdist worker: nothing a test started
+    outlives the suite, even a test interrupted before its own cleanup ran."""
+    from tierkv.testing.processes import stop_all_groups
+
+    stop_all_groups()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

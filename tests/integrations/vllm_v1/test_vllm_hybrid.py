@@ -1,0 +1,176 @@
+"""Hybrid models through real vLLM CPU processes, the hybrid KV cache manager on: every KV cache
+group stored by one process and loaded by another, exactly.
+
+One tiny random-weight model per family that runs here (tierkv.testing.hybrid_models, weights
+at ``initializer_range`` 0.15 so a wrong state or window moves the logprobs): Gemma 3 and
+gpt-oss (sliding window + full attention), Qwen3-Next (Gated DeltaNet + full), Nemotron-H
+(Mamba2 + attention, 128-token steps: vLLM's CPU prefix caching for it needs them). Per family:
+
+- process A serves four prompts of 1,000 tokens (the fourth after its first 513 tokens alone)
+  into an ``fs`` tier; for the families with a recurrent state, one group's state after 768
+  tokens of the fourth is then deleted from the tier (its KV stays);
+- process B, new, serves prompts sharing 769, 600, 300 and 769 tokens with A's four: hits of
+  768 (ending exactly on a block boundary), 512, 256, and for the fourth 512 where a state
+  was deleted (a shorter hit, never KV without its state), else 768;
+- vLLM alone (no connector, its prefix cache on) runs B's prompts twice: the first answer is
+  the truth, the second's distance from it is the tolerance (vLLM's own prefix cache).
+
+A last test runs Nemotron-H's A and B as two replicas of one node sharing an ``shm`` pool.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from exactness import assert_same_generation
+from vllm_marks import VLLM_PROCESSES
+from vllm_truth import SAME_CORES, TOLERANCE
+
+from tierkv.chunks.serde import decode_header
+from tierkv.testing.hybrid_models import save_hybrid_model
+from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm
+
+pytestmark = VLLM_PROCESSES
+CHUNK, TOP, MAX_TOKENS = 256, 5, 4
+STEP_TOKENS = {"nemotron_h": 128, "qwen3_next": 256}  # vLLM's steps: each ends on a block boundary
+RECURRENT = ("nemotron_h", "qwen3_next")
+FAMILIES = ("gemma3", "gpt_oss", "qwen3_next", "nemotron_h")
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    return [(seed * 7919 + index * 104729) % 1000 + 1 for index in range(count)]
+
+
+A_PROMPTS = [tokens(seed, 1000) for seed in (21, 22, 23, 24)]
+SHARED = [769, 600, 300, 769]  # B's prompt i shares this many tokens with A's
+B_PROMPTS = [a[:shared] + tokens(30 + i, 60) for i, (a, shared) in enumerate(zip(A_PROMPTS, SHARED))]
+
+
+def expected_hits(family: str) -> list[int]:
+    return [768, 512, 256, 512 if family in RECURRENT else 768]
+
+
+def chunk_tokens(count: int) -> int:
+    return count // CHUNK * CHUNK
+
+
+def run_spec(model: Path, family: str, prompts: list[Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"model": str(model), "prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": TOP,
+            "prefix_caching": True, "max_model_len": 2048,
+            "max_num_batched_tokens": STEP_TOKENS.get(family, 2048), "tierkv": extra}
+
+
+def tiers_extra(tiers: list[dict[str, Any]], stats: Path) -> dict[str, Any]:
+    return {"config": {"chunk_size": CHUNK, "tiers": tiers}, "stats_file": str(stats)}
+
+
+def a_prompts() -> list[Any]:
+    """A's prompts; the fourth's first 513 tokens alone first, and each prompt once the saves of
+    those before it landed, so the state files the fourth adds are the newest on the tier."""
+    first_part = A_PROMPTS[3][:513]
+    prompts: list[Any] = [A_PROMPTS[0]]
+    saved = chunk_tokens(1000)
+    for prompt in (A_PROMPTS[1], A_PROMPTS[2], first_part, A_PROMPTS[3]):
+        prompts.append({"ids": prompt, "wait_for": ["hybrid_tokens_saved", saved]})
+        saved += chunk_tokens(len(prompt))
+    return prompts
+
+
+def state_files(directory: Path) -> list[Path]:
+    """The fs tier's chunk files holding a recurrent state (raw int8 pages), newest last."""
+    found = []
+    for path in directory.rglob("*"):
+        if path.is_file():
+            try:
+                header = decode_header(path.read_bytes()[:4096])
+            except Exception:  # noqa: BLE001 - not a chunk file (the tier's own files)
+                continue
+            if str(header.dtype) == "torch.int8":
+                found.append(path)
+    return sorted(found, key=lambda path: path.stat().st_mtime_ns)
+
+
+def worst_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """The largest difference of a top-k logprob both runs report, over every generated token."""
+    return max((abs(a[token] - b[token]) for a, b in zip(ours["logprobs"], theirs["logprobs"])
+                for token in set(a) & set(b)), default=0.0)
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Per family (run lazily, once): A's and B's results and stats, and vLLM alone's."""
+    made: dict[str, dict[str, Any]] = {}
+
+    def runs(family: str) -> dict[str, Any]:
+        if family in made:
+            return made[family]
+        work = tmp_path_factory.mktemp(family)
+        model = save_hybrid_model(family, work / "model")
+        tier = [{"name": "disk", "backend": "fs", "path": str(work / "fs"), "capacity": "1GiB"}]
+        a = run_vllm(run_spec(model, family, a_prompts(), tiers_extra(tier, work / "a.json")), work / "a",
+                     env=SAME_CORES)
+        evicted = None
+        if family in RECURRENT:
+            evicted = state_files(work / "fs")[-1]  # one group's state after 768 tokens of A's fourth prompt
+            evicted.unlink()
+        b = run_vllm(run_spec(model, family, B_PROMPTS, tiers_extra(tier, work / "b.json")), work / "b",
+                     env=SAME_CORES)
+        alone = run_vllm(run_spec(model, family, [p for prompt in B_PROMPTS for p in (prompt, prompt)], None),
+                         work / "alone", env=SAME_CORES)
+        made[family] = {"a": a, "b": b, "alone": alone[0::2], "own_cache": alone[1::2], "evicted": evicted,
+                        "b_stats": json.loads((work / "b.json").read_text())}
+        return made[family]
+
+    return runs  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_new_process_loads_every_group_of_the_hits_another_stored(family: str, hybrid_runs: Any) -> None:
+    runs = hybrid_runs(family)
+    assert loaded_per_prompt(runs["b"]) == expected_hits(family), "each hit, whole chunks, from tierkv"
+    stats = runs["b_stats"]
+    groups = sorted(name for name in stats if name.startswith("tokens_loaded_group"))
+    assert len(groups) >= 2 and all(stats[name] > 0 for name in groups), f"every group loaded some: {stats}"
+    assert stats.get("load_failures", 0) == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_what_a_hybrid_hit_computes_is_what_vllm_computes_alone(family: str, hybrid_runs: Any) -> None:
+    runs = hybrid_runs(family)
+    own = max(worst_difference(cached, alone) for cached, alone in zip(runs["own_cache"], runs["alone"]))
+    tolerance = max(TOLERANCE, own)
+    for index, (ours, truth) in enumerate(zip(runs["b"], runs["alone"])):
+        assert_same_generation(f"{family} prompt {index}", ours["tokens"], ours["logprobs"], truth["tokens"],
+                               truth["logprobs"], MAX_TOKENS, tolerance)
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_a_state_gone_while_its_kv_stays_is_a_shorter_hit(family: str, hybrid_runs: Any) -> None:
+    """The state after 768 tokens of A's fourth prompt was deleted (one group's): B's fourth
+    prompt loads the 512 tokens below it, with their states, and computes what vLLM alone does."""
+    runs = hybrid_runs(family)
+    assert runs["evicted"] is not None
+    assert loaded_per_prompt(runs["b"])[3] == 512
+    assert runs["b"][3]["tokens"] == runs["alone"][3]["tokens"]
+
+
+def test_two_replicas_share_a_hybrid_models_chunks_through_one_pool(pool_path: Path,
+                                                                     tmp_path_factory: pytest.TempPathFactory,
+                                                                     hybrid_runs: Any) -> None:
+    """Nemotron-H (Mamba2 + attention) through the node's shm pool: replica B's hits come from
+    what replica A stored there, exactly."""
+    family = "nemotron_h"
+    truth = hybrid_runs(family)["alone"]
+    work = tmp_path_factory.mktemp("replicas")
+    model = save_hybrid_model(family, work / "model")
+    pool = [{"name": "node", "backend": "shm", "path": str(pool_path), "capacity": "256MiB"}]
+    run_vllm(run_spec(model, family, A_PROMPTS[:3], tiers_extra(pool, work / "a.json")), work / "a", env=SAME_CORES)
+    b = run_vllm(run_spec(model, family, B_PROMPTS[:3], tiers_extra(pool, work / "b.json")), work / "b",
+                 env=SAME_CORES)
+    assert loaded_per_prompt(b) == [768, 512, 256]
+    for index, (ours, want) in enumerate(zip(b, truth)):
+        assert_same_generation(f"replica B prompt {index}", ours["tokens"], ours["logprobs"], want["tokens"],
+                               want["logprobs"], MAX_TOKENS, TOLERANCE)
