@@ -198,3 +198,37 @@ def test_a_step_that_ends_inside_a_chunk_saves_no_state_there(tmp_path: Path) ->
         truncated = tokens.copy()
         truncated[40:] += 1000  # shares 40 tokens: the boundary at 32 has KV but no state
         assert saver.lookup(truncated, PLAIN) == LookupResult(0, 0)
+
+
+def test_with_tierkv_off_a_hybrid_load_fails_and_a_save_job_is_done_at_once(tmp_path: Path) -> None:
+    """A worker whose caches could not be bound (tierkv off) still answers for the work the
+    scheduler planned: vLLM recomputes the load, and the save's pinned blocks go back."""
+    from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridSave
+    from tierkv.integrations.vllm_v1.hybrid_setup import TierKVWorkerMetadata, hybrid_of
+    from tierkv.integrations.vllm_v1.worker import WorkerTransfers
+
+    config = {"model": "hybrid-test", "chunk_size": CHUNK, "tiers": [{"name": "host", "backend": "cpu",
+                                                                      "capacity": "16MiB"}]}
+    with Engine(config) as engine:
+        worker = WorkerTransfers(engine)
+        worker.disable("a layout tierkv cannot read")
+        tokens = np.arange(1, 81, dtype=np.int64)
+        hybrid_of(worker).start_load(HybridLoad("r", tokens, 0, 64, ()))
+        hybrid_of(worker).save(HybridSave(7, "s", tokens, 0, 64, ()))
+        assert worker.finished(set())[1:] == ({"r"}, {"r"}), "the load is over, and failed"
+        assert TierKVWorkerMetadata.of(hybrid_of(worker).take_done_jobs()) == TierKVWorkerMetadata({7: 1})
+        assert TierKVWorkerMetadata.of([]) is None
+        both = TierKVWorkerMetadata({7: 1, 8: 1}).aggregate(TierKVWorkerMetadata({7: 1}))
+        assert both == TierKVWorkerMetadata({7: 2, 8: 1}), "each worker's report of a job counts"
+
+
+def test_a_model_tierkv_cannot_cache_is_refused_by_name() -> None:
+    from tierkv.integrations.vllm_v1.hybrid_setup import HybridModel
+
+    spec = lambda name, **fields: type(name, (), fields)()  # noqa: E731
+    mla = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a"], kv_cache_spec=spec(
+        "MLAAttentionSpec", block_size=16, num_kv_heads=1, head_size=576, dtype="bf16"))])
+    assert "MLA" in (HybridModel.from_config(mla).refused or "")
+    full = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a"], kv_cache_spec=spec(
+        "FullAttentionSpec", block_size=16, num_kv_heads=2, head_size=8, dtype="bf16", sliding_window=None))])
+    assert HybridModel.from_config(full) == HybridModel(), "one full-attention group: the one-group path"

@@ -122,6 +122,8 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
                          work / "alone", env=SAME_CORES)
         made[family] = {"a": a, "b": b, "alone": alone[0::2], "own_cache": alone[1::2], "evicted": evicted,
                         "b_stats": json.loads((work / "b.json").read_text())}
+        (work / "results.json").write_text(json.dumps({key: value for key, value in made[family].items()
+                                                       if key != "evicted"}))  # for a look after a failure
         return made[family]
 
     return runs  # type: ignore[return-value]

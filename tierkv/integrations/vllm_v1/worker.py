@@ -35,10 +35,8 @@ from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine.blocking import Engine
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
-from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridSave
-from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups
+from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
-from tierkv.integrations.vllm_v1.kv_groups import KVGroup
 from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
@@ -127,10 +125,8 @@ class WorkerTransfers:
         self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink]] = {}
         self._load_errors: set[int] = set()
         self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
-        self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (register_hybrid), else None
+        self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
-        self._refused_loads: set[str] = set()  # hybrid work met with tierkv off: reported failed / done
-        self._refused_jobs: list[int] = []
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = {backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE}
 
@@ -143,19 +139,6 @@ class WorkerTransfers:
             raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
         self.connector = connector_for(layers, layout, num_kv_heads, head_size, kernel_block_size)
         self.block_size = block_size
-
-    def register_hybrid(self, groups: Sequence[KVGroup], kv_caches: dict[str, torch.Tensor], layout: str,
-                        num_kv_heads: int, head_size: int, kernel_block_size: int, block_size: int) -> None:
-        """Bind a hybrid model's caches, one connector per KV cache group (attention groups in
-        ``layout``, Mamba groups as state pages); from then on lookups, loads and saves go
-        through :attr:`hybrid` (:mod:`.hybrid_worker`)."""
-        if block_size % kernel_block_size:
-            raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
-        bound = bind_groups(groups, kv_caches, layout, num_kv_heads, head_size, kernel_block_size)
-        self.block_size = block_size
-        self.hybrid = HybridTransfers(self.engine, bound, self.engine.core.chunk_size, block_size, self.stats,
-                                      _GuardedSink, self.load_timeout_s)
-        self.hybrid.on_saved = self.on_saved
 
     def disable(self, reason: str) -> None:
         """Stay off from now on: no loads (each is reported failed, so vLLM recomputes), no
@@ -391,30 +374,6 @@ class WorkerTransfers:
             pending = [future for req_id in req_ids for future in self._saves.get(req_id, [])]
         concurrent.futures.wait(pending)
 
-    # -- a hybrid model's loads and saves (register_hybrid) -------------------------------------
-    def start_hybrid_load(self, load: HybridLoad) -> None:
-        """Start a hybrid load (asynchronous; reported by :meth:`finished`); with tierkv off, a
-        failed one (vLLM recomputes)."""
-        if self.hybrid is None:
-            with self._lock:
-                self._refused_loads.add(load.req_id)
-            return
-        self.hybrid.start_load(load)
-
-    def save_hybrid(self, save: HybridSave) -> None:
-        """Start a hybrid save job; with tierkv off, one reported done at once (its pins go back)."""
-        if self.hybrid is None:
-            with self._lock:
-                self._refused_jobs.append(save.job)
-            return
-        self.hybrid.save(save)
-
-    def take_done_hybrid_jobs(self) -> list[int]:
-        """The hybrid save jobs ended since the last call."""
-        with self._lock:
-            jobs, self._refused_jobs = self._refused_jobs, []
-        return jobs + (self.hybrid.take_done_jobs() if self.hybrid is not None else [])
-
     # -- completion reports ----------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(requests vLLM has finished whose saves are done, async loads now over, those of
@@ -443,10 +402,6 @@ class WorkerTransfers:
             self.stats["loads_abandoned"] += 1
         failed = {req_id for req_id, (spec, future, sink) in done_loads if not self._settle(spec, future, sink, 0)}
         recving = {req_id for req_id, _ in done_loads + aborted}
-        with self._lock:
-            refused, self._refused_loads = self._refused_loads, set()
-        recving |= refused
-        failed |= refused
         if self.hybrid is not None:
             over, hybrid_failed = self.hybrid.finished(finished_req_ids)
             recving |= over
