@@ -122,7 +122,7 @@ def measure(groups: list[KVGroup], tokens: int, repeats: int) -> dict[str, float
     tables = tuple(list(range(1, blocks_per_prompt + 1)) for _ in groups)
     load_tables = tuple(list(range(blocks_per_prompt + 1, 2 * blocks_per_prompt + 1)) for _ in groups)
     config = {"model": "hybrid-bytes", "chunk_size": CHUNK, "tiers": [{"name": "host", "backend": "cpu",
-                                                                       "capacity": "8GiB"}]}
+                                                                       "capacity": "2GiB"}]}
     with Engine(config) as engine:
         saver = HybridTransfers(engine, bind_groups(groups, source, "cpu", 0, 0, BLOCK), CHUNK, BLOCK, Counter(),
                                 _GuardedSink, 60.0)

@@ -152,6 +152,48 @@ def module_help(module: str) -> tuple[int, str]:
     return 0, out.getvalue()
 
 
+PIP_INSTALL = re.compile(r"\bpip3?\s+install\s+([^\n;&|#`]*)")
+INSTALL_PAGES = [*PAGES, *sorted((ROOT / "examples").glob("*/README.md"))]
+
+
+def index_requirements(command: str) -> list[str]:
+    """The distributions a ``pip install`` argument list would take from the package index:
+    every argument that is not an option, a path (``.``, ``./x``, ``/x``) or an option's value."""
+    names, words, skip_next = [], command.split(), False
+    for word in words:
+        word = word.strip("'\"")
+        if skip_next:
+            skip_next = False
+            continue
+        if word in ("-r", "-c", "-e", "--index-url", "--extra-index-url", "-i", "--target", "-t"):
+            skip_next = word not in ("-e",)
+            continue
+        if not word or word.startswith(("-", ".", "/", "~", "$")):
+            continue
+        names.append(re.split(r"[\[<>=!~;@ ]", word, maxsplit=1)[0])
+    return names
+
+
+@pytest.mark.parametrize("page", INSTALL_PAGES, ids=page_id)
+def test_no_install_line_takes_tierkv_from_the_index(page: Path) -> None:
+    """The name ``tierkv`` on the public index is an unrelated project: every install line
+    installs this checkout (a path) and names it nowhere as an index requirement."""
+    wrong = [match.group(0).strip() for match in PIP_INSTALL.finditer(read(page))
+             if any(re.sub(r"[-_.]+", "-", name).lower() == "tierkv" for name in index_requirements(match.group(1)))]
+    assert not wrong, f"{page_id(page)} installs the index's 'tierkv', another project: {wrong}"
+
+
+def test_the_example_backend_depends_on_this_distribution() -> None:
+    """tierkv-redis, the example users copy, requires this project's distribution, never the
+    index's 'tierkv' (installing it elsewhere would pull a stranger's code)."""
+    import tomllib
+
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    example = tomllib.loads((ROOT / "examples" / "tierkv-redis" / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0] for requirement in example["dependencies"]]
+    assert ours == "tierkv-engine" and ours in names and "tierkv" not in names
+
+
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_tox_envs_exist(page: Path) -> None:
     envs = tox_envs()

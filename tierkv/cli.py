@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
 from tierkv.backend import registry
+from tierkv.backend.registry import DISTRIBUTION
 from tierkv.errors import TierKVError
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
+    """List the backends; each is imported first (``ok`` means it loads; ``--load`` is kept as
+    an alias), so a plugin that cannot be imported is BROKEN and the exit status is 1."""
     table = registry.installed()
     if not table:
         print("no backends installed (entry-point group 'tierkv.backends' is empty)")
@@ -25,12 +29,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for name in sorted(table):
         for info in table[name]:
             status = "ok"
-            if args.load:
-                try:
-                    registry.load(info.qualified_name if len(table[name]) > 1 else name)
-                except Exception as exc:  # report every broken plugin, keep listing
-                    status = f"BROKEN: {exc}"
-                    broken += 1
+            try:
+                registry.load(info.qualified_name if len(table[name]) > 1 else name)
+            except Exception as exc:  # report every broken plugin, keep listing
+                status = f"BROKEN: {one_line(exc)}"
+                broken += 1
             print(f"{name:<{width}}  {info.distribution} {info.version}  {info.target}  {status}")
     return 1 if broken else 0  # usable as a CI check: --load fails when a plugin cannot be imported
 
@@ -58,8 +61,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from tierkv.engine.blocking import Engine
 
     with Engine.from_yaml(args.config) as engine:
-        print(json.dumps({**engine.stats(), "occupancy": engine.occupancy()}, indent=2, default=str))
+        report = _strict_json({**engine.stats(), "occupancy": engine.occupancy()})
+        print(json.dumps(report, indent=2, default=str, allow_nan=False))
     return 0
+
+
+def _strict_json(value: object) -> object:
+    """``value`` with every non-finite float (an unbounded capacity, a rate of nothing) as None:
+    JSON has no Infinity or NaN, and strict parsers reject them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
 
 
 def _cmd_pool_size(args: argparse.Namespace) -> int:
@@ -104,10 +120,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tierkv`` command line with ``argv`` (default: the process's); the exit status."""
-    parser = argparse.ArgumentParser(prog="tierkv", description=__doc__)
+    from tierkv import __version__
+
+    parser = argparse.ArgumentParser(prog="tierkv", description=" ".join(__doc__.replace("``", "'").split()))
+    parser.add_argument("--version", action="version", version=f"tierkv {__version__} (distribution {DISTRIBUTION})")
     commands = parser.add_subparsers(dest="command", required=True)
     backends = commands.add_parser("backends", help="list installed storage backends")
-    backends.add_argument("--load", action="store_true", help="import each backend to check that it loads")
+    backends.add_argument("--load", action="store_true", help="(the default now) import each backend first")
     backends.set_defaults(func=_cmd_backends)
     commands.add_parser("info", help="versions, CUDA and pinned-memory availability").set_defaults(func=_cmd_info)
     inspect = commands.add_parser("inspect", help="open a YAML config and print per-tier occupancy")

@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("tierkv demo needs transformers: pip install 'tierkv[hf]'")
+        print("tierkv demo needs transformers: pip install '.[hf]' in tierkv's clone (the distribution is tierkv-engine)")
         return 1
     for value, name in ((args.prefix_tokens, "--prefix-tokens"), (args.document_tokens, "--document-tokens"),
                         (args.question_tokens, "--question-tokens")):

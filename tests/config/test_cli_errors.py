@@ -69,3 +69,45 @@ def test_a_capacity_below_one_chunk_is_refused_when_the_kv_shape_is_known() -> N
         Engine(config, EngineMetadata("m", kv_shape=(32, 8, 128, torch.bfloat16)))
     with Engine(config, EngineMetadata("m", kv_shape=(1, 1, 8, torch.bfloat16))) as engine:  # 8 KiB chunks fit
         assert engine.lookup([1, 2, 3]) == 0
+
+
+def test_version_and_strict_json_from_inspect(tmp_path: Path) -> None:
+    import json
+
+    from tierkv import __version__
+
+    version = tierkv("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"tierkv {__version__} (distribution tierkv-engine)"
+    path = tmp_path / "tierkv.yaml"
+    path.write_text(f"model: m\ntiers:\n  - {{name: host, backend: cpu, capacity: 16MiB}}\n"
+                    f"  - {{name: disk, backend: fs, path: {tmp_path / 'fs'}}}\n")
+    result = tierkv("inspect", str(path))
+    assert result.returncode == 0, result.stderr
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"inspect printed {constant}, which strict JSON parsers reject")
+
+    report = json.loads(result.stdout, parse_constant=refuse)
+    assert "occupancy" in report
+
+
+
+def test_a_cpu_tier_larger_than_the_machines_memory_is_refused_not_left_to_the_oom_killer(tmp_path: Path) -> None:
+    """A preallocated cpu tier touches its whole capacity at start: beyond MemAvailable it is a
+    clear error naming both, before anything is allocated; ``preallocate: false`` is the way out."""
+    from tierkv import Engine
+    from tierkv_backends.memory.tier import available_memory
+
+    available = available_memory()
+    if available is None:
+        pytest.skip("no /proc/meminfo on this OS: the check has nothing to read")
+    too_big = {"model": "m", "tiers": [{"name": "host", "backend": "cpu", "capacity": f"{4 * available >> 30}GiB"}]}
+    with pytest.raises(ConfigError, match=r"tier 'host': capacity .* is more than the .* of memory available"):
+        Engine(too_big)
+    lazy = {**too_big, "tiers": [{**too_big["tiers"][0], "preallocate": False}]}
+    with Engine(lazy) as engine:
+        assert engine.tiers[0].capacity == (4 * available >> 30) << 30
+    path = tmp_path / "tierkv.yaml"
+    path.write_text(f"model: m\ntiers:\n  - {{name: host, backend: cpu, capacity: {4 * available >> 30}GiB}}\n")
+    result = tierkv("inspect", str(path))
+    assert result.returncode == 1 and "MemAvailable" in result.stderr and "Traceback" not in result.stderr

@@ -40,9 +40,11 @@ def test_cli_lists_plugin_with_distribution_and_version(plugin_path: Path) -> No
     env_path = f"{plugin_path}"
     result = subprocess.run([sys.executable, "-m", "tierkv.cli", "backends"], capture_output=True, text=True,
                             env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stderr
-    assert "dict" in result.stdout and "tierkv-dict 1.2.3" in result.stdout
-    assert "lmdb" in result.stdout and "tierkv " in result.stdout
+    rows = {" ".join(line.split()[:2]): line for line in result.stdout.splitlines() if line.strip()}
+    assert rows["dict tierkv-dict"].rstrip().endswith("ok"), "listed with its distribution and version, and loads"
+    assert "tierkv-dict 1.2.3" in rows["dict tierkv-dict"]
+    assert rows["lmdb tierkv-engine"].rstrip().endswith("ok")
+    assert "BROKEN" in rows["broken tierkv-dict"] and result.returncode == 1, "the path's broken plugin is named"
 
 
 def test_plugin_that_fails_to_import_is_an_error(plugin_path: Path) -> None:

@@ -59,5 +59,19 @@ def test_cli_load_marks_each_broken_plugin_and_keeps_listing(dotted_and_dashed: 
     assert "not a subclass of tierkv.StorageBackend" in rows["notabackend tierkv-dict"]
     # both claims of the shared name load once pinned, and the built-ins are still listed as fine
     assert rows["dict tierkv-dict"].rstrip().endswith("ok") and rows["dict acme.kv"].rstrip().endswith("ok")
-    assert rows["lmdb tierkv"].rstrip().endswith("ok")
+    assert rows["lmdb tierkv-engine"].rstrip().endswith("ok")
     assert result.returncode == 1, "--load fails when any plugin is broken, so it works as a CI check"
+    plain = subprocess.run([sys.executable, "-m", "tierkv.cli", "backends"], capture_output=True, text=True,
+                           env={"PYTHONPATH": paths, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert plain.stdout == result.stdout and plain.returncode == 1, "ok is said only of a backend that imports"
+
+
+def test_a_pin_of_the_former_distribution_name_means_this_one(tmp_path: Path) -> None:
+    """Configs written as ``tierkv:lmdb`` before the distribution became tierkv-engine still load
+    the built-in backend (the name ``tierkv`` on the public index is another project's)."""
+    from tierkv.backend.registry import DISTRIBUTION
+
+    assert DISTRIBUTION == "tierkv-engine"
+    tier = {"name": "t", "backend": "tierkv:lmdb", "path": str(tmp_path / "db"), "capacity": "16MiB"}
+    with Engine({"model": "m", "tiers": [tier]}) as engine:
+        assert type(engine.tiers[0]).__module__ == "tierkv_backends.lmdb"

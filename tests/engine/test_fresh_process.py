@@ -108,7 +108,7 @@ def test_first_retrieve_of_a_new_process_keeps_its_deadline_over_a_tier_that_nev
 
 
 def test_the_hf_integration_passes_the_models_kv_shape(tmp_path: Path) -> None:
-    pytest.importorskip("transformers", reason="needs the hf extra (pip install 'tierkv[hf]')")
+    pytest.importorskip("transformers", reason="needs the hf extra (pip install '.[hf]' in tierkv's clone)")
     from tierkv.demo import build_demo_model
     from tierkv.integrations import hf
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="needs the hf extra (pip install 'tierkv[hf]')")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra (pip install '.[hf]' in tierkv's clone)")
 
 from tierkv import Engine, ops  # noqa: E402
 from tierkv.demo import build_demo_model  # noqa: E402

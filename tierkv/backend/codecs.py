@@ -157,7 +157,7 @@ def _blosc() -> Any:
     try:
         import blosc
     except ImportError as exc:
-        raise ImportError("lossless codecs need the 'blosc' package: pip install blosc (or tierkv[compress])") from exc
+        raise ImportError("lossless codecs need the 'blosc' package: pip install blosc (or the compress extra: pip install '.[compress]' in tierkv's clone)") from exc
     blosc.set_releasegil(True)
     blosc.set_nthreads(1)  # parallel across slabs instead (_each_slab): no thread handoff per block
     return blosc

@@ -75,6 +75,18 @@ def installed() -> dict[str, list[BackendInfo]]:
         return _installed
 
 
+DISTRIBUTION = "tierkv-engine"
+"""This project's distribution name (the import package is ``tierkv``): the name ``tierkv`` on
+the public package index belongs to an unrelated project. A pin ``tierkv:<backend>`` written
+for the built-in backends before the rename still means this distribution."""
+
+
+def _pinned(distribution: str) -> str:
+    """The normalized distribution a pin names (``tierkv``, this project's former name, is ours)."""
+    normalized = normalize_distribution(distribution)
+    return DISTRIBUTION if normalized == "tierkv" else normalized
+
+
 def normalize_distribution(name: str) -> str:
     """PEP 503 form of a distribution name: ``Acme.KV``, ``acme_kv`` and ``acme-kv`` are one."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -91,7 +103,7 @@ def resolve(name: str, where: str = "backend") -> BackendInfo:
     distribution, _, short = name.rpartition(":")
     claims = table.get(short, [])
     if distribution:
-        claims = [c for c in claims if normalize_distribution(c.distribution) == normalize_distribution(distribution)]
+        claims = [c for c in claims if normalize_distribution(c.distribution) == _pinned(distribution)]
     if not claims:
         hint = difflib.get_close_matches(short, list(table), n=1)
         suggestion = f"; did you mean {hint[0]!r}?" if hint else ""

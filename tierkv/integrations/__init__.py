@@ -7,7 +7,7 @@
   (``--hicache-storage-backend dynamic``), reading and writing its host pools in place.
 - :mod:`tierkv.integrations.hf`: Hugging Face transformers ``DynamicCache`` store and
   retrieve, prefix reuse in ``generate``, and a CacheBlend prefill for Llama-family models
-  (needs the ``hf`` extra: ``pip install 'tierkv[hf]'``).
+  (needs the ``hf`` extra: ``pip install '.[hf]' in tierkv's clone (the distribution is tierkv-engine)``).
 - :mod:`tierkv.integrations.vllm`: vLLM's older KV lookup buffer and store buffer interfaces,
   backed by an :class:`tierkv.Engine` (vLLM itself is not needed).
 - :mod:`tierkv.integrations.namespace`: kept for old imports (moved to :mod:`tierkv.chunks.namespaces`).

@@ -1,6 +1,6 @@
 """Hugging Face transformers end to end: cache store/retrieve, prefix reuse, blended prefill.
 
-Needs the ``hf`` extra (``pip install 'tierkv[hf]'``). Works with the engine in either KV
+Needs the ``hf`` extra (``pip install '.[hf]' in tierkv's clone (the distribution is tierkv-engine)``). Works with the engine in either KV
 format; a model's ``past_key_values`` (a ``DynamicCache``, batch size 1) are converted to
 the engine's layout on the way in and back on the way out.
 
@@ -39,7 +39,7 @@ from tierkv.engine.metadata import geometry_part
 try:
     from transformers import DynamicCache
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("tierkv.integrations.hf needs transformers: pip install 'tierkv[hf]'") from exc
+    raise ImportError("tierkv.integrations.hf needs transformers: pip install '.[hf]' in tierkv's clone (the distribution is tierkv-engine)") from exc
 
 
 # -- the engine's metadata for a model ----------------------------------------------------------

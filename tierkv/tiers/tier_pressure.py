@@ -103,7 +103,7 @@ def nvml_status() -> str:
     try:
         import pynvml
     except ImportError:
-        return "nvml unavailable: pynvml is not installed (pip install 'tierkv[nvml]')"
+        return "nvml unavailable: pynvml is not installed (pip install '.[nvml]' in tierkv's clone (the distribution is tierkv-engine))"
     try:
         pynvml.nvmlInit()
         count = pynvml.nvmlDeviceGetCount()

@@ -38,7 +38,7 @@ from tierkv.backend.options import Option, format_size
 from tierkv.chunks.keys import CacheKey, count_by_scope
 from tierkv.chunks.kvlayout import nbytes_of
 from tierkv.chunks.memory import can_pin_memory, empty_host, size_class
-from tierkv.errors import CapacityError
+from tierkv.errors import CapacityError, ConfigError
 from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.policy.residency import EVICTION_POLICIES, make_index
 from tierkv.routing import offload
@@ -100,6 +100,30 @@ class Reservation:
         return self.resident.view()
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says can be allocated without swapping (``MemAvailable``);
+    None where /proc/meminfo does not say (another OS)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def refuse_beyond_available_memory(name: str, capacity: int) -> None:
+    """A preallocated host tier touches its whole capacity at start: one larger than the
+    memory available now would end with the OOM killer, not an error. Refuse it, naming both."""
+    available = available_memory()
+    if available is not None and capacity > available:
+        raise ConfigError(f"tier {name!r}: capacity {format_size(capacity)} is more than the {format_size(available)} "
+                          "of memory available on this machine now (MemAvailable): give a smaller capacity, or "
+                          "preallocate: false to allocate as chunks arrive (then the machine's memory, not the "
+                          "capacity, bounds the tier)")
+
+
 class MemoryTier(StorageBackend):
     """A capacity-bounded tier of slabs on one device (see module docstring)."""
 
@@ -127,6 +151,8 @@ class MemoryTier(StorageBackend):
         self._slab_freed: asyncio.Event | None = None
         self._slabs: SlabArena | LazySlabs
         if preallocate:
+            if device.type == "cpu":
+                refuse_beyond_available_memory(name, self.capacity)
             self._slabs = SlabArena(self.capacity, device, pinned)
             logger.info("tier %r: preallocated %s on %s%s in %.2fs", name, format_size(self._slabs.allocated),
                         device, " (pinned)" if pinned else "", self._slabs.startup_s)

@@ -69,7 +69,7 @@ from tierkv_backends.mooncake.options import (
 try:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("the mooncake tier needs Mooncake Store: pip install 'tierkv[mooncake]' (CPU build: "
+    raise ImportError("the mooncake tier needs Mooncake Store: pip install '.[mooncake]' in tierkv's clone (CPU build: "
                       "mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1 librdmacm1") from _exc
 
 logger = logging.getLogger("tierkv_backends.mooncake")

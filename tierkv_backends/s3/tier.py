@@ -82,7 +82,7 @@ try:
     import botocore.exceptions
     from botocore.config import Config as BotoConfig
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("the s3 tier needs boto3: pip install 'tierkv[s3]'") from _exc
+    raise ImportError("the s3 tier needs boto3: pip install '.[s3]' in tierkv's clone") from _exc
 
 logger = logging.getLogger("tierkv_backends.s3")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ files, S3) straight out of SGLang's host pool and come back straight into it.
 * :mod:`.pages`: page sources and sinks, and reads / writes / lookups of pages by key;
 * :mod:`.backend`: the ``HiCacheStorage`` subclass (imports SGLang).
 
-Only :mod:`.backend` needs SGLang installed (``pip install tierkv[sglang]``).
+Only :mod:`.backend` needs SGLang installed (``pip install '.[sglang]' in tierkv's clone (the distribution is tierkv-engine)``).
 """
 
 BACKEND_MODULE = "tierkv.integrations.sglang.backend"
