@@ -323,3 +323,24 @@ def test_api_reference_uses_public_names() -> None:
     assert names
     wrong = [name for name in names if not re.fullmatch(r"tierkv\.(?:(?:backend|testing)\.)?[A-Za-z]\w*", name)]
     assert not wrong, f"docs/api.md documents objects by module paths that are moving: {wrong}"
+
+
+def test_every_layout_the_vllm_page_names_is_one_the_connector_accepts() -> None:
+    """docs/vllm.md's ``layout:`` values, each given to the connector's settings loader."""
+    from tierkv.integrations.vllm_v1.settings import settings_from
+
+    named = re.search(r"`layout: ([\w|]+)`", read(DOCS / "vllm.md"))
+    assert named, "docs/vllm.md names the layouts `layout:` can force"
+    config = {"chunk_size": 256, "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    for layout in named.group(1).split("|"):
+        assert settings_from({"config": config, "layout": layout}, "kv_both", "m", 1).layout == layout
+
+
+def test_every_vllm_connector_key_is_in_the_options_table() -> None:
+    """Each key the connector's settings accept has a row in docs/vllm.md's table (a key added
+    without docs fails here)."""
+    from tierkv.integrations.vllm_v1 import settings
+
+    rows = set(re.findall(r"^\| `(\w+)` \|", read(DOCS / "vllm.md"), re.M))
+    assert set(settings._KNOWN) <= rows, f"undocumented kv_connector_extra_config keys: {set(settings._KNOWN) - rows}"
+

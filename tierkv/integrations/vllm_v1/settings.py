@@ -39,10 +39,12 @@ from typing import Any
 from tierkv.config.loader import EngineConfig, config_for_integration
 from tierkv.engine.blocking import EngineMetadata
 from tierkv.errors import ConfigError
+from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS
 
 _KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check",
           "identity_hook")
-_LAYOUTS = ("auto", "cpu", "content", "kv_first", "blocks_first")
+# auto, vLLM's CPU page orders (cpu: vec and its kin, cpu_amx, cpu_bfmmla), then the GPU backends' layouts
+_LAYOUTS = ("auto", *PAGE_ORDERS, "content", "kv_first", "blocks_first")
 _ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
 
 
