@@ -344,3 +344,13 @@ def test_every_vllm_connector_key_is_in_the_options_table() -> None:
     rows = set(re.findall(r"^\| `(\w+)` \|", read(DOCS / "vllm.md"), re.M))
     assert set(settings._KNOWN) <= rows, f"undocumented kv_connector_extra_config keys: {set(settings._KNOWN) - rows}"
 
+
+def test_the_configuration_reference_is_the_code_s() -> None:
+    """docs/reference.md is generated from the declarations: every key and option documented
+    (an option without a description fails here), and the page up to date with the code."""
+    from tierkv.config import reference
+
+    assert reference.undocumented() == [], "keys or options without a description"
+    assert read(DOCS / "reference.md") == reference.reference_markdown(), (
+        "docs/reference.md is not the code's: python -m tierkv.config.reference > docs/reference.md")
+

@@ -99,7 +99,7 @@ class LMDBBackend(StorageBackend):
         "path": Option("path", required=True, doc="directory of the LMDB environment"),
         "sync": Option("bool", False, doc="fsync every commit: survive power loss, not just a crash"),
         "readahead": Option("bool", True, doc="OS readahead on the map (keep on for reads from disk)"),
-        "max_readers": Option("int", 126, minimum=1),
+        "max_readers": Option("int", 126, minimum=1, doc="LMDB reader slots: threads and processes reading at once"),
         "writemap": Option("bool", False, doc="write values straight into the map (one copy: about twice as fast "
                                               "while the environment fits in RAM, slower beyond it; every process "
                                               "sharing the environment must use the same setting)"),

@@ -40,11 +40,15 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 _PRESSURE_OPTIONS = {
-    "gpu_high_watermark": Option("float", 0.92, minimum=0.0, doc="fraction of device memory in use"),
-    "gpu_low_watermark": Option("float", 0.85, minimum=0.0),
-    "host_high_watermark": Option("float", 0.95, minimum=0.0),
-    "host_low_watermark": Option("float", 0.90, minimum=0.0),
-    "poll_interval_ms": Option("int", 200, minimum=1),
+    "gpu_high_watermark": Option("float", 0.92, minimum=0.0, doc="fraction of device memory in use at which the gpu "
+                                                                   "tier shrinks"),
+    "gpu_low_watermark": Option("float", 0.85, minimum=0.0, doc="the gpu tier shrinks until device memory in "
+                                                                 "use is back below this fraction"),
+    "host_high_watermark": Option("float", 0.95, minimum=0.0, doc="fraction of host memory in use at which the "
+                                                                   "host tiers shrink"),
+    "host_low_watermark": Option("float", 0.90, minimum=0.0, doc="they shrink until host memory in use is "
+                                                                 "back below this fraction"),
+    "poll_interval_ms": Option("int", 200, minimum=1, doc="how often memory in use is read"),
 }
 _BACKGROUND_OPTIONS = {
     "queue_bytes": Option("size", 1 << 30, doc="bytes of chunks waiting to be written to lower tiers"),

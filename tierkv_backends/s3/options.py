@@ -29,14 +29,16 @@ S3_OPTIONS: dict[str, Option] = {
                                doc="path for MinIO/SeaweedFS, virtual for AWS"),
     "max_concurrency": Option("int", 16, minimum=1, doc="requests in flight at once, for reads and for writes each "
                                                          "(a read the store stalls never holds a write's slot)"),
-    "connect_timeout_s": Option("float", 2.0, minimum=0.01),
-    "read_timeout_s": Option("float", 10.0, minimum=0.01),
+    "connect_timeout_s": Option("float", 2.0, minimum=0.01, doc="seconds to open a connection (capped by "
+                                                                 "timeout_s)"),
+    "read_timeout_s": Option("float", 10.0, minimum=0.01, doc="seconds a socket waits for the next bytes "
+                                                           "(capped by timeout_s)"),
     "timeout_s": Option("float", 30.0, minimum=0.01, doc="deadline of one batched operation, retries included; "
                                                          "a request still running then gives its slot back, and "
                                                          "its socket waits no longer than this"),
     "retries": Option("int", 3, minimum=0, doc="retries of a throttled or transient request"),
-    "backoff_base_s": Option("float", 0.05, minimum=0.0),
-    "backoff_max_s": Option("float", 1.0, minimum=0.0),
+    "backoff_base_s": Option("float", 0.05, minimum=0.0, doc="first retry's delay; doubled per retry, jittered"),
+    "backoff_max_s": Option("float", 1.0, minimum=0.0, doc="longest delay between retries"),
     "multipart_threshold": Option("size", 64 * MiB, doc="puts this large or larger use multipart upload"),
     "part_size": Option("size", 64 * MiB, minimum=MIN_PART, doc="multipart part and ranged-GET size"),
     "min_range": Option("size", None, minimum=64 << 10,

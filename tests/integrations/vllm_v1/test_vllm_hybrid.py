@@ -13,7 +13,9 @@ gpt-oss (sliding window + full attention), Qwen3-Next (Gated DeltaNet + full), N
   768 (ending exactly on a block boundary), 512, 256, and for the fourth 512 where a state
   was deleted (a shorter hit, never KV without its state), else 768;
 - vLLM alone (no connector, its prefix cache on) runs B's prompts twice: the first answer is
-  the truth, the second's distance from it is the tolerance (vLLM's own prefix cache).
+  the truth, the second's distance from it is the tolerance (vLLM's own prefix cache). It runs
+  first: a family vLLM's CPU build cannot run on this CPU at all is skipped, naming vLLM's
+  error (a limit of vLLM's kernels there, not of tierkv).
 
 A last test runs Nemotron-H's A and B as two replicas of one node sharing an ``shm`` pool.
 """
@@ -103,12 +105,24 @@ def worst_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
 def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Per family (run lazily, once): A's and B's results and stats, and vLLM alone's."""
     made: dict[str, dict[str, Any]] = {}
+    cannot_run: dict[str, str] = {}  # family -> why vLLM alone could not run it here
 
     def runs(family: str) -> dict[str, Any]:
+        if family in cannot_run:
+            pytest.skip(cannot_run[family])
         if family in made:
             return made[family]
         work = tmp_path_factory.mktemp(family)
         model = save_hybrid_model(family, work / "model")
+        try:  # vLLM alone first: a family vLLM's CPU build cannot run on this CPU is not tierkv's to test
+            alone = run_vllm(run_spec(model, family, [p for prompt in B_PROMPTS for p in (prompt, prompt)], None),
+                             work / "alone", env=SAME_CORES)
+        except RuntimeError as exc:
+            if "did not end within" in str(exc):  # slow is not unable: a timeout fails the test
+                raise
+            cannot_run[family] = (f"vLLM alone (no connector) cannot run {family} on this CPU: "
+                                  f"{str(exc).strip().splitlines()[-1][:300]}")
+            pytest.skip(cannot_run[family])
         tier = [{"name": "disk", "backend": "fs", "path": str(work / "fs"), "capacity": "1GiB"}]
         a = run_vllm(run_spec(model, family, a_prompts(), tiers_extra(tier, work / "a.json")), work / "a",
                      env=SAME_CORES)
@@ -118,8 +132,6 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
             evicted.unlink()
         b = run_vllm(run_spec(model, family, B_PROMPTS, tiers_extra(tier, work / "b.json")), work / "b",
                      env=SAME_CORES)
-        alone = run_vllm(run_spec(model, family, [p for prompt in B_PROMPTS for p in (prompt, prompt)], None),
-                         work / "alone", env=SAME_CORES)
         made[family] = {"a": a, "b": b, "alone": alone[0::2], "own_cache": alone[1::2], "evicted": evicted,
                         "b_stats": json.loads((work / "b.json").read_text())}
         (work / "results.json").write_text(json.dumps({key: value for key, value in made[family].items()
