@@ -275,7 +275,7 @@ def ready_sweep(blob: torch.Tensor, tokens: torch.Tensor, warmup: tuple[torch.Te
 
 
 def print_compression(result: dict[str, Any]) -> None:
-    """The three tables of :func:`run_compression` and whether the target held."""
+    """The three tables of ``run_compression`` and whether the target held."""
     print("\n== compression: codecs on SmolLM2-135M KV (bf16, 256-token chunks) ==")
     print_table(result["codecs"], list(result["codecs"][0]))
     print("\n== compression: fp8 KV against exact KV (HF, greedy continuation) ==")

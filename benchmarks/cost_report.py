@@ -44,7 +44,7 @@ def summarize_cost(rows: list[dict[str, Any]]) -> bool:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """The rows as a plain text table of :data:`COLUMNS`."""
+    """The rows as a plain text table of ``COLUMNS``."""
     def cell(value: Any) -> str:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
     widths = {c: max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in COLUMNS}

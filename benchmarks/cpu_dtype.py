@@ -22,7 +22,7 @@ def native_bf16() -> bool:
 
 
 def model_dtype(choice: str) -> str:
-    """``choice`` (one of :data:`CHOICES`), with ``auto`` resolved for this CPU."""
+    """``choice`` (one of ``CHOICES``), with ``auto`` resolved for this CPU."""
     if choice not in CHOICES:
         raise ValueError(f"dtype: expected one of {', '.join(CHOICES)}, got {choice!r}")
     if choice != "auto":

@@ -3,7 +3,7 @@ keeps every layer's full prefix.
 
 For each model kind (layer mixes and geometries of served models, with fewer layers in the
 same proportions so the run fits a small machine), a prompt is saved through the connector's
-hybrid path (:mod:`tierkv.integrations.vllm_v1.hybrid_scheduler` and ``hybrid_worker``: one
+hybrid path (``tierkv.integrations.vllm_v1.hybrid_scheduler`` and ``hybrid_worker``: one
 save job per step, the steps vLLM would run) into a ``cpu`` tier, then a hit of the whole
 prompt is loaded into other blocks, ``--repeats`` times. The baseline, timed in the same run
 on the same engine, is what a cache without the hybrid manager keeps: every layer as a

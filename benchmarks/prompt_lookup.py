@@ -75,7 +75,7 @@ def lookup_us(tier: str, root: Path, prompt_tokens: int) -> dict[str, tuple[floa
 
 
 def lookup_rows(tier: str, lookups: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
-    """Rows of :func:`lookup_us`'s figures, each against its target."""
+    """Rows of ``lookup_us``'s figures, each against its target."""
     return [{"tier": tier, "op": f"lookup {kind}", "pass": "steady", "ours_us": us, "baseline": "sha256 chain",
              "baseline_us": floor, "ratio": floor / us,
              "target": f"<= {LOOKUP_TARGET_US:.0f} us", "meets": us <= LOOKUP_TARGET_US}

@@ -80,7 +80,7 @@ def copy_counts(engine: Engine) -> dict[str, tuple[int, int]]:
 
 
 def copies_per_byte(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], path: str) -> float | None:
-    """Bytes copied per byte delivered on ``path`` between two :func:`copy_counts`."""
+    """Bytes copied per byte delivered on ``path`` between two ``copy_counts``."""
     copied = after[path][0] - before[path][0]
     delivered = after[path][1] - before[path][1]
     return copied / delivered if delivered else None

@@ -12,7 +12,7 @@ hits both alike. Figures are MB/s of KV payload and the ratio ours / baseline.
   (zero-copy, no check).
 
 Target: ratio >= 0.9 for both. Needs ``pip install ./examples/tierkv-redis`` and
-``redis-server`` on PATH; otherwise :func:`run_redis` returns a row saying why it skipped.
+``redis-server`` on PATH; otherwise ``run_redis`` returns a row saying why it skipped.
 
     python benchmarks/redis_bench.py [--repeats 7]
 """

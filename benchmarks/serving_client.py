@@ -103,7 +103,7 @@ async def replay(trace: Trace, urls: Sequence[str], model: str, max_tokens: int 
 
 
 def scrape(text: str) -> dict[str, float]:
-    """The :data:`COUNTERS` in a Prometheus text page, summed over their labels."""
+    """The ``COUNTERS`` in a Prometheus text page, summed over their labels."""
     wanted = {name: key for key, name in COUNTERS.items()}
     totals = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():

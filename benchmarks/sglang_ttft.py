@@ -12,7 +12,7 @@ fs tier read by a new process (a second SGLang process over what the first store
 are against no L3 timed in the same run; ``--only`` runs a subset (no L3 always runs).
 
 SGLang mooncake: ``hicache_storage_backend="mooncake"`` against a real Mooncake master and
-one storage node on 127.0.0.1 (:class:`tierkv.testing.mooncake_server.MooncakeCluster`,
+one storage node on 127.0.0.1 (``tierkv.testing.mooncake_server.MooncakeCluster``,
 started before that configuration and stopped by PID after it, also on failure). SGLang is
 configured through its extra_config (master_server_address, metadata_server = the master's
 HTTP metadata server, protocol tcp, local_hostname 127.0.0.1, global_segment_size 0: the

@@ -266,3 +266,15 @@ def test_the_longest_first_list_names_modules_that_exist() -> None:
     assert len(LONGEST_FIRST) > 5
     missing = [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()]
     assert missing == [], f"tests/conftest.py LONGEST_FIRST names modules that are gone: {missing}"
+
+
+def test_no_sphinx_roles_in_docstrings() -> None:
+    """The API reference (mkdocstrings) shows a Sphinx role such as :class:`X` literally: names
+    in docstrings are written as ``X``."""
+    import re
+
+    role = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj|ref|const):`")
+    found = [f"{path.relative_to(ROOT)}:{number}" for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if role.search(line)]
+    assert found == [], f"Sphinx roles the docs site would show literally: {found[:10]}"
+

@@ -12,11 +12,11 @@ free pages for a large value) least-recently-used chunks are evicted in a commit
 transaction of their own and the batch is retried, instead of failing with MapFullError.
 That is the tier's own capacity; the disk under it filling up is another matter: LMDB
 fails the commit (it reports the short write as EIO), nothing of the batch is stored, and
-the put raises :class:`~tierkv.errors.TierFullError` naming the tier and the map file.
+the put raises ``tierkv.errors.TierFullError`` naming the tier and the map file.
 What was committed before stays readable, and a later put succeeds once space returns.
 
 Ownership: every transaction that reads the caller's chunks or writes into its
-destinations runs in a worker thread that is waited for (:func:`tierkv.chunks.ownership.finish`),
+destinations runs in a worker thread that is waited for (``tierkv.chunks.ownership.finish``),
 cancellation included, so a call never returns while LMDB still touches caller memory;
 a commit that completed under a cancelled call is still indexed.
 
@@ -154,7 +154,7 @@ class LMDBBackend(StorageBackend):
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` in a worker thread and return (or raise, or deliver a cancellation) only
         once it has stopped: it may read the caller's chunks or write into its destinations
-        (:func:`tierkv.chunks.ownership.finish`). LMDB errors become tierkv errors naming the path."""
+        (``tierkv.chunks.ownership.finish``). LMDB errors become tierkv errors naming the path."""
         future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         self._inflight.add(future)
         try:
@@ -235,7 +235,7 @@ class LMDBBackend(StorageBackend):
 
     def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
         """The chunks an eviction for chunks of ``chunk_nbytes`` bytes would take, in order
-        (see :class:`~tierkv.backend.NamesVictims`; each counted as a put accounts it, its header
+        (see ``tierkv.backend.NamesVictims``; each counted as a put accounts it, its header
         at the largest number of dimensions); a key stored as a digest (too long for LMDB)
         cannot be named and is left out."""
         if self.capacity is None:

@@ -1,6 +1,6 @@
 """The parts of the GPU check (``benchmarks/gpu_check.py``, issue 36), one module per job (issue 49).
 
-The entry script only puts ``benchmarks/`` on ``sys.path`` and calls :func:`gpu_checks.cli.main`;
+The entry script only puts ``benchmarks/`` on ``sys.path`` and calls ``gpu_checks.cli.main``;
 each part process re-runs that script with ``--part``, so a bare GPU machine runs the check from
 the checkout with no install. The modules, from the bottom up:
 

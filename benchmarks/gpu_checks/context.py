@@ -2,8 +2,8 @@
 
 A part runs in a process of its own (``gpu_check.py --part NAME``), so the context it needs is
 written to ``DIR/context.json`` and read back there; a part reports by returning its figures or
-raising :class:`PartFailed` / :class:`PartSkipped`, which the worker turns into a
-:class:`PartResult`. Every process the check starts gets :func:`child_env`: this checkout and the
+raising ``PartFailed`` / ``PartSkipped``, which the worker turns into a
+``PartResult``. Every process the check starts gets ``child_env``: this checkout and the
 private import directory on PYTHONPATH, the extension cache shared, the device's architecture.
 """
 

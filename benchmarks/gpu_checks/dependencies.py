@@ -5,7 +5,7 @@ wheels in ``benchmarks/gpu_wheels/`` (``scripts/gpu_wheels.sh``) and is installe
 pip, or unpacked into a private directory when pip cannot install. tierkv itself runs from this
 checkout (``PYTHONPATH``); its backends are found through entry points, so when the checkout is
 not installed a minimal ``tierkv-*.dist-info`` declaring them is written to that directory
-(``benchmarks/node_cache_gpu.py`` uses :func:`write_dist_info` for the same reason).
+(``benchmarks/node_cache_gpu.py`` uses ``write_dist_info`` for the same reason).
 """
 
 from __future__ import annotations

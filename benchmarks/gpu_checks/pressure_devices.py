@@ -1,9 +1,9 @@
 """What the pressure scenario runs against: a memory probe and a squeezer, real or modelled.
 
 On the device the probe is NVML (``tierkv.policy.pressure.NVMLProbe``) and the squeezer is a second
-process allocating device memory on command (:class:`DeviceSqueezer`, running
-:data:`SQUEEZER_CODE`): the serving engine growing into, then leaving, the GPU tierkv shares.
-On the CPU, :class:`ModelledDevice` is both, so the same scenario code is rehearsed in CI.
+process allocating device memory on command (``DeviceSqueezer``, running
+``SQUEEZER_CODE``): the serving engine growing into, then leaving, the GPU tierkv shares.
+On the CPU, ``ModelledDevice`` is both, so the same scenario code is rehearsed in CI.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def start(command: Sequence[str], log: Path, env: dict[str, str]) -> subprocess.
 
 
 def finish(process: subprocess.Popen[bytes], log: Path, timeout_s: float, started: float) -> Finished:
-    """Wait for a process started by :func:`start`; past ``timeout_s`` kill its process group."""
+    """Wait for a process started by ``start``; past ``timeout_s`` kill its process group."""
     timed_out = False
     try:
         process.wait(timeout=max(timeout_s, 1.0))

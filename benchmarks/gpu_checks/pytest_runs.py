@@ -1,6 +1,6 @@
 """Runs of the test suite in a subprocess, counted from their JUnit XML, with the device's rules.
 
-On a CUDA machine every selected test must really run: :func:`require_clean_run` fails a run
+On a CUDA machine every selected test must really run: ``require_clean_run`` fails a run
 with a failure, a timeout, no test passed, or (on the device) any skip.
 """
 

@@ -77,7 +77,7 @@ def time_once(fn: Callable[[], object], device: str) -> float:
 
 def timed(fn: Callable[[], object], device: str, reps: int, warmup: int,
           setup: Callable[[], object] | None = None) -> list[float]:
-    """Seconds per call of ``fn`` over ``reps`` calls after ``warmup`` (see :func:`time_once`);
+    """Seconds per call of ``fn`` over ``reps`` calls after ``warmup`` (see ``time_once``);
     ``setup`` runs before each call, untimed."""
     for _ in range(warmup):
         if setup:

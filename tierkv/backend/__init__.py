@@ -1,9 +1,9 @@
 """The backend contract and what wraps or finds backends.
 
-``tierkv.backend`` is the import a backend author needs: :class:`StorageBackend`,
-:class:`BlobBackend`, the capability Protocols and the destination helpers are re-exported
-from :mod:`tierkv.backend.contract`, and :class:`Option` (the option type every tier declares)
-from :mod:`tierkv.backend.options`. Beside them: the entry-point registry, codecs and the
+``tierkv.backend`` is the import a backend author needs: ``StorageBackend``,
+``BlobBackend``, the capability Protocols and the destination helpers are re-exported
+from ``tierkv.backend.contract``, and ``Option`` (the option type every tier declares)
+from ``tierkv.backend.options``. Beside them: the entry-point registry, codecs and the
 coded wrapper that applies them.
 """
 

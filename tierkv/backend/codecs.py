@@ -26,7 +26,7 @@ Decoding writes each byte of the destination once: Blosc slabs decompress straig
 host destination whose slabs are contiguous (a token slice of a larger cache is), fp8 is
 converted into it. Nothing here unpickles: every header field, and every Blosc buffer's
 header, is checked before a byte is decoded; a frame that does not parse is a
-:class:`ChunkFormatError`.
+``ChunkFormatError``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""A byte tier that keeps its chunks coded (``codec:`` in a tier's YAML, :mod:`tierkv.backend.codecs`).
+"""A byte tier that keeps its chunks coded (``codec:`` in a tier's YAML, ``tierkv.backend.codecs``).
 
 One module of about 410 lines, by choice: one wrapper over one backend: every call of the
 backend contract passes through it (puts encode, reads decode, ``auto`` chooses, reads feed the
 cost model), and a call split from its wrapper would need the wrapper's state; the codecs
-themselves are :mod:`tierkv.backend.codecs`.
+themselves are ``tierkv.backend.codecs``.
 
-:class:`CodedBackend` sits between the tier's handle and its backend: a put encodes each
+``CodedBackend`` sits between the tier's handle and its backend: a put encodes each
 chunk into a frame (or leaves it raw when coding would not pay), a read decodes frames
 into the caller's destinations. The backend stores, checksums and evicts frames like any
 chunk, so lmdb, fs, s3, mooncake and plugin backends all carry coded chunks unchanged.
@@ -19,7 +19,7 @@ appends its marker to the key's hash (``<hash>.fp8``): an exact reader never fin
 each batch then picks the candidate, or none, that gives the shortest expected read --
 ``transfer(stored bytes) + decode`` on the tier's measured speed line -- and codes only
 when that is at least 10% shorter than reading the chunk raw. The cost model sees the same
-numbers: :meth:`CodedBackend.split` is what :class:`~tierkv.policy.planner.TierSpeed` uses to turn
+numbers: ``CodedBackend.split`` is what ``tierkv.policy.planner.TierSpeed`` uses to turn
 a prefix's bytes into stored bytes and decode time.
 """
 
@@ -77,7 +77,7 @@ class CodingEstimate:
 @dataclass
 class ReadTally:
     """What one read moved and decoded, counted in the decoding thread and applied to the
-    backend's counters and estimates on the event loop (:meth:`CodedBackend._account`)."""
+    backend's counters and estimates on the event loop (``CodedBackend._account``)."""
 
     stored_bytes: int = 0  # bytes that came from the tier for the chunks served
     raw_bytes: int = 0  # bytes served
@@ -144,7 +144,7 @@ def trial(name: str, chunk: torch.Tensor, kv_format: str | None, runs: int = 3) 
 
 
 class CodedBackend(StorageBackend):
-    """``inner`` with its chunks coded by ``codec`` (a name of :data:`tierkv.backend.codecs.CODEC_NAMES`
+    """``inner`` with its chunks coded by ``codec`` (a name of ``tierkv.backend.codecs.CODEC_NAMES``
     other than none). Everything but the coding is the inner backend's: capacity, counters,
     persistence, what it would evict."""
 

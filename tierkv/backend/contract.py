@@ -1,10 +1,10 @@
 """The storage backend contract every tier implements (async).
 
-Backends are small async stores of whole chunks under :class:`~tierkv.chunks.keys.CacheKey`.
+Backends are small async stores of whole chunks under ``tierkv.chunks.keys.CacheKey``.
 The batched methods have defaults built on the single-key ones; a backend overrides
 them when it can do better (one transaction, one pipeline, parallel requests).
 
-Contract, checked by :class:`tierkv.testing.BackendTests`:
+Contract, checked by ``tierkv.testing.BackendTests``:
 
 - ``get`` of a missing key is ``None``, never an exception; batched results keep input order.
 - ``put`` copies the chunk: the caller may reuse its tensor as soon as ``put`` returns,
@@ -12,8 +12,8 @@ Contract, checked by :class:`tierkv.testing.BackendTests`:
 - ``batched_get_into`` writes each found chunk into the caller's destination tensor and
   reports True only for a destination that now holds the whole, verified chunk. A chunk
   whose shape or dtype differs from its destination is a miss.
-- Any method after ``close()`` raises :class:`~tierkv.errors.BackendClosedError`.
-- A chunk that cannot fit raises :class:`~tierkv.errors.CapacityError` and loses nothing
+- Any method after ``close()`` raises ``tierkv.errors.BackendClosedError``.
+- A chunk that cannot fit raises ``tierkv.errors.CapacityError`` and loses nothing
   stored before; a bounded backend evicts least-recently-used chunks to make room.
 """
 
@@ -45,12 +45,12 @@ class StorageBackend(abc.ABC):
     Class attributes describe capabilities so the engine and the conformance suite can
     adapt: ``persistent`` (survives close and reopen), ``bounded`` (evicts to stay within
     ``capacity``), ``requires_capacity`` (YAML must give one), ``options`` (backend-specific
-    YAML keys, validated by :func:`tierkv.backend.options.parse_options`),
+    YAML keys, validated by ``tierkv.backend.options.parse_options``),
     ``streams_into_destination`` (``batched_get_into`` may leave bytes in the destination
     of a chunk it then reports missing, because it reads before it can verify; the engine
     then reads into a staging buffer rather than straight into memory the caller owns),
     ``speed_seed`` (a get batch's fixed cost and bandwidth before any was timed: where the
-    engine's estimate of the tier starts, see :mod:`tierkv.policy.planner`).
+    engine's estimate of the tier starts, see ``tierkv.policy.planner``).
     """
 
     persistent: ClassVar[bool] = False
@@ -115,7 +115,7 @@ class StorageBackend(abc.ABC):
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Read each chunk into ``outs[i]``; True where the destination now holds it.
 
-        The default reads with :meth:`batched_get` and copies, so it costs a second copy;
+        The default reads with ``batched_get`` and copies, so it costs a second copy;
         override it to read straight into the destination (one copy) when the medium
         allows. A miss leaves its destination untouched unless the class declares
         ``streams_into_destination``; a destination reported True holds the whole chunk.
@@ -153,7 +153,7 @@ class StorageBackend(abc.ABC):
 
     def scope_usage(self) -> dict[str, dict[str, int]] | None:
         """``{scope: {"chunks": n, "bytes": b}}`` of what this tier holds, per key scope (the
-        digest of a model revision, adapter and tenant salt: :mod:`tierkv.chunks.identity`), without
+        digest of a model revision, adapter and tenant salt: ``tierkv.chunks.identity``), without
         naming any key; None when the tier cannot list its keys cheaply (a remote store)."""
         return None
 
@@ -195,7 +195,7 @@ class StorageBackend(abc.ABC):
 
 
 class ChunkHold(Protocol):
-    """The bytes of one stored chunk, valid until :meth:`release` (see :class:`InPlaceTier`)."""
+    """The bytes of one stored chunk, valid until ``release`` (see ``InPlaceTier``)."""
 
     chunk: torch.Tensor
 
@@ -279,7 +279,7 @@ FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 
 
 def full_disk_error(tier: str, path: object, code: int | None) -> TierFullError | None:
-    """The :class:`TierFullError` for a write to ``path`` that failed with errno ``code``
+    """The ``TierFullError`` for a write to ``path`` that failed with errno ``code``
     because the disk is full (None for any other error): it names the tier and the path."""
     if code not in FULL_DISK_ERRNOS:
         return None
@@ -318,7 +318,7 @@ def fill_destination(out: torch.Tensor, chunk: torch.Tensor | None) -> bool:
 class BlobBackend(StorageBackend):
     """Helper base for byte stores: implement four methods on string keys and bytes.
 
-    Tensors are (de)serialized with :mod:`tierkv.chunks.serde` (versioned header, checksum, no
+    Tensors are (de)serialized with ``tierkv.chunks.serde`` (versioned header, checksum, no
     pickle). A value that fails to decode is deleted, counted in
     ``counters["corrupt_chunks"]`` and reported as a miss.
     """

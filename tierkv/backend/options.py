@@ -1,6 +1,6 @@
 """Typed option parsing shared by the engine config and every backend.
 
-Each backend declares its options as a mapping of name -> :class:`Option`; values are
+Each backend declares its options as a mapping of name -> ``Option``; values are
 checked and converted here so every tier reports mistakes the same way: the YAML path,
 what was expected, and the valid choices or a close match.
 """
@@ -189,7 +189,7 @@ def _url_without_password(value: str) -> bool:
 
 def parse_options(spec: Mapping[str, Option], raw: Mapping[str, Any], path: str) -> OptionValues:
     """Check ``raw`` against ``spec``: unknown keys, missing required ones, types, choices.
-    A secret option may be ``{env: NAME}`` (:func:`from_environment`). The result's repr hides
+    A secret option may be ``{env: NAME}`` (``from_environment``). The result's repr hides
     the options declared ``secret``."""
     for key in raw:
         if key not in spec:

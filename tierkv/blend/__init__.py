@@ -1,10 +1,10 @@
 """CacheBlend: reuse the KV of documents wherever they appear, recomputing only a few tokens.
 
-- :func:`store_segments` stores each document's KV as its own segment;
-- :class:`SegmentBlendRetriever` fetches a prompt's segments in the background, per layer;
-- :class:`CacheBlendExecutor` re-rotates, scores, selects and blends at each layer.
+- ``store_segments`` stores each document's KV as its own segment;
+- ``SegmentBlendRetriever`` fetches a prompt's segments in the background, per layer;
+- ``CacheBlendExecutor`` re-rotates, scores, selects and blends at each layer.
 
-See :mod:`tierkv.integrations.hf` for a complete blended prefill of a Llama-family model.
+See ``tierkv.integrations.hf`` for a complete blended prefill of a Llama-family model.
 """
 
 from tierkv.blend.executor import CacheBlendExecutor

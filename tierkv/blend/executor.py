@@ -1,6 +1,6 @@
 """CacheBlend executor: keep the retrieved KV, recompute only the tokens whose KV deviates most.
 
-One forward pass over a batch calls :meth:`CacheBlendExecutor.blend` once per layer, in
+One forward pass over a batch calls ``CacheBlendExecutor.blend`` once per layer, in
 layer order:
 
 * layers before ``check_layer`` compute every token (their fresh K/V are returned as the
@@ -18,7 +18,7 @@ layer order:
 ``recompute_ratio=1`` recomputes everything (a full prefill); ``0`` keeps every cached token
 (plain concatenation of the segments' KV after re-rotation). The retrieved K/V tensors are
 updated in place and returned as the long K/V. A new pass starts when ``layer_id`` does not
-increase (or after :meth:`reset`).
+increase (or after ``reset``).
 """
 
 from __future__ import annotations

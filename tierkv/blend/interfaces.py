@@ -1,9 +1,9 @@
 """The CacheBlend interfaces: a retriever of per-segment KV and an executor that blends it.
 
 Same contract as LMCache's blend interfaces (reimplemented here): a
-:class:`BlendRetriever` starts fetching the cached KV of every segment (document) of a
-batch of prompts and returns a :class:`BlendRetrieverTask`, whose ``result(layer_id)``
-blocks only until that layer is ready; a :class:`BlendExecutor` combines the retrieved KV
+``BlendRetriever`` starts fetching the cached KV of every segment (document) of a
+batch of prompts and returns a ``BlendRetrieverTask``, whose ``result(layer_id)``
+blocks only until that layer is ready; a ``BlendExecutor`` combines the retrieved KV
 with the freshly computed KV of one layer and says which tokens later layers still compute.
 Tensors are token-first (vLLM order): ``[num_tokens, num_heads, head_size]``, the tokens of
 all requests of a batch concatenated, ``query_start_loc`` marking where each request starts.
@@ -58,7 +58,7 @@ class BlendRetrieverResult:
 
 
 class BlendRetrieverTask(metaclass=abc.ABCMeta):
-    """A retrieval in progress, started by :meth:`BlendRetriever.new_request`."""
+    """A retrieval in progress, started by ``BlendRetriever.new_request``."""
 
     @abc.abstractmethod
     def result(self, layer_id: int) -> BlendRetrieverResult:

@@ -129,7 +129,7 @@ class SegmentRetrievalTask(BlendRetrieverTask):
 
 
 class SegmentBlendRetriever(BlendRetriever):
-    """Retrieves the segments stored by :func:`tierkv.blend.store_segments` from an engine."""
+    """Retrieves the segments stored by ``tierkv.blend.store_segments`` from an engine."""
 
     def __init__(self, engine: Engine, device: torch.device | str | None = None,
                  identity: RequestIdentity = PLAIN) -> None:

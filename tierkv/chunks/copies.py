@@ -1,8 +1,8 @@
 """Counting the bytes tierkv copies, per data path, so "one copy" is a measured figure.
 
 Every place that moves KV bytes from one buffer to another (a memcpy, a file read or
-write, a gather or scatter) calls :func:`count`. The engine names the path an operation
-belongs to (``store``, ``retrieve``, ``fill``, ``promote``) with :func:`on_path`; the name
+write, a gather or scatter) calls ``count``. The engine names the path an operation
+belongs to (``store``, ``retrieve``, ``fill``, ``promote``) with ``on_path``; the name
 travels in a context variable, so it follows the operation into worker threads started
 with ``asyncio.to_thread`` (and executors that run ``contextvars.copy_context().run``).
 Copies made outside any path are not counted.

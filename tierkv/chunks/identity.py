@@ -5,12 +5,12 @@ K/V projections, a tenant's cache salt, the images behind a run of placeholder t
 model's weights (a re-trained checkpoint under the same name) and the KV cache's dtype all
 change it. tierkv promises "a chunk is exact or a miss", so every key covers them:
 
-- the **engine identity** (:class:`EngineMetadata` fields: model revision, KV cache dtype,
-  KV geometry) and the **request identity** (:class:`RequestIdentity`: adapter, salt, extra
+- the **engine identity** (``EngineMetadata`` fields: model revision, KV cache dtype,
+  KV geometry) and the **request identity** (``RequestIdentity``: adapter, salt, extra
   parts from a user's hook) seed the prefix-chained hash of every chunk, and a short digest
   of both, the **scope**, is a field of the key (tiers count occupancy per scope without
   reading keys' hashes, and no salt is ever written anywhere);
-- **media** (:class:`MediaSpan`: a content hash and the placeholder tokens it occupies) are
+- **media** (``MediaSpan``: a content hash and the placeholder tokens it occupies) are
   folded into the chain at the first chunk they overlap, so chunks before the first image
   keep the plain text key (text prefixes are still shared) and every chunk from it on is
   that image's alone.
@@ -60,7 +60,7 @@ class MediaSpan:
 class RequestIdentity:
     """What, besides the tokens and the engine, determines one request's KV.
 
-    - ``adapter``: a stable identity of the LoRA adapter (:func:`tierkv.chunks.revisions.adapter_identity`
+    - ``adapter``: a stable identity of the LoRA adapter (``tierkv.chunks.revisions.adapter_identity``
       gives one from the adapter's files; never a per-process integer id);
     - ``salt``: the tenant's cache salt (vLLM's ``cache_salt``): requests under different
       salts never share a chunk; the salt itself is hashed, never stored or logged;
@@ -120,7 +120,7 @@ class RequestIdentity:
 
     @classmethod
     def from_wire(cls, data: object) -> RequestIdentity:
-        """The identity :meth:`to_wire` wrote; ValueError naming what was expected otherwise."""
+        """The identity ``to_wire`` wrote; ValueError naming what was expected otherwise."""
         if not isinstance(data, dict):
             raise ValueError(f"request identity: expected a mapping, got {type(data).__name__}")
         try:

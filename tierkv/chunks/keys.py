@@ -8,7 +8,7 @@ every token before it, which makes a key stand for a whole prefix.
 
 The chain starts from a seed that binds everything else the KV depends on (the key
 format version, the model revision, the KV dtype and geometry, the request's LoRA adapter,
-tenant salt and media: :mod:`tierkv.chunks.identity`), and the key names that seed's short digest,
+tenant salt and media: ``tierkv.chunks.identity``), and the key names that seed's short digest,
 its *scope*: ``fmt@model@world_size@worker_id@scope@hash``.
 """
 
@@ -43,7 +43,7 @@ class CacheKey:
 
     The model, world size and worker id are part of the key so that caches of different
     models or tensor-parallel shards never mix, even in one shared bucket. ``scope`` names
-    the identity the chunk's hash was seeded with (:mod:`tierkv.chunks.identity`: model revision,
+    the identity the chunk's hash was seeded with (``tierkv.chunks.identity``: model revision,
     KV dtype and geometry, LoRA adapter, tenant salt); every key an engine makes has one,
     and keys made by hand (a backend's tests) may leave it empty.
     """
@@ -89,7 +89,7 @@ class CacheKey:
         return self._string  # type: ignore[return-value]
 
     def to_bytes(self) -> bytes:
-        """:meth:`to_string` in UTF-8 (computed once: byte stores look it up on every probe)."""
+        """``to_string`` in UTF-8 (computed once: byte stores look it up on every probe)."""
         if self._bytes is None:
             object.__setattr__(self, "_bytes", self.to_string().encode())
         return self._bytes  # type: ignore[return-value]
@@ -97,7 +97,7 @@ class CacheKey:
     @classmethod
     def in_namespace(cls, fields: tuple[str, str, int, int, str], prefix: str, chunk_hash: str) -> CacheKey:
         """The key of a plain (hex) ``chunk_hash`` in the namespace ``fields`` whose escaped
-        prefix (:func:`namespace_prefix`) the caller already has: its string form is set at
+        prefix (``namespace_prefix``) the caller already has: its string form is set at
         once (a lookup makes a key per chunk, and every tier asks for that string)."""
         fmt, model, world, worker, scope = fields
         key = cls(fmt, model, world, worker, chunk_hash, scope)
@@ -106,7 +106,7 @@ class CacheKey:
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:
-        """Parse the form written by :meth:`to_string`."""
+        """Parse the form written by ``to_string``."""
         parts = text.split("@")
         if len(parts) not in _KEY_FIELDS:
             raise ValueError(
@@ -214,7 +214,7 @@ class ChunkHasher:
 
     def iter_prefix_hashes(self, token_array: np.ndarray, seed: bytes = b"",
                            identity: RequestIdentity = PLAIN) -> Iterator[str]:
-        """:meth:`prefix_hashes` of a validated token array (:func:`as_token_array`), one at a
+        """``prefix_hashes`` of a validated token array (``as_token_array``), one at a
         time: a lookup stops hashing at the first chunk no tier holds. Media past the tokens
         given overlap no chunk (a caller may hash a prompt's first chunks only)."""
         data = memoryview(token_array.data).cast("B")
@@ -235,11 +235,11 @@ class ChunkHasher:
 
 class KeyMaker:
     """The keys of one worker's prompts: ``fmt``, model, world size, worker id and scope in
-    every key, chunk hashes from a :class:`ChunkHasher` seeded with the scope's identity.
+    every key, chunk hashes from a ``ChunkHasher`` seeded with the scope's identity.
 
-    ``engine_parts`` is the engine's identity (:meth:`EngineMetadata.identity_parts
-    <tierkv.engine.metadata.EngineMetadata.identity_parts>`); each request adds its own
-    (:class:`~tierkv.chunks.identity.RequestIdentity`). Keys of recently seen chunks are reused (up
+    ``engine_parts`` is the engine's identity (``EngineMetadata.identity_parts
+   ``); each request adds its own
+    (``tierkv.chunks.identity.RequestIdentity``). Keys of recently seen chunks are reused (up
     to ``recent_max``, then the memory starts afresh): a scheduler looks a prompt up, then
     retrieves it, and each tier asks a key for its string form.
     """
@@ -267,7 +267,7 @@ class KeyMaker:
         return known
 
     def iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
-        """Keys of a validated token array (:func:`as_token_array`) of a request of ``identity``,
+        """Keys of a validated token array (``as_token_array``) of a request of ``identity``,
         made as they are needed."""
         recent = self.recent
         scope, prefix = self._scope(identity)

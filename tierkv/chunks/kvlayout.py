@@ -54,7 +54,7 @@ def as_blob(kv: KVCache, fmt: str) -> torch.Tensor:
 
 def blob_view(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
     """The per-layer (K, V) tensors as one 5-D blob *view* when they live in one buffer at
-    regular offsets (e.g. the pairs of :func:`as_tuple`), else None (no copy either way)."""
+    regular offsets (e.g. the pairs of ``as_tuple``), else None (no copy either way)."""
     first = layers[0][0]
     storage = first.untyped_storage().data_ptr()
     offsets = []

@@ -208,7 +208,7 @@ def _wide_view(tensor: torch.Tensor) -> torch.Tensor | None:
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for tensors of equal shape and dtype, at memcpy speed where possible.
 
-    Counted as one copy of ``dst``'s bytes on the current copy path (:mod:`tierkv.chunks.copies`).
+    Counted as one copy of ``dst``'s bytes on the current copy path (``tierkv.chunks.copies``).
     """
     copies.count(dst.numel() * dst.element_size())
     if dst.dtype == src.dtype and dst.shape == src.shape and src.dim() > 0:

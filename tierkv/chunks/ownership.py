@@ -7,14 +7,14 @@ that was given it has returned -- by completion, error, timeout, deadline or can
 
 Two tools keep the rule:
 
-- :func:`finish` / :func:`in_thread`: work that writes into borrowed memory runs to its end
+- ``finish`` / ``in_thread``: work that writes into borrowed memory runs to its end
   even when the awaiting task is cancelled. The cancellation is delivered (``CancelledError``
   is re-raised) only after the work stopped, so the caller's ``finally`` / ``except`` blocks
   that free or reuse the memory run when nobody writes into it any more. Copies in memory
   are bounded (milliseconds), so waiting for them costs nothing a caller would notice.
-- :class:`WriteGrant`: where waiting is not an option (a network read the caller gave up on
+- ``WriteGrant``: where waiting is not an option (a network read the caller gave up on
   at a timeout or deadline), the worker asks the grant before it writes each piece, and the
-  owner :meth:`~WriteGrant.revoke`\\ s it before it hands the memory back. ``revoke`` returns
+  owner ``WriteGrant.revoke``\\ s it before it hands the memory back. ``revoke`` returns
   once no piece is being written, and no piece starts after it.
 """
 
@@ -71,9 +71,9 @@ async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 async def gather(*work: Awaitable[T]) -> list[T]:
     """Run ``work`` concurrently; their results in order (the first error is raised).
 
-    Unlike :func:`asyncio.gather`, it returns or raises only once every piece has stopped: on
+    Unlike ``asyncio.gather``, it returns or raises only once every piece has stopped: on
     an error the others run to their end, and on cancellation every piece is cancelled (each
-    may still finish its copy, see :func:`finish`) and waited for before ``CancelledError``
+    may still finish its copy, see ``finish``) and waited for before ``CancelledError``
     is re-raised. ``asyncio.gather`` would return at the first piece that stopped, while
     others still write into memory the caller is about to free or return.
     """
@@ -98,7 +98,7 @@ async def gather(*work: Awaitable[T]) -> list[T]:
 class WriteGrant:
     """Permission to write into memory somebody else owns, revocable by the owner.
 
-    The worker wraps each write in :meth:`write`; the owner calls :meth:`revoke` before it
+    The worker wraps each write in ``write``; the owner calls ``revoke`` before it
     frees, reuses or returns the memory (for instance when it stops waiting for the worker).
     After ``revoke`` returns, no write is in progress and none will start.
     """

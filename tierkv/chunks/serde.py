@@ -97,7 +97,7 @@ def checksum(data: np.ndarray | memoryview | bytes) -> int:
 
 
 def checksum_runs(runs: list[memoryview]) -> int:
-    """XXH3-64 of the concatenation of ``runs`` (equal to :func:`checksum` of the joined bytes)."""
+    """XXH3-64 of the concatenation of ``runs`` (equal to ``checksum`` of the joined bytes)."""
     if len(runs) == 1:
         return checksum(runs[0])
     state = xxhash.xxh3_64()
@@ -288,7 +288,7 @@ def decode_payload(
 
 
 def decode(data: bytes | bytearray | memoryview, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = empty_host) -> torch.Tensor:
-    """Inverse of :func:`encode`; raises ChunkFormatError for anything but a valid chunk."""
+    """Inverse of ``encode``; raises ChunkFormatError for anything but a valid chunk."""
     header = decode_header(data)
     view = memoryview(data)
     return decode_payload(header, view[header.header_len :], allocate)

@@ -1,13 +1,13 @@
 """Where a prompt's chunks come from on a store and go to on a retrieve, without a
 prompt-sized intermediate.
 
-A store reads the caller's KV through a :class:`ChunkSource`; a retrieve writes it through
-a :class:`ChunkSink`. Both speak in token ranges ``[start, end)`` of the *stored* tokens
+A store reads the caller's KV through a ``ChunkSource``; a retrieve writes it through
+a ``ChunkSink``. Both speak in token ranges ``[start, end)`` of the *stored* tokens
 (the same coordinates the chunk keys use). A blob gives zero-copy views of each chunk, so
 a tier copies straight out of, or into, the caller's memory; a tuple of separately
 allocated per-layer tensors cannot be viewed as one chunk, so its chunks are copied piece
 by piece into, or out of, a chunk buffer (the tier's own slab where there is one). The
-connectors (:mod:`tierkv.connectors`) supply sources and sinks over a paged cache.
+connectors (``tierkv.connectors``) supply sources and sinks over a paged cache.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def write_all(source: ChunkSource, work: list[tuple[torch.Tensor, int, int]]) ->
 
 def read_all(sink: ChunkSink, work: list[tuple[torch.Tensor, int, int]]) -> None:
     """Copy each ``(chunk, start, end)`` into ``sink``, returning once every chunk was read (so
-    the caller may release it); through ``read_many`` where the sink has it (see :func:`write_all`)."""
+    the caller may release it); through ``read_many`` where the sink has it (see ``write_all``)."""
     many = getattr(sink, "read_many", None)
     if many is not None:
         many(work)
@@ -196,7 +196,7 @@ def sink_for(out: kvlayout.KVCache, fmt: str, offset: int, num_tokens: int,
              layout: tuple[tuple[int, ...], torch.dtype] | None, dtype: torch.dtype | None
              ) -> BlobSink | TupleSink:
     """A sink over the caller's ``out``, checked before anything is read
-    (:func:`~tierkv.chunks.kvlayout.check_out` says what ``out`` must be)."""
+    (``tierkv.chunks.kvlayout.check_out`` says what ``out`` must be)."""
     caller = kvlayout.caller_kv(out, fmt, name="out")
     kvlayout.check_out(caller, fmt, num_tokens, layout, dtype)
     if caller.blob is not None:

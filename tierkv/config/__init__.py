@@ -1,7 +1,7 @@
-"""Reading a tierkv YAML (or a mapping) into an :class:`EngineConfig`.
+"""Reading a tierkv YAML (or a mapping) into an ``EngineConfig``.
 
-``tierkv.config`` re-exports the public names of :mod:`tierkv.config.loader`; the
-tiers' part of the file is parsed in :mod:`tierkv.config.tier_config`.
+``tierkv.config`` re-exports the public names of ``tierkv.config.loader``; the
+tiers' part of the file is parsed in ``tierkv.config.tier_config``.
 """
 
 from tierkv.config.loader import (

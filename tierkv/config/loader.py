@@ -1,5 +1,5 @@
 """YAML (or a dict) to a typed, validated engine configuration (each tier's part:
-:mod:`tierkv.config.tier_config`).
+``tierkv.config.tier_config``).
 
 Every mistake is reported with its YAML path and what was expected; unknown keys are
 errors with a close match, never ignored. ``TIERKV_*`` environment variables override

@@ -2,9 +2,9 @@
 key a tier takes, every option of each section and of each built-in backend, with its type,
 default and description.
 
-The sections' and backends' options are the :class:`~tierkv.backend.options.Option` maps
+The sections' and backends' options are the ``tierkv.backend.options.Option`` maps
 the loader validates with; the top-level and common tier keys, which the loader parses by
-hand, are declared in :data:`TOP_LEVEL` and :data:`TIER_KEYS` here. docs/reference.md is this
+hand, are declared in ``TOP_LEVEL`` and ``TIER_KEYS`` here. docs/reference.md is this
 module's output (``python -m tierkv.config.reference > docs/reference.md``) and a docs test
 compares the two, so an option added without a description, or a reference left behind,
 fails the suite.

@@ -1,7 +1,7 @@
 """One tier's part of the configuration: its YAML keys (name, backend, capacity, promote,
 admission, codec, and the backend's own options, checked by the backend) to a
-:class:`TierConfig`, and the rules that look at the tiers together (a lossy tier below an exact
-one). :mod:`tierkv.config.loader` reads the rest of the file and calls these.
+``TierConfig``, and the rules that look at the tiers together (a lossy tier below an exact
+one). ``tierkv.config.loader`` reads the rest of the file and calls these.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def warn_inline_secrets(backend_cls: type[StorageBackend], raw: Mapping[str, Any
 
 
 def parse_codec(value: Any, backend_cls: type, path: str) -> str:
-    """A tier's ``codec``: one of :data:`tierkv.backend.codecs.CODEC_NAMES`, on a byte tier only (a
+    """A tier's ``codec``: one of ``tierkv.backend.codecs.CODEC_NAMES``, on a byte tier only (a
     memory tier hands out its chunks in place), with its library installed."""
     name = one_of(value, codecs.CODEC_NAMES, path)
     if name != "none" and issubclass(backend_cls, InPlaceTier):

@@ -7,18 +7,18 @@ retrieve). The memory object is a blob tensor in the connector's format — ``vl
 ``[layers, 2, tokens, heads, head_size]`` or ``huggingface`` ``[layers, 2, heads, tokens,
 head_size]`` — or any object with such a ``.tensor``.
 
-* :class:`NestedTupleConnector`: KV is a tuple of per-layer ``(K, V)``, each ``[num_tokens, heads,
+* ``NestedTupleConnector``: KV is a tuple of per-layer ``(K, V)``, each ``[num_tokens, heads,
   head_size]`` (huggingface: ``[heads, num_tokens, head_size]``).
-* :class:`PagedConnector`: a paged cache (per layer a ``(K, V)`` pair of ``[num_blocks, block_size,
+* ``PagedConnector``: a paged cache (per layer a ``(K, V)`` pair of ``[num_blocks, block_size,
   heads, head_size]`` or one fused ``[2, num_blocks, ...]`` tensor) and a *full* ``slot_mapping``
   (one slot per token of the whole sequence, ``-1`` for tokens not in the cache). All layers move
-  in one :func:`tierkv.ops.paged_gather` / ``paged_scatter`` call.
-* :class:`PagedConnectorV2`: the same, through a reusable device staging buffer: one kernel
+  in one ``tierkv.ops.paged_gather`` / ``paged_scatter`` call.
+* ``PagedConnectorV2``: the same, through a reusable device staging buffer: one kernel
   gathers all layers into it, then one copy goes to the host (and the reverse).
 
 All connectors work on CPU tensors too (then no staging is needed). The engine-level helpers
-:func:`store_with_connector` / :func:`retrieve_with_connector` (async) and :func:`store_paged` /
-:func:`retrieve_paged` (blocking :class:`~tierkv.Engine`) store straight from, and retrieve
+``store_with_connector`` / ``retrieve_with_connector`` (async) and ``store_paged`` /
+``retrieve_paged`` (blocking ``tierkv.Engine``) store straight from, and retrieve
 straight into, the serving engine's cache.
 """
 

@@ -1,6 +1,6 @@
 """Engine-level store / retrieve through a connector: a store's chunks gathered by the
-connector straight into the first tier's memory (:class:`ConnectorSource`), a retrieve's chunks
-scattered by it straight out of the tier's memory (:class:`ConnectorSink`), no prompt-sized blob.
+connector straight into the first tier's memory (``ConnectorSource``), a retrieve's chunks
+scattered by it straight out of the tier's memory (``ConnectorSink``), no prompt-sized blob.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ConnectorSource:
         self._gather_all([(dest, start, end)])
 
     def write_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Every chunk of ``work`` at once (see :func:`tierkv.chunks.transfer.write_all`)."""
+        """Every chunk of ``work`` at once (see ``tierkv.chunks.transfer.write_all``)."""
         self._gather_all(work)
 
     def _gather_all(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -92,7 +92,7 @@ class ConnectorSink:
         self._scatter_all([(chunk, start, end)])
 
     def read_many(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Every chunk of ``work`` at once (see :func:`tierkv.chunks.transfer.read_all`)."""
+        """Every chunk of ``work`` at once (see ``tierkv.chunks.transfer.read_all``)."""
         self._scatter_all(work)
 
     def _scatter_all(self, work: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -182,7 +182,7 @@ def store_paged(
     engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None, *,
     identity: RequestIdentity = PLAIN, **kwargs: Any
 ) -> int:
-    """Blocking :func:`store_with_connector` for :class:`~tierkv.Engine` (the gathers run on the
+    """Blocking ``store_with_connector`` for ``tierkv.Engine`` (the gathers run on the
     caller's CUDA stream)."""
     core = engine.core
     _check_format(core, connector)
@@ -200,7 +200,7 @@ def retrieve_paged(
     engine: Engine, connector: GPUConnector, tokens: Any, mask: torch.Tensor | None = None,
     deadline_s: float | None = None, *, identity: RequestIdentity = PLAIN, **kwargs: Any
 ) -> torch.Tensor:
-    """Blocking :func:`retrieve_with_connector` for :class:`~tierkv.Engine` (the scatters run on
+    """Blocking ``retrieve_with_connector`` for ``tierkv.Engine`` (the scatters run on
     the caller's CUDA stream)."""
     core = engine.core
     _check_format(core, connector)

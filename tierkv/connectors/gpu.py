@@ -3,7 +3,7 @@
 The interface follows LMCache's GPU connector (``from_gpu`` / ``to_gpu`` / ``get_shape``),
 reimplemented. A connector reads a token range ``[start, end)`` of the *whole* token sequence
 out of the serving engine's KV (``from_gpu``, for a store) or writes one back (``to_gpu``, for a
-retrieve). See :mod:`tierkv.connectors` for the layouts each class handles.
+retrieve). See ``tierkv.connectors`` for the layouts each class handles.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class PagedConnector(GPUConnector):
 
 
 class PagedConnectorV2(PagedConnector):
-    """:class:`PagedConnector` through one reusable device staging buffer.
+    """``PagedConnector`` through one reusable device staging buffer.
 
     One kernel gathers every layer into the staging buffer, then a single copy moves it to the
     (ideally pinned) host blob, and the reverse for ``to_gpu``. The buffer grows to the largest

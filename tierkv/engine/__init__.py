@@ -1,5 +1,5 @@
-"""The prompt API and its blocking facade: :class:`AsyncEngine` (store, retrieve, lookup,
-plan, prefetch) and :class:`Engine` (the same on a private loop thread), with the
+"""The prompt API and its blocking facade: ``AsyncEngine`` (store, retrieve, lookup,
+plan, prefetch) and ``Engine`` (the same on a private loop thread), with the
 chunk layout of a prompt, prefix plans and the engine's metadata.
 
 ``tierkv.engine`` re-exports the public classes.

@@ -1,4 +1,4 @@
-"""The prompt API: tokens in, KV out, across the tiers of the :class:`~tierkv.routing.router.TierRouter` it holds.
+"""The prompt API: tokens in, KV out, across the tiers of the ``tierkv.routing.router.TierRouter`` it holds.
 
 One module of about 520 lines, by choice: it is the whole public prompt API, one class whose
 methods each carry their contract in their docstring, plus the router's surface re-exposed for
@@ -9,11 +9,11 @@ prefix_plans, metadata) and below.
 (each byte copied once, into the first tier that admits it), retrieves the cached prefix of
 a prompt (into memory the caller owns, a fresh output, or a connector's paged cache), answers
 lookups from in-memory indexes, and asks the cost model how much of a cached prefix is worth
-loading. ``Engine`` (:mod:`tierkv.engine.blocking`) is its blocking facade.
+loading. ``Engine`` (``tierkv.engine.blocking``) is its blocking facade.
 
-What it builds on, each in its own module: keys (:class:`~tierkv.chunks.keys.KeyMaker`), the chunk
-layout (:mod:`tierkv.engine.chunk_layout`), the plan (:mod:`tierkv.engine.prefix_plans`), and the router
-(:mod:`tierkv.routing.router`), used through its public methods only.
+What it builds on, each in its own module: keys (``tierkv.chunks.keys.KeyMaker``), the chunk
+layout (``tierkv.engine.chunk_layout``), the plan (``tierkv.engine.prefix_plans``), and the router
+(``tierkv.routing.router``), used through its public methods only.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def apply_log_level() -> None:
 
 class AsyncEngine:
     """Stores and retrieves KV caches of token prefixes across a stack of tiers (held by
-    :attr:`router`, used through its public methods only).
+    ``router``, used through its public methods only).
 
     Tiers are tried top (fastest) first. ``write_through``: a put is acknowledged when the
     first tier that admits it holds it, and the tiers below are filled in the background
@@ -104,7 +104,7 @@ class AsyncEngine:
     # -- the router's surface, for callers of the engine ---------------------------------------
     @property
     def tiers(self) -> tuple[StorageBackend, ...]:
-        """The tiers' backends, top (fastest) first (read-only; :meth:`wrap_tier` replaces one)."""
+        """The tiers' backends, top (fastest) first (read-only; ``wrap_tier`` replaces one)."""
         return self.router.backends
 
     def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
@@ -117,11 +117,11 @@ class AsyncEngine:
         return self.router.write_policy
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Store chunks under their keys (see :meth:`TierRouter.batched_put`); chunks acknowledged."""
+        """Store chunks under their keys (see ``TierRouter.batched_put``); chunks acknowledged."""
         return await self.router.batched_put(keys, chunks)
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        """Chunks for ``keys`` in order, None for misses (see :meth:`TierRouter.batched_get`)."""
+        """Chunks for ``keys`` in order, None for misses (see ``TierRouter.batched_get``)."""
         return await self.router.batched_get(keys)
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
@@ -133,12 +133,12 @@ class AsyncEngine:
         return await self.router.batched_delete(keys)
 
     async def locate_keys(self, keys: Sequence[CacheKey]) -> list[str | None]:
-        """The name of the highest tier holding each key (:data:`~tierkv.routing.locate.FILL_QUEUE`
+        """The name of the highest tier holding each key (``tierkv.routing.locate.FILL_QUEUE``
         for a chunk acknowledged and not yet written); None if nowhere."""
         return self.router.names(await self.router.levels(keys))
 
     def locate_keys_nowait(self, keys: Sequence[CacheKey]) -> list[str | None] | None:
-        """:meth:`locate_keys` from in-memory indexes, from any thread; None when a tier
+        """``locate_keys`` from in-memory indexes, from any thread; None when a tier
         available now needs I/O to answer."""
         levels = self.router.levels_nowait(keys)
         return None if levels is None else self.router.names(levels)
@@ -157,7 +157,7 @@ class AsyncEngine:
     # -- prompts ------------------------------------------------------------------------------
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
         """The key of every chunk of ``tokens`` (the last one may cover a partial chunk) of a
-        request of ``identity`` (its LoRA adapter, tenant salt and media: :mod:`tierkv.chunks.identity`)."""
+        request of ``identity`` (its LoRA adapter, tenant salt and media: ``tierkv.chunks.identity``)."""
         return list(self._iter_keys(as_token_array(tokens), identity))
 
     def _iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
@@ -179,7 +179,7 @@ class AsyncEngine:
         """Store the KV of ``tokens``; returns the number of chunks written.
 
         ``identity`` (every prompt call takes it): what else the KV depends on, the request's
-        LoRA adapter, tenant salt and media (:class:`~tierkv.chunks.identity.RequestIdentity`); a
+        LoRA adapter, tenant salt and media (``tierkv.chunks.identity.RequestIdentity``); a
         chunk is only ever found again by a request of the same identity.
 
         With a suffix ``mask``, ``kv`` holds only the masked tokens and the number of
@@ -209,7 +209,7 @@ class AsyncEngine:
 
     async def chunks_to_store(self, token_array: np.ndarray, skip: int, skip_existing: bool = True,
                               identity: RequestIdentity = PLAIN) -> tuple[list[CacheKey], list[tuple[int, int]]]:
-        """Keys and token ranges of the chunks of a validated token array (:func:`as_token_array`)
+        """Keys and token ranges of the chunks of a validated token array (``as_token_array``)
         to store, from token ``skip`` (chunk-aligned) on; with ``skip_existing``, without the
         chunks already cached at the start."""
         keys = list(self._iter_keys(token_array, identity))[skip // self.chunk_size :]
@@ -254,7 +254,7 @@ class AsyncEngine:
         old bytes, except where a chunk after a damaged or vanished one was read (then they
         hold that chunk's correct KV).
 
-        With ``cost_aware`` (see :meth:`plan`) only the part of the prefix that is faster to
+        With ``cost_aware`` (see ``plan``) only the part of the prefix that is faster to
         load than to recompute is read. ``deadline_s``: chunks that have not arrived after
         that many seconds are misses; the prefix that did arrive is returned (a stuck tier
         costs at most the deadline, and nothing read after it reaches ``out``).
@@ -308,7 +308,7 @@ class AsyncEngine:
         many leading chunks arrived (a damaged or late chunk is a miss and ends the prefix).
 
         The key-level read for callers that name chunks themselves (SGLang's pages): the
-        same tiers, deadline and hit/miss accounting as :meth:`retrieve`, without hashing
+        same tiers, deadline and hit/miss accounting as ``retrieve``, without hashing
         tokens. Chunks after the delivered prefix may hold junk in ``sink``: the count is the
         contract (the caller's memory is not released while a tier still writes into it).
         """
@@ -381,21 +381,21 @@ class AsyncEngine:
                                    identity).planned_tokens
 
     def lookup_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int | None:
-        """:meth:`lookup` answered at once from the tiers' in-memory indexes, from any thread;
-        None when a tier available now needs I/O to answer (then use :meth:`lookup`)."""
+        """``lookup`` answered at once from the tiers' in-memory indexes, from any thread;
+        None when a tier available now needs I/O to answer (then use ``lookup``)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         levels = self._prefix_levels_nowait(token_array, identity)
         return None if levels is None else self._record_lookup(token_array, levels, identity).planned_tokens
 
     async def locate_prefix(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str]:
-        """The tier holding each chunk of the cached prefix of ``tokens`` (what :meth:`lookup`
+        """The tier holding each chunk of the cached prefix of ``tokens`` (what ``lookup``
         counts), highest first; ``"fill-queue"`` for a chunk only waiting to be written."""
         self.router.ensure_open()
         return self._tier_names(await self._prefix_levels(as_token_array(tokens), identity))
 
     def locate_prefix_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str] | None:
-        """:meth:`locate_prefix` from in-memory indexes, from any thread; None when that needs I/O."""
+        """``locate_prefix`` from in-memory indexes, from any thread; None when that needs I/O."""
         self.router.ensure_open()
         levels = self._prefix_levels_nowait(as_token_array(tokens), identity)
         return None if levels is None else self._tier_names(levels)
@@ -412,7 +412,7 @@ class AsyncEngine:
 
     def _record_lookup(self, token_array: np.ndarray, levels: Levels,
                        identity: RequestIdentity) -> PrefixPlan:
-        """The length a scheduler should count as cached: the planned prefix (see :meth:`plan`)."""
+        """The length a scheduler should count as cached: the planned prefix (see ``plan``)."""
         return self.plans.record(len(token_array), levels, lambda: next(self._iter_keys(token_array, identity)))
 
     @property
@@ -434,7 +434,7 @@ class AsyncEngine:
 
     def plan_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan | None:
         """How much of the cached prefix of ``tokens`` is worth loading, from in-memory indexes
-        (any thread); None when a tier needs I/O to answer (then use :meth:`plan`)."""
+        (any thread); None when a tier needs I/O to answer (then use ``plan``)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         levels = self._prefix_levels_nowait(token_array, identity)
@@ -452,8 +452,8 @@ class AsyncEngine:
         return self._record_lookup(token_array, await self._prefix_levels(token_array, identity), identity)
 
     def plan_located(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
-        """The plan (see :meth:`plan`) for cached chunks already located: ``tier_names`` holds
-        the tier of each (as :meth:`locate_keys` answers), starting at chunk ``first_chunk``
+        """The plan (see ``plan``) for cached chunks already located: ``tier_names`` holds
+        the tier of each (as ``locate_keys`` answers), starting at chunk ``first_chunk``
         of a prompt of ``num_tokens`` tokens whose earlier chunks the caller already has (an
         integration that located a page range itself)."""
         return self.plans.plan(tier_names, num_tokens, first_chunk)

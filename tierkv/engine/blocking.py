@@ -1,7 +1,7 @@
 """The engine: chunk keys in, tensors across tiers, tensors out.
 
-``AsyncEngine`` (:mod:`tierkv.engine.async_engine`) is the asyncio core: the prompt API over the
-tier router (:mod:`tierkv.routing.router`), with the cost model (:mod:`tierkv.policy.planner`). ``Engine``
+``AsyncEngine`` (``tierkv.engine.async_engine``) is the asyncio core: the prompt API over the
+tier router (``tierkv.routing.router``), with the cost model (``tierkv.policy.planner``). ``Engine``
 here is the blocking facade with the same methods, running one core on a private
 event-loop thread (the httpx Client / AsyncClient pattern), so a serving engine without
 asyncio can call it directly; ``EngineBuilder`` keeps one engine per worker. The names
@@ -42,17 +42,17 @@ __all__ = ["AsyncEngine", "Engine", "EngineBuilder", "EngineMetadata", "TierPres
 
 
 class Engine:
-    """Blocking facade over :class:`AsyncEngine`, running it on a private event-loop thread.
+    """Blocking facade over ``AsyncEngine``, running it on a private event-loop thread.
 
-    Safe to share between threads, :meth:`close` included: a call that races ``close()``
-    either completes or raises :class:`BackendClosedError`; no caller waits on a loop that is
+    Safe to share between threads, ``close`` included: a call that races ``close()``
+    either completes or raises ``BackendClosedError``; no caller waits on a loop that is
     gone. Calls already running when ``close()`` starts run to their end against open tiers
-    (the router closes no tier under a running call: :mod:`tierkv.routing.calls`, up to its
+    (the router closes no tier under a running call: ``tierkv.routing.calls``, up to its
     ``close_grace_s``; a tier closed under a call still running then ends it with
     ``BackendClosedError``); any still running ``close_grace_s`` after that are cancelled on
     the loop, and their callers get ``BackendClosedError`` only once the cancelled work has
     ended (a copy into the caller's memory finishes before the call returns, as for any
-    cancellation: :mod:`tierkv.chunks.ownership`).
+    cancellation: ``tierkv.chunks.ownership``).
     """
 
     close_grace_s: ClassVar[float] = 10.0
@@ -97,10 +97,10 @@ class Engine:
             raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run a coroutine of :attr:`core` on the engine's loop; returns at once with a future
+        """Run a coroutine of ``core`` on the engine's loop; returns at once with a future
         (an integration that overlaps tierkv work with its own, e.g. a save during the next
-        forward pass). Raises BackendClosedError once :meth:`close` has started; a future of a
-        call that :meth:`close` had to cancel raises ``CancelledError``."""
+        forward pass). Raises BackendClosedError once ``close`` has started; a future of a
+        call that ``close`` had to cancel raises ``CancelledError``."""
         with self._lock:
             if self._closing or not self._thread.is_alive():
                 coro.close()
@@ -111,7 +111,7 @@ class Engine:
         return future
 
     async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro``, its task known to :meth:`close` (which may have to cancel it)."""
+        """``coro``, its task known to ``close`` (which may have to cancel it)."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -125,12 +125,12 @@ class Engine:
             self._calls.discard(future)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of :attr:`core` on the engine's loop and wait for its result."""
+        """Run a coroutine of ``core`` on the engine's loop and wait for its result."""
         return self._run(coro)
 
     @property
     def core(self) -> AsyncEngine:
-        """The asyncio engine this facade drives (its coroutines go to :meth:`submit` / :meth:`run`)."""
+        """The asyncio engine this facade drives (its coroutines go to ``submit`` / ``run``)."""
         return self._core
 
     @property
@@ -145,12 +145,12 @@ class Engine:
 
     @property
     def tiers(self) -> tuple[StorageBackend, ...]:
-        """The tiers' backends, fastest first (read-only; :meth:`wrap_tier` replaces one)."""
+        """The tiers' backends, fastest first (read-only; ``wrap_tier`` replaces one)."""
         return self._core.tiers
 
     def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
         """Route every later call into tier ``name`` through ``wrapper(backend)`` and return it
-        (see :meth:`AsyncEngine.wrap_tier`)."""
+        (see ``AsyncEngine.wrap_tier``)."""
         return self._core.wrap_tier(name, wrapper)
 
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
@@ -159,20 +159,20 @@ class Engine:
 
     def note_unidentified(self) -> None:
         """Count a request whose KV an integration can neither store nor load (see
-        :meth:`AsyncEngine.note_unidentified`)."""
+        ``AsyncEngine.note_unidentified``)."""
         self._core.note_unidentified()
 
     def store(self, tokens: TokenIds, kv: KVCache, mask: torch.Tensor | None = None,
               skip_existing: bool = True, identity: RequestIdentity = PLAIN) -> int:
         """Store the KV of ``tokens``; the number of chunks written once the first tier took
-        them (lower tiers fill in the background). See :meth:`AsyncEngine.store`."""
+        them (lower tiers fill in the background). See ``AsyncEngine.store``."""
         return self._run(self._core.store(tokens, kv, mask, skip_existing, identity))
 
     def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None, return_tuple: bool = True,
                  out: KVCache | None = None, deadline_s: float | None = None,
                  identity: RequestIdentity = PLAIN) -> tuple[Any, torch.Tensor]:
         """The KV of the longest cached prefix of ``tokens`` and the mask of the tokens it
-        covers (bit-exact, or a miss). See :meth:`AsyncEngine.retrieve`."""
+        covers (bit-exact, or a miss). See ``AsyncEngine.retrieve``."""
         return self._run(self._core.retrieve(tokens, mask, return_tuple, out, deadline_s, identity))
 
     def lookup(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
@@ -218,7 +218,7 @@ class Engine:
         return self._run(self._core.locate(tokens, identity))
 
     def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Store chunks under keys you made (:meth:`keys_for`); how many were acknowledged."""
+        """Store chunks under keys you made (``keys_for``); how many were acknowledged."""
         return self._run(self._core.batched_put(keys, chunks))
 
     def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
@@ -247,7 +247,7 @@ class Engine:
         return self._core.stats()
 
     def occupancy(self) -> dict[str, Any]:
-        """What each tier holds per key scope (see :meth:`AsyncEngine.occupancy`)."""
+        """What each tier holds per key scope (see ``AsyncEngine.occupancy``)."""
         return self._run(self._occupancy())
 
     async def _occupancy(self) -> dict[str, Any]:

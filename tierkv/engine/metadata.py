@@ -1,4 +1,4 @@
-"""Who is caching: :class:`EngineMetadata`, the parts of every key that keep models,
+"""Who is caching: ``EngineMetadata``, the parts of every key that keep models,
 revisions and shards apart, and the optional KV shape that lets a fresh process size chunks
 before it has seen one."""
 
@@ -26,10 +26,10 @@ class EngineMetadata:
     bounds the first retrieve). Not given, it is learned from the first chunk stored, or read
     in the background from the first chunk a lookup finds. Processes that share a cache may
     give it or not; to make the geometry part of every key, put it in ``identity``
-    (:func:`geometry_part`: the integrations do).
+    (``geometry_part``: the integrations do).
 
     ``model_revision``: what tells this model's weights from another revision under the
-    same name (a digest of its files, :func:`tierkv.chunks.revisions.directory_revision`, or a
+    same name (a digest of its files, ``tierkv.chunks.revisions.directory_revision``, or a
     commit id); part of every key, so a re-trained checkpoint never reads the old one's KV.
     ``kv_cache_dtype``: the serving engine's KV cache dtype when it is not the model's (e.g.
     vLLM's ``fp8_e4m3``); part of every key. ``identity``: further ``(name, value)`` pairs
@@ -72,7 +72,7 @@ class EngineMetadata:
     def identity_parts(self) -> tuple[tuple[str, str], ...]:
         """``(name, value)`` pairs of everything of this engine that its chunks' KV depends on
         beyond the model name, world size and worker id (which are fields of every key): they
-        seed every chunk hash (:mod:`tierkv.chunks.identity`)."""
+        seed every chunk hash (``tierkv.chunks.identity``)."""
         parts: list[tuple[str, str]] = [("fmt", self.fmt)]
         if self.model_revision:
             parts.append(("revision", self.model_revision))

@@ -1,7 +1,7 @@
 """How much of a located cached prefix to load: the engine's side of the cost model.
 
-Turns the levels :mod:`tierkv.routing.locate` found for a prompt's chunks into a
-:class:`~tierkv.policy.planner.PrefixPlan` (tier names, chunk sizes, the router's measured tier
+Turns the levels ``tierkv.routing.locate`` found for a prompt's chunks into a
+``tierkv.policy.planner.PrefixPlan`` (tier names, chunk sizes, the router's measured tier
 speeds, the chunk layout's bytes per token, the recompute model), remembers the last lookup
 for ``stats()``, and refines the recompute speed from measured prefills.
 """
@@ -58,7 +58,7 @@ class PrefixPlans:
         return levels
 
     def prefix_levels_nowait(self, keys: Iterator[CacheKey]) -> Levels | None:
-        """:meth:`prefix_levels` from in-memory indexes only; None when a tier needs I/O."""
+        """``prefix_levels`` from in-memory indexes only; None when a tier needs I/O."""
         levels = self.router.levels_nowait(list(itertools.islice(keys, 1)))
         if levels and levels[0] is not None:
             rest = self.router.levels_nowait(list(keys))
@@ -81,7 +81,7 @@ class PrefixPlans:
 
     def plan(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
         """The plan for the cached chunks held by ``tier_names`` (a tier's name, or
-        :data:`~tierkv.routing.locate.FILL_QUEUE`, per chunk), which start at chunk ``first_chunk`` of
+        ``tierkv.routing.locate.FILL_QUEUE``, per chunk), which start at chunk ``first_chunk`` of
         the prompt (the chunks before it are the caller's already: not loaded, not counted)."""
         base = min(first_chunk * self.chunk_size, num_tokens)
         names = [name for name in tier_names if name is not None]

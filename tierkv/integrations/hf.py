@@ -4,17 +4,17 @@ Needs the ``hf`` extra (``pip install '.[hf]' in tierkv's clone (the distributio
 format; a model's ``past_key_values`` (a ``DynamicCache``, batch size 1) are converted to
 the engine's layout on the way in and back on the way out.
 
-- :func:`metadata_for`: the engine's metadata for a model, with its ``kv_shape`` (a fresh
+- ``metadata_for``: the engine's metadata for a model, with its ``kv_shape`` (a fresh
   process plans reads and sizes outputs before it has seen a chunk) and its identity (a
   digest of its weights, peft adapters included, and its KV geometry), so a peft-wrapped
   model never reads the base model's chunks nor a re-trained model the old one's;
-- :func:`store_cache` / :func:`retrieve_cache`: a prompt's KV into the engine and back;
-- :func:`prefill_with_reuse`: retrieve the longest cached prefix, run the model only on the
-  rest, store the prompt's KV; :func:`generate_with_reuse` does the same inside ``generate``;
-- :func:`store_documents` + :func:`blended_prefill`: CacheBlend for Llama-family models
+- ``store_cache`` / ``retrieve_cache``: a prompt's KV into the engine and back;
+- ``prefill_with_reuse``: retrieve the longest cached prefix, run the model only on the
+  rest, store the prompt's KV; ``generate_with_reuse`` does the same inside ``generate``;
+- ``store_documents`` + ``blended_prefill``: CacheBlend for Llama-family models
   (RoPE, pre-norm decoder layers with ``q/k/v/o_proj``): each document's KV is stored as a
   segment; a prompt made of documents in any order reuses it, recomputing only the
-  ``recompute_ratio`` of tokens whose K deviates most (see :mod:`tierkv.blend.executor`).
+  ``recompute_ratio`` of tokens whose K deviates most (see ``tierkv.blend.executor``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def model_identity(model: Any, revision: str | None = None, kv_shape: KVShape | 
     """(revision, identity pairs) of a transformers model, peft-wrapped or not.
 
     The revision is ``revision`` when given (the config's ``model_revision``), else a digest
-    of the weights in memory (:func:`weights_digest`: a peft adapter's weights are
+    of the weights in memory (``weights_digest``: a peft adapter's weights are
     parameters of the wrapped model, so base and adapter never share a key). The pairs bind
     the KV geometry and dtype (``kv_shape``, read from the model when not given) and the
     active adapters."""
@@ -100,10 +100,10 @@ def model_identity(model: Any, revision: str | None = None, kv_shape: KVShape | 
 
 
 def metadata_for(model: Any, config: EngineConfig | Any, model_name: str | None = None) -> EngineMetadata:
-    """The :class:`~tierkv.EngineMetadata` to build an :class:`~tierkv.Engine` for ``model`` with:
+    """The ``tierkv.EngineMetadata`` to build an ``tierkv.Engine`` for ``model`` with:
     the config's keys (``model_name`` overrides its ``model``), the model's ``kv_shape`` (a
     fresh process sizes outputs and plans reads before it has seen a chunk) and its identity
-    (:func:`model_identity`; the config's ``model_revision`` skips the pass over the weights,
+    (``model_identity``; the config's ``model_revision`` skips the pass over the weights,
     and then names the weights *and* any adapter: give each its own)."""
     base = EngineMetadata.from_config(load_config(config))
     kv_shape = kv_shape_of(model)
@@ -114,7 +114,7 @@ def metadata_for(model: Any, config: EngineConfig | Any, model_name: str | None 
 
 def check_engine_for(model: Any, engine: Engine) -> None:
     """ValueError when ``model`` runs peft adapters that ``engine``'s keys do not bind (an
-    engine built without :func:`metadata_for` would hand a peft model the base model's KV)."""
+    engine built without ``metadata_for`` would hand a peft model the base model's KV)."""
     adapters = _active_adapters(model)
     if adapters is not None and ("adapters", adapters) not in engine.metadata.identity:
         raise ValueError(f"the model runs peft adapter(s) {adapters!r}, but the engine's keys do not bind them: build "

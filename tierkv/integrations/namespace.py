@@ -1,4 +1,4 @@
-"""Moved to :mod:`tierkv.chunks.namespaces` (key namespaces are a property of keys); kept so
+"""Moved to ``tierkv.chunks.namespaces`` (key namespaces are a property of keys); kept so
 ``from tierkv.integrations.namespace import ...`` keeps working."""
 
 from tierkv.chunks.namespaces import in_namespace, named_key, namespaced_keys

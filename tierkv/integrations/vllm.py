@@ -4,7 +4,7 @@ vLLM's disaggregated-prefill connectors move KV between instances through two sm
 interfaces: a *lookup buffer* (``insert(input_tokens, roi, key, value, hidden)`` and
 ``drop_select(input_tokens, roi)``, where ``roi`` is a boolean mask over the tokens that
 the KV covers) and a *store buffer* (``put(key: str, value)`` / ``get(key)``). The
-classes here honour those interfaces with an :class:`tierkv.Engine` underneath, so the
+classes here honour those interfaces with an ``tierkv.Engine`` underneath, so the
 transferred KV can live in any configured tier (host memory, LMDB, S3) instead of a
 fixed-size in-process buffer. vLLM is not a dependency; when it is installed, the classes
 are also registered as virtual subclasses of vLLM's own base classes.

@@ -3,7 +3,7 @@
 Every public function here has one signature whatever runs underneath. The reference
 implementations are plain torch (``index_select`` / ``index_copy_`` / float32 math); they are
 used when the extension is not loaded and are the oracle the extension is tested against.
-When the extension is loaded (see :func:`extension_status`), the same calls dispatch to
+When the extension is loaded (see ``extension_status``), the same calls dispatch to
 ``torch.ops.tierkv.*``, whose C++ CPU kernels and CUDA kernels share one op schema and one
 header of index math (``cuda_ext/tierkv_index.h``).
 
@@ -20,7 +20,7 @@ Gathers and scatters are raw byte copies, so any dtype works (float8 and int8 as
 the extension is bit-exact with the reference for them.
 
 The extension is optional and never built implicitly on import (it takes ~30 s): build it once
-with ``python -m tierkv.ops build`` (or :func:`build_extension`); later processes load the
+with ``python -m tierkv.ops build`` (or ``build_extension``); later processes load the
 prebuilt library from the cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 ``TIERKV_NO_EXT=1`` forces the reference.
 """
@@ -123,7 +123,7 @@ def rope_rerotate(
     ``k`` is ``[num_tokens, num_heads, head_size]``; ``old_positions`` / ``new_positions`` are
     ``[num_tokens]`` int32/int64 in ``[0, max_position)``; ``cos_sin_cache`` is float32
     ``[max_position, rot_dim]`` (cos in the first half of the columns, sin in the second: see
-    :func:`make_cos_sin_cache`); only the first ``rot_dim`` dims of each head rotate.
+    ``make_cos_sin_cache``); only the first ``rot_dim`` dims of each head rotate.
     ``is_neox`` selects rotate-halves (GPT-NeoX, Llama) or interleaved pairs (GPT-J). Math is
     float32; the result is written back in ``k``'s dtype.
     """
@@ -174,10 +174,10 @@ def paged_gather(
 
 
 def paged_scatter(chunk: Tensor, kv_caches: PagedKVCache, slot_mapping: Tensor, order: str = "vllm") -> None:
-    """Scatter a contiguous chunk into a paged cache (the reverse of :func:`paged_gather`).
+    """Scatter a contiguous chunk into a paged cache (the reverse of ``paged_gather``).
 
     Token ``i`` of ``chunk`` goes to slot ``slot_mapping[i]`` of every layer's K and V; ``-1``
-    slots are skipped. Layouts as in :func:`paged_gather`; the chunk must be on the cache's device.
+    slots are skipped. Layouts as in ``paged_gather``; the chunk must be on the cache's device.
     """
     keys, values = split_paged_cache(kv_caches)
     _check_paged(keys, chunk, slot_mapping, order, "chunk")
@@ -188,7 +188,7 @@ def paged_scatter(chunk: Tensor, kv_caches: PagedKVCache, slot_mapping: Tensor, 
 
 
 def paged_copy_strided_available(tensor: Tensor) -> bool:
-    """Whether :func:`paged_copy_strided` runs the extension's kernel for tensors like ``tensor``
+    """Whether ``paged_copy_strided`` runs the extension's kernel for tensors like ``tensor``
     (a CPU tensor and the extension loaded); otherwise it runs the (slower) reference."""
     return tensor.device.type == "cpu" and _dispatch(tensor)
 

@@ -7,11 +7,11 @@ directory waits for it forever (and a serving process that starts one waits with
 
 - the lock is an ``flock`` on ``<root>/<name>.lock``: the kernel drops it when its holder exits,
   however it exits, so a lock is never stale; the holder writes its pid and start time into
-  the file, for the messages of whoever waits (:func:`build_lock`, bounded by ``wait_s``);
+  the file, for the messages of whoever waits (``build_lock``, bounded by ``wait_s``);
 - each build runs in a staging directory of its own (``<root>/<name>.build-<pid>``), and only
   a finished library is moved (``os.replace``) to ``<root>/<name>/<name>.so``: a library there
   is always whole, and a killed build leaves only its staging directory, which the next build
-  removes (:func:`clear_leftovers`) and :func:`describe` reports as an interrupted build;
+  removes (``clear_leftovers``) and ``describe`` reports as an interrupted build;
 - a ``lock`` file torch left in ``<root>/<name>/`` (an interrupted build of an older tierkv)
   is no longer in any build's way, and is removed with the other leftovers.
 """
@@ -97,7 +97,7 @@ def _read_holder(fd: int) -> dict[str, float]:
 @contextmanager
 def build_lock(root: Path, name: str, wait_s: float) -> Iterator[None]:
     """Hold the build lock of ``name``, waiting at most ``wait_s`` for a live holder (saying
-    every few seconds who it waits for); raises :class:`BuildBusy` past that."""
+    every few seconds who it waits for); raises ``BuildBusy`` past that."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path(root, name), os.O_RDWR | os.O_CREAT, 0o644)
     try:

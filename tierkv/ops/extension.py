@@ -2,11 +2,11 @@
 one, deciding per call whether it runs, and reporting what was loaded and why not.
 
 Never built implicitly on import (it takes ~30 s): ``python -m tierkv.ops build`` (or
-:func:`build_extension`) builds it once per source hash and torch version; later processes
-load the cached library. A serving integration calls :func:`build_in_background` when it
+``build_extension``) builds it once per source hash and torch version; later processes
+load the cached library. A serving integration calls ``build_in_background`` when it
 starts, so a user gets the kernels without a manual step (the pure-torch paths serve until
 the build lands; ``TIERKV_BUILD_EXT=0`` turns that off). ``TIERKV_NO_EXT=1`` forces the reference.
-Builds go through :mod:`tierkv.ops.build_cache`: a lock that dies with its holder, a staging
+Builds go through ``tierkv.ops.build_cache``: a lock that dies with its holder, a staging
 directory per build, and only a finished library in the cache, so an interrupted build never
 blocks the next one.
 """
@@ -159,8 +159,8 @@ def build_extension(build_root: str | os.PathLike[str] | None = None, verbose: b
     CUDA build and nvcc is found. The build is cached per source hash and torch version in
     ``build_root`` (default ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), so a
     second call is a quick load. Another process's build of the same sources is waited for
-    at most ``wait_s`` seconds (default :func:`build_cache.wait_bound`), saying so; what an
-    interrupted build left is removed first. Failures are recorded in :func:`extension_status`,
+    at most ``wait_s`` seconds (default ``build_cache.wait_bound``), saying so; what an
+    interrupted build left is removed first. Failures are recorded in ``extension_status``,
     not raised.
     """
     reason = _disabled()

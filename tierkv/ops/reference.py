@@ -19,14 +19,14 @@ from tierkv.ops.checks import (
 
 
 def kv_deviation_reference(retrieved_k: Tensor, fresh_k: Tensor) -> Tensor:
-    """Reference for :func:`kv_deviation`."""
+    """Reference for ``kv_deviation``."""
     _check_kv_deviation(retrieved_k, fresh_k)
     diff = retrieved_k.to(torch.float32) - fresh_k.to(torch.float32)
     return diff.square().sum(dim=(1, 2))
 
 
 def blend_scatter_reference(dst: Tensor, src: Tensor, indices: Tensor) -> Tensor:
-    """Reference for :func:`blend_scatter`."""
+    """Reference for ``blend_scatter``."""
     _check_blend_scatter(dst, src, indices)
     _as_raw(dst).index_copy_(0, indices, _as_raw(src))  # float8 as raw bytes
     return dst
@@ -35,7 +35,7 @@ def blend_scatter_reference(dst: Tensor, src: Tensor, indices: Tensor) -> Tensor
 def rope_rerotate_reference(
     k: Tensor, old_positions: Tensor, new_positions: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
 ) -> Tensor:
-    """Reference for :func:`rope_rerotate`."""
+    """Reference for ``rope_rerotate``."""
     _check_rope(k, old_positions, new_positions, cos_sin_cache)
     half = cos_sin_cache.shape[1] // 2
     old = cos_sin_cache.index_select(0, old_positions.long())
@@ -97,7 +97,7 @@ def _valid(slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
 def paged_gather_reference(
     kv_caches: PagedKVCache, slot_mapping: Tensor, out: Tensor | None = None, order: str = "vllm"
 ) -> Tensor:
-    """Reference for :func:`paged_gather` (``index_select`` per layer)."""
+    """Reference for ``paged_gather`` (``index_select`` per layer)."""
     keys, values = split_paged_cache(kv_caches)
     if out is None:
         out = torch.zeros(_chunk_shape(keys, slot_mapping.numel(), order), dtype=keys[0].dtype, device=keys[0].device)
@@ -122,7 +122,7 @@ def paged_gather_reference(
 def paged_scatter_reference(
     chunk: Tensor, kv_caches: PagedKVCache, slot_mapping: Tensor, order: str = "vllm"
 ) -> None:
-    """Reference for :func:`paged_scatter` (``index_copy_`` per layer)."""
+    """Reference for ``paged_scatter`` (``index_copy_`` per layer)."""
     keys, values = split_paged_cache(kv_caches)
     _check_paged(keys, chunk, slot_mapping, order, "chunk")
     positions, slots = _valid(slot_mapping)
@@ -136,7 +136,7 @@ def paged_scatter_reference(
 
 def paged_copy_strided_reference(views: list[tuple[Tensor, Tensor]], slot_mapping: Tensor, chunk: Tensor,
                                  gather: bool) -> None:
-    """Reference for :func:`paged_copy_strided` (advanced indexing on the strided views)."""
+    """Reference for ``paged_copy_strided`` (advanced indexing on the strided views)."""
     slots = slot_mapping.to(torch.int64)
     valid = torch.nonzero(slots >= 0).flatten()
     if valid.numel() == 0:
@@ -154,7 +154,7 @@ def paged_copy_strided_reference(views: list[tuple[Tensor, Tensor]], slot_mappin
 def paged_copy_mapped_reference(layers: list[Tensor], key_map: Tensor, value_map: Tensor, key_unit: int,
                                 value_unit: int, block_size: int, slot_mapping: Tensor, chunk: Tensor,
                                 gather: bool) -> None:
-    """Reference for :func:`paged_copy_mapped` (element indices built from the maps, then
+    """Reference for ``paged_copy_mapped`` (element indices built from the maps, then
     ``take`` / ``index_put_`` on each layer's storage)."""
     slots = slot_mapping.to(torch.int64)
     valid = torch.nonzero(slots >= 0).flatten()

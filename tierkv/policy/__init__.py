@@ -10,7 +10,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     """``tierkv.policy.residency`` was the bookkeeping module before it became this package: its names
-    are found in :mod:`tierkv.policy.residency`, with a DeprecationWarning."""
+    are found in ``tierkv.policy.residency``, with a DeprecationWarning."""
     import importlib
     import warnings
 

@@ -11,13 +11,13 @@ may be *copied* into it (write-through fills, write-back demotions and flushes, 
   later, on a hit in a memory tier above, is filled down then (once);
 * ``tinylfu``: a chunk only if it has been seen more often than the chunk the tier would evict
   to make room for it (any chunk while the tier has room). Needs a tier that can name its next
-  victim (:class:`~tierkv.backend.NamesVictims`: cpu, gpu, lmdb, fs).
+  victim (``tierkv.backend.NamesVictims``: cpu, gpu, lmdb, fs).
 
 A store itself always lands in the first tier that takes it: admission filters copies, never
 the one copy a store makes. What is not admitted is counted (``admitted`` / ``rejected`` per
 tier in ``stats()``), never an error.
 
-Counts live in a :class:`FrequencySketch`: a count-min sketch of 4-bit counters whose size is
+Counts live in a ``FrequencySketch``: a count-min sketch of 4-bit counters whose size is
 fixed (independent of how many keys were ever seen) and which halves every counter after a
 sample of increments, so old popularity fades (TinyLFU's reset). Each process keeps its own:
 processes sharing a tier each decide from what they have seen.

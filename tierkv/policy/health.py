@@ -1,10 +1,10 @@
-"""The two circuit breakers of a tier: the engine's :class:`CooldownBreaker` (any backend) and
-:class:`CircuitBreaker`, with a background probe, for backends that talk to a remote store.
+"""The two circuit breakers of a tier: the engine's ``CooldownBreaker`` (any backend) and
+``CircuitBreaker``, with a background probe, for backends that talk to a remote store.
 
 A remote tier (an object store, a cache server) can be down or slow; serving must never
-wait on it. :class:`CircuitBreaker` counts consecutive failures; after ``failure_threshold``
-of them the tier is *unhealthy*: :meth:`CircuitBreaker.check` raises
-:class:`~tierkv.errors.TierUnavailableError` at once (fail fast, no network round trip),
+wait on it. ``CircuitBreaker`` counts consecutive failures; after ``failure_threshold``
+of them the tier is *unhealthy*: ``CircuitBreaker.check`` raises
+``tierkv.errors.TierUnavailableError`` at once (fail fast, no network round trip),
 and a background task calls the backend's cheap ``probe`` every ``probe_interval_s``.
 The first probe that succeeds makes the tier healthy again, with no traffic needed.
 
@@ -121,7 +121,7 @@ class CircuitBreaker:
 class CooldownBreaker:
     """The engine's breaker for one tier (``Tier.breaker``): after ``threshold`` consecutive
     failures the tier is skipped for ``cooldown_s``, then one operation is let through as a
-    probe. Any backend gets it; a remote backend may add a :class:`CircuitBreaker` of its own."""
+    probe. Any backend gets it; a remote backend may add a ``CircuitBreaker`` of its own."""
 
     def __init__(self, threshold: int = 3, cooldown_s: float = 5.0) -> None:
         self.threshold = threshold

@@ -8,19 +8,19 @@ A hit that takes longer to fetch than the prefill it saves makes time to first t
 users of other KV-cache layers report exactly that (a file tier at 8K tokens slower than
 recompute). tierkv decides per request:
 
-- :class:`TierSpeed` keeps a running estimate of one tier's gets: a fixed cost per batch plus
+- ``TierSpeed`` keeps a running estimate of one tier's gets: a fixed cost per batch plus
   bytes over bandwidth, fitted to the gets the tier actually served (recent ones weigh more),
   pulled towards a per-backend seed while samples are few;
-- :class:`RecomputeModel` is the serving model's prefill time, ``S(new, context)`` for ``new``
+- ``RecomputeModel`` is the serving model's prefill time, ``S(new, context)`` for ``new``
   tokens after ``context`` cached ones: ``a*new + b*new^2 + c*new*context`` (attention is
   quadratic; ``c``, the price of cached context, is learned: on some stacks a prefill over a
   cache takes a slower path than one from scratch), from the configured ``recompute:`` section
   and refined by measured prefills;
-- :func:`plan_prefix` picks the prefix length ``P`` (a whole number of chunks) that minimises
+- ``plan_prefix`` picks the prefix length ``P`` (a whole number of chunks) that minimises
   ``fetch(P) + S(N - P, P)``: fetch the first ``P`` tokens from the tiers holding them (tiers
   read in parallel: the slowest one counts), compute the rest after them. A tier the plans
   keep skipping is now and then given one chunk (bounded in cost) so its speed is re-measured.
-  A tier that keeps its chunks coded (:mod:`tierkv.backend.coded`) is costed at the bytes it
+  A tier that keeps its chunks coded (``tierkv.backend.coded``) is costed at the bytes it
   actually moves plus the time to decode them: ``transfer(stored) + decode``.
 
 Why the second term is not ``T(N) - T(P)``: in the cost sweep (HF demo model on the CPU, 4,096
@@ -50,7 +50,7 @@ class SpeedSeed:
 
 
 class Coding(Protocol):
-    """What coding does to a tier's reads (:class:`tierkv.backend.coded.CodedBackend`)."""
+    """What coding does to a tier's reads (``tierkv.backend.coded.CodedBackend``)."""
 
     def split(self, nbytes: int) -> tuple[int, float]:
         """Chunks of ``nbytes`` bytes as (bytes moved from the tier, seconds decoding them)."""
@@ -157,8 +157,8 @@ class TierSpeed:
     the old line, scaled to the new gets, stands until gets of different sizes draw a new one.
     The first get after the seed or such a change is never a surprise itself: one get cannot
     split its time between fixed cost and bandwidth. The plan skips a slow tier
-    entirely, so without help it would never be read again: :meth:`due_for_exploration` says
-    when a plan may add one chunk from it (see :func:`plan_prefix`).
+    entirely, so without help it would never be read again: ``due_for_exploration`` says
+    when a plan may add one chunk from it (see ``plan_prefix``).
     """
 
     def __init__(self, seed: SpeedSeed, half_life: float = 32.0, clock: Callable[[], float] = time.monotonic,
@@ -299,7 +299,7 @@ class RecomputeModel:
     the plan kept recomputing half of a 1,024-token prompt that loading beat by 1.2x.
 
     ``tokens_per_s`` (one throughput) or ``curve`` (throughput at a few prompt lengths, as
-    ``[(tokens, tokens_per_s), ...]``) set it; :meth:`observe` refines it from prefills that
+    ``[(tokens, tokens_per_s), ...]``) set it; ``observe`` refines it from prefills that
     were timed (``new`` tokens computed after ``context`` cached ones took ``seconds``).
     Unknown (``known`` False) until one of the two has happened.
     """
@@ -426,7 +426,7 @@ def plan_prefix(chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], bytes_p
     engine's compute). Token counts in the plan include ``base_tokens``.
 
     Exploration: when the best plan leaves out every chunk of a tier that is due for it
-    (:meth:`TierSpeed.due_for_exploration`), and the next chunk is that tier's, the plan takes
+    (``TierSpeed.due_for_exploration``), and the next chunk is that tier's, the plan takes
     that one chunk too, if it is expected to cost at most ``EXPLORE_MAX_FRACTION`` of the
     request. Its normal read re-measures the tier, so a tier that got faster is used again.
     """

@@ -1,8 +1,8 @@
 """The router's calls that are running, so that ``close()`` closes no tier under one of them.
 
-A call into the router (a store, a read, a lookup) passes :meth:`CallGate.call` before it
-touches a tier: it is refused with :class:`~tierkv.errors.BackendClosedError` once the gate is
-shut, and counted while it runs otherwise. :meth:`CallGate.shut` refuses new calls and waits
+A call into the router (a store, a read, a lookup) passes ``CallGate.call`` before it
+touches a tier: it is refused with ``tierkv.errors.BackendClosedError`` once the gate is
+shut, and counted while it runs otherwise. ``CallGate.shut`` refuses new calls and waits
 for the counted ones to end, so a call that began before ``close()`` runs to its end against
 open tiers and a live fill worker (it completes; the caller's next call is refused), instead
 of meeting a tier closed under it and failing with whatever that tier's error turns into. Only
@@ -23,7 +23,7 @@ from tierkv.errors import BackendClosedError
 
 
 class CallGate:
-    """Admits router calls until :meth:`shut`, and knows how many are running."""
+    """Admits router calls until ``shut``, and knows how many are running."""
 
     def __init__(self) -> None:
         self._running = 0

@@ -9,12 +9,12 @@ put whose caller was cancelled never waits for room: its fill is queued if there
 otherwise dropped and counted (its chunks stay in the tier that took them), so a cancellation
 returns promptly and the queue stays bounded.
 Chunks waiting here are still served by reads, so an acknowledged chunk never goes missing
-between tiers. :class:`FillWorker` queues the fills of a put and writes them below.
+between tiers. ``FillWorker`` queues the fills of a put and writes them below.
 
 A fill never holds a memory tier hostage: a fill to tiers that take nothing now (full,
 unhealthy, under pressure) is dropped when it is queued, not held; queued fills whose tiers
 stopped taking writes are dropped when the memory tier they read from needs their memory
-(:meth:`FillWorker.reclaim`), and so are the oldest of the others once that tier has waited
+(``FillWorker.reclaim``), and so are the oldest of the others once that tier has waited
 for them as long as it waits for any held slab; and one batch in flight reads at most half
 of its memory tier. So a lower tier that is full, failing or slow costs fills (counted in
 ``dropped_fills``), never a store the memory tier has room for.
@@ -182,7 +182,7 @@ class FillQueue:
             return dropped
 
     async def done(self, jobs: list[FillJob]) -> None:
-        """Mark jobs from :meth:`take` as written (or given up)."""
+        """Mark jobs from ``take`` as written (or given up)."""
         async with self._changed:
             for job in jobs:
                 self.queued_bytes -= job.nbytes
@@ -227,11 +227,11 @@ class FillWorker:
         """Queue copies of what tier ``level`` just took for the tiers below.
 
         From an in-place tier the fill reads the tier's own copy, held since the commit
-        (``taken``, from :meth:`Tier.put`'s ``fill_holds``), so it stays valid even if the
+        (``taken``, from ``Tier.put``'s ``fill_holds``), so it stays valid even if the
         tier evicts the chunk before the fill runs; otherwise chunks that are views of the
         caller's memory (``owned`` False) are snapshotted first, since the caller may reuse it.
         ``cancelled`` (set when the store's caller was cancelled): the fill does not wait for
-        room in a full queue but is dropped (:meth:`FillQueue.put`). ``targets``: only these
+        room in a full queue but is dropped (``FillQueue.put``). ``targets``: only these
         tiers below (a late fill of chunks that became worth admitting), else all of them.
         """
         if not self.fills_below(level):

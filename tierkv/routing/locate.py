@@ -1,14 +1,14 @@
 """Where chunks are: the level of the highest tier holding each key.
 
-Inside the engine a place is a :data:`Level` (an index into the tiers, fastest first;
-:data:`FILL_QUEUE_LEVEL` for a chunk acknowledged but still waiting in the fill queue; None
-for nowhere). Callers of the engine see tier names instead (:func:`names`; the fill queue is
-:data:`FILL_QUEUE`): every ``locate*`` method of the engine answers with names, and nothing
+Inside the engine a place is a ``Level`` (an index into the tiers, fastest first;
+``FILL_QUEUE_LEVEL`` for a chunk acknowledged but still waiting in the fill queue; None
+for nowhere). Callers of the engine see tier names instead (``names``; the fill queue is
+``FILL_QUEUE``): every ``locate*`` method of the engine answers with names, and nothing
 inside it does.
 
-Three questions, one answer format: :func:`levels` asks every available tier (I/O where a
-tier needs it), :func:`levels_nowait` answers from in-memory indexes only (None when a tier
-available now would need I/O), :func:`read_levels` plans a read without I/O (chunks no
+Three questions, one answer format: ``levels`` asks every available tier (I/O where a
+tier needs it), ``levels_nowait`` answers from in-memory indexes only (None when a tier
+available now would need I/O), ``read_levels`` plans a read without I/O (chunks no
 indexed tier holds go to the first tier without an index, asked with gets).
 """
 
@@ -22,16 +22,16 @@ from tierkv.routing.fill import FillQueue
 from tierkv.tiers.tier import Tier
 
 Level = int
-"""An index into the tiers, fastest first, or :data:`FILL_QUEUE_LEVEL`."""
+"""An index into the tiers, fastest first, or ``FILL_QUEUE_LEVEL``."""
 Levels = list[Level | None]
 FILL_QUEUE_LEVEL: Level = -1
 """The level of a chunk acknowledged but not yet written to any tier (still in the fill queue)."""
 FILL_QUEUE = "fill-queue"
-"""What callers of the engine see for :data:`FILL_QUEUE_LEVEL`."""
+"""What callers of the engine see for ``FILL_QUEUE_LEVEL``."""
 
 
 def names(tiers: Sequence[Tier], found: Sequence[Level | None]) -> list[str | None]:
-    """The name callers see for each level: the tier's, or :data:`FILL_QUEUE` (None stays None)."""
+    """The name callers see for each level: the tier's, or ``FILL_QUEUE`` (None stays None)."""
     return [None if level is None else FILL_QUEUE if level == FILL_QUEUE_LEVEL else tiers[level].name
             for level in found]
 
@@ -53,7 +53,7 @@ async def levels(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey
 
 
 def levels_nowait(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKey]) -> Levels | None:
-    """:func:`levels` from in-memory indexes only (reads shared state, changes nothing)."""
+    """``levels`` from in-memory indexes only (reads shared state, changes nothing)."""
     now = time.monotonic()
     top: list[bool] | None = None
     if keys and tiers[0].breaker.available(now):
@@ -118,7 +118,7 @@ def held_anywhere(tiers: Sequence[Tier], fill: FillQueue, keys: Sequence[CacheKe
 
 
 def _or_fill_queue(fill: FillQueue, found: Levels, missing: list[int], keys: Sequence[CacheKey]) -> Levels:
-    """Mark the chunks no tier holds that are still waiting in the fill queue (:data:`FILL_QUEUE_LEVEL`)."""
+    """Mark the chunks no tier holds that are still waiting in the fill queue (``FILL_QUEUE_LEVEL``)."""
     for index in missing:
         if fill.pending(keys[index]) is not None:
             found[index] = FILL_QUEUE_LEVEL

@@ -1,10 +1,10 @@
 """Copies that may run off the event loop: one helper and one threshold for the engine and
 the memory tiers.
 
-A copy larger than :data:`OFFLOAD_COPY_BYTES` runs on a worker thread so other requests keep
+A copy larger than ``OFFLOAD_COPY_BYTES`` runs on a worker thread so other requests keep
 moving; a smaller one runs inline (a thread hop costs more than it saves). The copy writes
 into memory handed to it (reserved slabs, the caller's ``out``, a paged cache), so a
-cancellation is delivered only once it stopped (:func:`tierkv.chunks.ownership.in_thread`).
+cancellation is delivered only once it stopped (``tierkv.chunks.ownership.in_thread``).
 """
 
 from __future__ import annotations

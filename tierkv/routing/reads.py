@@ -45,7 +45,7 @@ class Reader:
                         sink: transfer.ChunkSink, caller_owned: bool, preloaded: torch.Tensor | None = None,
                         deadline: float | None = None) -> int:
         """Read each chunk into ``sink`` from the tier it was located in (``levels``, from
-        :func:`tierkv.routing.locate.read_levels`); the number of leading chunks delivered."""
+        ``tierkv.routing.locate.read_levels``); the number of leading chunks delivered."""
         done = [False] * len(keys)
         staged: dict[int, torch.Tensor] = {}
         if preloaded is not None:

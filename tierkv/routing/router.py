@@ -4,13 +4,13 @@ One module of about 565 lines, by choice: one class whose state (the tiers, the 
 dirty set, background tasks, the calls running) every method shares; what could stand alone
 already does (locate, reads, fill, offload, write_back, calls beside it).
 
-It decides *which* tier: the first that admits a put (:meth:`TierRouter.put` is the one
-store loop), where a read goes (:mod:`tierkv.routing.locate`, then the one-pass read of
-:mod:`tierkv.routing.reads`), how lower-tier hits move up (promotion) and evictions move down
-(demotion, write-back), and it owns the lifecycle (the fill worker of :mod:`tierkv.routing.fill`,
-memory-pressure watchers of :mod:`tierkv.tiers.tier_pressure`, background tasks, close). How one
+It decides *which* tier: the first that admits a put (``TierRouter.put`` is the one
+store loop), where a read goes (``tierkv.routing.locate``, then the one-pass read of
+``tierkv.routing.reads``), how lower-tier hits move up (promotion) and evictions move down
+(demotion, write-back), and it owns the lifecycle (the fill worker of ``tierkv.routing.fill``,
+memory-pressure watchers of ``tierkv.tiers.tier_pressure``, background tasks, close). How one
 tier is asked, and what that cost it (counters, health, speed, full, pressure), is its
-:class:`~tierkv.tiers.tier.Tier` handle's business. The prompt API (:mod:`tierkv.engine.async_engine`)
+``tierkv.tiers.tier.Tier`` handle's business. The prompt API (``tierkv.engine.async_engine``)
 holds a router and uses only its public methods.
 """
 
@@ -93,7 +93,7 @@ class TierRouter:
     """Routes batches of chunk keys across the tiers (see the module docstring)."""
 
     close_grace_s: ClassVar[float] = 10.0
-    """How long :meth:`close` waits for the calls already running before it closes the tiers."""
+    """How long ``close`` waits for the calls already running before it closes the tiers."""
 
     def __init__(self, config: EngineConfig, probes: Mapping[str, MemoryProbe] | None = None) -> None:
         self.config = config
@@ -131,7 +131,7 @@ class TierRouter:
 
     @property
     def backends(self) -> tuple[StorageBackend, ...]:
-        """The tiers' backends, fastest first (read-only: :meth:`wrap_tier` puts a wrapper in)."""
+        """The tiers' backends, fastest first (read-only: ``wrap_tier`` puts a wrapper in)."""
         return tuple(tier.backend for tier in self.tiers)
 
     def tier(self, name: str) -> Tier:
@@ -142,7 +142,7 @@ class TierRouter:
         raise KeyError(f"no tier named {name!r}; expected one of {[tier.name for tier in self.tiers]}")
 
     def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
-        """Put ``wrapper(backend)`` in the place of tier ``name``'s backend (see :meth:`Tier.wrap`)."""
+        """Put ``wrapper(backend)`` in the place of tier ``name``'s backend (see ``Tier.wrap``)."""
         return self.tier(name).wrap(wrapper)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -156,11 +156,11 @@ class TierRouter:
             tier.watch_pressure(self._probes.get(tier.name), self.config.pressure, self.spawn)
 
     def ensure_open(self) -> None:
-        """Raise BackendClosedError once :meth:`close` has begun (from any thread)."""
+        """Raise BackendClosedError once ``close`` has begun (from any thread)."""
         self._calls.check()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` in the background: :meth:`flush` waits for it, a failure is logged."""
+        """Run ``coro`` in the background: ``flush`` waits for it, a failure is logged."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
@@ -190,7 +190,7 @@ class TierRouter:
         batches straight from the tier's memory, held (pinned) until the write is over. A level
         is read again after the one above it was flushed (a middle memory tier may have taken
         chunks from above meanwhile). Chunks no tier below takes stay dirty (a later flush tries
-        again); chunks that left their tier without landing below (:meth:`DirtyChunks.lose`)
+        again); chunks that left their tier without landing below (``DirtyChunks.lose``)
         are reported once. Either way TierUnavailableError says how many, after every batch was
         tried: the flush returns only when every chunk dirty at its start is committed below."""
         assert self._dirty is not None
@@ -228,7 +228,7 @@ class TierRouter:
             raise TierUnavailableError("flush: " + "; ".join(problems))
 
     async def close(self, flush: bool = True) -> None:
-        """Refuse new calls, let the running ones end (up to :attr:`close_grace_s`), flush
+        """Refuse new calls, let the running ones end (up to ``close_grace_s``), flush
         (``flush=False``: without writing write-back's dirty chunks down; they are lost with
         the memory tiers), then close every tier. A call that began before ``close()`` thus
         completes against open tiers, and every later one raises BackendClosedError.
@@ -266,20 +266,20 @@ class TierRouter:
 
     # -- where chunks are -------------------------------------------------------------------
     async def levels(self, keys: Sequence[CacheKey]) -> Levels:
-        """The level of the highest tier holding each key (:mod:`tierkv.routing.locate`); None if nowhere."""
+        """The level of the highest tier holding each key (``tierkv.routing.locate``); None if nowhere."""
         with self._calls.call():
             return await locate.levels(self.tiers, self._fill, keys)
 
     def levels_nowait(self, keys: Sequence[CacheKey]) -> Levels | None:
-        """:meth:`levels` from in-memory indexes, from any thread; None when that needs I/O."""
+        """``levels`` from in-memory indexes, from any thread; None when that needs I/O."""
         return locate.levels_nowait(self.tiers, self._fill, keys)
 
     def read_levels(self, keys: Sequence[CacheKey]) -> Levels:
-        """Where :meth:`read_into` should look for each chunk, without I/O (see :mod:`tierkv.routing.locate`)."""
+        """Where ``read_into`` should look for each chunk, without I/O (see ``tierkv.routing.locate``)."""
         return locate.read_levels(self.tiers, self._fill, keys)
 
     def names(self, levels: Sequence[Level | None]) -> list[str | None]:
-        """The tier name (or :data:`~tierkv.routing.locate.FILL_QUEUE`) of each level, for callers."""
+        """The tier name (or ``tierkv.routing.locate.FILL_QUEUE``) of each level, for callers."""
         return locate.names(self.tiers, levels)
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
@@ -321,7 +321,7 @@ class TierRouter:
 
     async def _store_in_first(self, keys: list[CacheKey], nbytes: int,
                               put_at: Callable[[Tier, asyncio.Event], Awaitable[int]]) -> int:
-        """:meth:`_store`'s loop, a call the gate admitted."""
+        """``_store``'s loop, a call the gate admitted."""
         await self.start()
         if not keys:
             return 0
@@ -403,8 +403,8 @@ class TierRouter:
     async def read_into(self, keys: list[CacheKey], levels: Sequence[int | None], ranges: list[tuple[int, int]],
                         sink: transfer.ChunkSink, *, caller_owned: bool, preloaded: torch.Tensor | None = None,
                         deadline: float | None = None) -> int:
-        """Read each chunk into ``sink`` from where :meth:`read_levels` put it (the one-pass
-        read of :mod:`tierkv.routing.reads`); the number of leading chunks delivered. ``caller_owned``:
+        """Read each chunk into ``sink`` from where ``read_levels`` put it (the one-pass
+        read of ``tierkv.routing.reads``); the number of leading chunks delivered. ``caller_owned``:
         the sink's memory is the caller's (a tier that streams before it verifies reads into
         staging); ``preloaded``: chunk 0, already read."""
         with self._calls.call():
@@ -425,7 +425,7 @@ class TierRouter:
             return chunks
 
     async def get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        """:meth:`batched_get` without waiting for prefetches (fresh tensors, safe to abandon)."""
+        """``batched_get`` without waiting for prefetches (fresh tensors, safe to abandon)."""
         with self._calls.call():
             return await self._reader.get(keys)
 
@@ -448,7 +448,7 @@ class TierRouter:
 
     async def prefetch(self, keys: Sequence[CacheKey], levels: Sequence[int | None]) -> None:
         """Start moving the chunks located at ``levels`` below the top up; returns at once.
-        A read of them meanwhile waits for the chunks still in flight (:meth:`wait_inflight`)."""
+        A read of them meanwhile waits for the chunks still in flight (``wait_inflight``)."""
         self.ensure_open()  # what it starts runs in the background, which close() waits for
         await self.start()
         moving = [key for key, level in zip(keys, levels) if level and key not in self._inflight]

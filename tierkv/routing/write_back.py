@@ -2,7 +2,7 @@
 
 Under ``write_policy: write_back`` a store lands in the first tier that admits it and moves
 down only when that tier evicts it (demotion). What a memory tier holds alone is lost when
-the process exits, so :meth:`TierRouter.flush <tierkv.routing.router.TierRouter.flush>` writes the
+the process exits, so ``TierRouter.flush`` writes the
 dirty chunks of every memory tier down, and ``close()`` flushes unless told not to. This
 module is the bookkeeping: which keys are dirty at which level, in the order they became so.
 Persistent tiers (lmdb, fs, s3, mooncake) hold what they acknowledged across a crash: their
@@ -12,7 +12,7 @@ The invariant the router keeps with it (docs/design.md, "Durable flush"): a key 
 dirty at the moment its memory tier commits it, before anything can evict it, and is cleaned
 only once a tier below has committed it (a demotion or a flush wrote it there) or it was
 deleted. So a key that is dirty but no longer in its tier left without landing anywhere:
-:meth:`DirtyChunks.lost` records it and the next flush says so instead of returning as if
+``DirtyChunks.lost`` records it and the next flush says so instead of returning as if
 it had been written.
 """
 
@@ -50,7 +50,7 @@ class DirtyChunks:
     def lose(self, level: int, keys: Iterable[CacheKey]) -> int:
         """``keys`` left ``level`` without landing below (dropped under memory pressure after
         their demotion failed, or evicted by a tier that cannot demote): no longer dirty, and
-        counted until :meth:`take_lost`; how many of them were dirty."""
+        counted until ``take_lost``; how many of them were dirty."""
         dirty = self._levels.get(level, {})
         gone = [key for key in keys if key in dirty]
         for key in gone:

@@ -3,7 +3,7 @@
 One module of about 520 lines, by choice: one class a backend author subclasses to run the whole
 conformance suite; splitting it would make them subclass several and miss some.
 
-Subclass :class:`BackendTests` in a pytest module and implement :meth:`make_backend`::
+Subclass ``BackendTests`` in a pytest module and implement ``make_backend``::
 
     class TestMyBackend(BackendTests):
         def make_backend(self, tmp_path, capacity=None):
@@ -12,10 +12,10 @@ Subclass :class:`BackendTests` in a pytest module and implement :meth:`make_back
 Every test builds its backend inside its own event loop, so backends may create asyncio
 primitives in ``__init__`` or lazily. Tests that need a property a backend does not
 have (persistence, a capacity bound) skip with the reason; tests of an optional capability
-skip unless the backend declares it by its Protocol (:class:`~tierkv.backend.InPlaceTier`,
-:class:`~tierkv.backend.SupportsPressure`, :class:`~tierkv.backend.SupportsDemotion`).
+skip unless the backend declares it by its Protocol (``tierkv.backend.InPlaceTier``,
+``tierkv.backend.SupportsPressure``, ``tierkv.backend.SupportsDemotion``).
 
-Byte stores can also implement the bypass hook :meth:`BackendTests.corrupt_stored`
+Byte stores can also implement the bypass hook ``BackendTests.corrupt_stored``
 (damage a stored value behind the backend's back), which enables the tests of corrupt
 data; without it those tests skip, saying so.
 """
@@ -83,7 +83,7 @@ def same_bytes(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 class BackendTests:
-    """Subclass and implement :meth:`make_backend` to check a backend against the contract."""
+    """Subclass and implement ``make_backend`` to check a backend against the contract."""
 
     #: capacity, in chunks of the default shape, used by the eviction tests
     capacity_in_chunks: int = 4

@@ -1,7 +1,7 @@
 """An HTTP proxy on loopback that damages traffic to a real object store, for tests.
 
-:class:`FaultProxy` forwards requests like :class:`~tierkv.testing.slowproxy.SlowProxy`
-(latency and a bandwidth cap included) and, while :attr:`FaultProxy.fault` is set, damages
+``FaultProxy`` forwards requests like ``tierkv.testing.slowproxy.SlowProxy``
+(latency and a bandwidth cap included) and, while ``FaultProxy.fault`` is set, damages
 the replies to matching requests the way a flaky network or middlebox does:
 
 ========================  ==============================================================
@@ -14,13 +14,13 @@ the replies to matching requests the way a flaky network or middlebox does:
 ``"reset"``               headers and part of the body, then a TCP reset (RST)
 ``"503"`` / ``"500"``     an S3 error reply (SlowDown / InternalError); upstream not asked
 ``"stall"``               the request is held, unanswered, until the fault is cleared (or
-                          :attr:`FaultProxy.stall_max_s` passed), then forwarded: a store
+                          ``FaultProxy.stall_max_s`` passed), then forwarded: a store
                           that stops answering
 ========================  ==============================================================
 
-Only requests whose method is in :attr:`FaultProxy.methods` (GET by default) and, when set,
-whose path contains :attr:`FaultProxy.path_contains` are damaged; with :attr:`FaultProxy.budget`
-set, only that many, after which the proxy heals by itself. :attr:`FaultProxy.injected`
+Only requests whose method is in ``FaultProxy.methods`` (GET by default) and, when set,
+whose path contains ``FaultProxy.path_contains`` are damaged; with ``FaultProxy.budget``
+set, only that many, after which the proxy heals by itself. ``FaultProxy.injected``
 counts the damaged replies per fault.
 """
 
@@ -46,7 +46,7 @@ _ERROR_REPLIES = {
 
 
 class FaultProxy(SlowProxy):
-    """A :class:`SlowProxy` that can damage replies; ``fault`` may change at any time."""
+    """A ``SlowProxy`` that can damage replies; ``fault`` may change at any time."""
 
     def __init__(self, upstream: str, fault: str | None = None, methods: Iterable[str] = ("GET",),
                  latency_s: float = 0.0) -> None:

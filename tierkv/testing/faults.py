@@ -20,7 +20,7 @@ class FaultyBackend(StorageBackend):
     """Wraps a real backend; while ``failing`` every call raises, while ``stall_s`` is set
     every call (every call of ``stall_ops`` when set: op names as in ``calls_by_op``) first
     waits that long, or until ``stall_s`` is set back to 0 (a slow or hung remote store), while ``full`` is set
-    every write raises :class:`~tierkv.errors.TierFullError` as a disk out of space does
+    every write raises ``tierkv.errors.TierFullError`` as a disk out of space does
     (reads keep working), while ``bytes_per_s`` is set a read also takes the bytes it
     returned over that bandwidth. Its in-memory index (if the inner backend has one) answers
     as the inner backend's does."""

@@ -68,7 +68,7 @@ _MAKERS: dict[str, Callable[[], tuple[Any, Any]]] = {"gemma3": _gemma3, "gpt_oss
 
 def save_hybrid_model(family: str, path: str | os.PathLike[str], seed: int = 0,
                       initializer_range: float = 0.15) -> Path:
-    """A tiny random-weight model of ``family`` (one of :data:`FAMILIES`) saved under ``path``
+    """A tiny random-weight model of ``family`` (one of ``FAMILIES``) saved under ``path``
     in bfloat16, with its weights drawn at ``initializer_range``."""
     import torch
 

@@ -1,6 +1,6 @@
 """A real Mooncake Store cluster on 127.0.0.1 for tests and benchmarks, stopped by PID.
 
-:class:`MooncakeCluster` starts ``mooncake_master`` (with its embedded HTTP metadata
+``MooncakeCluster`` starts ``mooncake_master`` (with its embedded HTTP metadata
 server) and one storage node, ``mooncake_client`` (the package's standalone process that
 mounts a segment into the pool and holds it), each on free loopback ports. Clients (the
 ``mooncake`` tier) then mount nothing: chunks stay in the storage node when the process
@@ -10,7 +10,7 @@ Mooncake binds some sockets itself beyond the addresses it is given (the metadat
 server and the transfer engine's RPC listener may take every interface); tests must not
 rely on those being loopback-only.
 
-:meth:`MooncakeCluster.stop_master` / :meth:`MooncakeCluster.start_master` simulate a
+``MooncakeCluster.stop_master`` / ``MooncakeCluster.start_master`` simulate a
 master outage and restart on the same ports (the storage node re-registers by itself;
 the restarted master has forgotten the objects, so they are misses afterwards).
 """

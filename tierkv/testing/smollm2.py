@@ -60,7 +60,7 @@ The capital of France is Paris. The capital of Italy is Rome. The capital of Spa
 
 
 def text_tokens(tokenizer: Any, count: int) -> torch.Tensor:
-    """``count`` token ids of English text (:data:`TEXT`, repeated as needed), 1-D int64."""
+    """``count`` token ids of English text (``TEXT``, repeated as needed), 1-D int64."""
     ids = tokenizer(TEXT, return_tensors="pt").input_ids[0]
     repeats = -(-count // ids.numel())
     return ids.repeat(repeats)[:count].to(torch.int64)

@@ -1,7 +1,7 @@
 """Run prompts through a real vLLM, with or without tierkv, each vLLM in a process of its own.
 
 For tests and benchmarks of the vLLM v1 connector (vLLM keeps process-wide state, so every
-configuration gets a fresh process). :func:`run_vllm` writes a JSON spec and runs
+configuration gets a fresh process). ``run_vllm`` writes a JSON spec and runs
 ``python -m tierkv.testing.vllm_runner SPEC``, which prints one ``TIERKV-RESULT`` line: per
 prompt, the greedy output token ids, (with ``"logprobs": k``) the top-k log-probabilities of
 every generated token, the wall time of its generate call, and the connector's stats file as
@@ -16,9 +16,9 @@ tenant's salt, a LoRA adapter of ``loras``, an untimed pause before it; vLLM run
 ``enable_lora`` when ``loras`` is given),
 or ``{"embeds": [tokens, seed]}``: random prompt embeddings of that many tokens (vLLM runs
 with ``enable_prompt_embeds`` when ``"prompt_embeds": true`` is in the spec).
-:func:`save_random_lora` makes an adapter for such a model with peft.
+``save_random_lora`` makes an adapter for such a model with peft.
 
-:func:`save_random_llama` makes a model to serve: a Llama with random weights, saved with
+``save_random_llama`` makes a model to serve: a Llama with random weights, saved with
 transformers (no download); prompts are token ids, so no tokenizer is needed. With the
 default ``initializer_range`` (0.02) a random Llama's greedy output hardly depends on its
 context (every prompt yields the same tokens), so comparing outputs proves nothing; tests of
@@ -40,7 +40,7 @@ from typing import Any
 from tierkv.testing.processes import start_group, stop_group
 
 RESET_WITHIN_S = 120.0
-"""How long :func:`reset_prefix_cache` waits for vLLM to free the blocks of requests already
+"""How long ``reset_prefix_cache`` waits for vLLM to free the blocks of requests already
 answered (their saves in flight) before it counts the reset as failed."""
 
 
@@ -89,7 +89,7 @@ def save_random_lora(model_dir: str | os.PathLike[str], path: str | os.PathLike[
 
 
 def loaded_per_prompt(results: list[dict[str, Any]]) -> list[int]:
-    """Tokens the connector loaded during each prompt of a :func:`run_vllm` (from its cumulative stats)."""
+    """Tokens the connector loaded during each prompt of a ``run_vllm`` (from its cumulative stats)."""
     before, counts = 0, []
     for result in results:
         now = (result["stats"] or {}).get("tokens_loaded", 0)
@@ -102,17 +102,17 @@ def run_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None
              kv_cache_gib: int = 1, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Run ``spec`` in a fresh process (with ``env`` added to the environment); the per-prompt
     results. Raises RuntimeError with the end of vLLM's output when the run fails. vLLM's
-    processes are all gone when it returns or raises, however it ends (:func:`finish_vllm`)."""
+    processes are all gone when it returns or raises, however it ends (``finish_vllm``)."""
     return finish_vllm(start_vllm(spec, workdir, pythonpath, kv_cache_gib, env), timeout)
 
 
 def start_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None, kv_cache_gib: int = 1,
                env: dict[str, str] | None = None, command: Sequence[str] | None = None) -> subprocess.Popen[str]:
-    """Start :func:`run_vllm`'s process and return at once (a replica that runs beside another);
-    :func:`finish_vllm` waits for its results, and stops vLLM's processes. The process leads a
-    process group of its own (:mod:`tierkv.testing.processes`): vLLM's engine core and worker
+    """Start ``run_vllm``'s process and return at once (a replica that runs beside another);
+    ``finish_vllm`` waits for its results, and stops vLLM's processes. The process leads a
+    process group of its own (``tierkv.testing.processes``): vLLM's engine core and worker
     are in it, so a caller that cannot wait for the results stops the whole group with
-    :func:`~tierkv.testing.processes.stop_group` (in a ``finally``). ``command``: what runs
+    ``tierkv.testing.processes.stop_group`` (in a ``finally``). ``command``: what runs
     the spec file instead of ``python -m tierkv.testing.vllm_runner`` (the file's path is
     appended)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def start_vllm(spec: dict[str, Any], workdir: Path, pythonpath: Path | None = No
 
 
 def finish_vllm(process: subprocess.Popen[str], timeout: float = 600) -> list[dict[str, Any]]:
-    """The per-prompt results of a process :func:`start_vllm` started, once it ended. Its whole
+    """The per-prompt results of a process ``start_vllm`` started, once it ended. Its whole
     process group is stopped on the way out, whatever happened (a timeout, an interrupt such as
     pytest-timeout's, a failed run): no engine core or worker outlives the call."""
     try:

@@ -3,9 +3,9 @@ promote flag, memory-pressure and full-disk state.
 
 One module of about 460 lines, by choice: one class, and every call into a backend passes here,
 so the accounting of each call (counters, breaker, speed, full-disk pause) sits beside the call
-it counts; the memory-pressure watcher is :mod:`tierkv.tiers.tier_pressure`.
+it counts; the memory-pressure watcher is ``tierkv.tiers.tier_pressure``.
 
-A :class:`Tier` owns every call into its backend: a put (with timeout, counters, health and
+A ``Tier`` owns every call into its backend: a put (with timeout, counters, health and
 the full-disk pause), a read into given memory or a plain get (timeouts and deadlines,
 errors as misses, speed samples), and the answer to "may new chunks go here now?". The
 router decides *which* tier; the handle says how one tier is asked and what it cost.
@@ -47,7 +47,7 @@ logger = logging.getLogger("tierkv.engine")
 
 T = TypeVar("T")
 B = TypeVar("B", bound=StorageBackend)
-"""A backend, or a wrapper of one (:meth:`Tier.wrap`)."""
+"""A backend, or a wrapper of one (``Tier.wrap``)."""
 
 Writer = Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]]
 """Fills an in-place tier's reserved chunks (key -> view of its memory)."""
@@ -101,7 +101,7 @@ class Tier:
 
     @property
     def in_place(self) -> bool:
-        """Whether the backend keeps chunks in memory written and read in place (:class:`InPlaceTier`)."""
+        """Whether the backend keeps chunks in memory written and read in place (``InPlaceTier``)."""
         kind = type(self.backend)
         known = _IN_PLACE.get(kind)
         if known is None:
@@ -140,7 +140,7 @@ class Tier:
 
     def admit(self, keys: Sequence[CacheKey], chunk_nbytes: Sequence[int], unrecorded: int = 0) -> list[bool]:
         """Which of ``keys`` (chunks of ``chunk_nbytes`` bytes) may be copied into this tier by
-        its admission rule (:mod:`tierkv.policy.admission`); counted as admitted / rejected.
+        its admission rule (``tierkv.policy.admission``); counted as admitted / rejected.
         ``unrecorded``: sightings of each not counted yet (a hit being served)."""
         if not self.admission.filters or self.sketch is None or not keys:
             flags = [True] * len(keys)
@@ -192,7 +192,7 @@ class Tier:
                           run_to_end: bool = False) -> T:
         """``awaitable``, which copies into or out of memory it was lent, with a timeout
         (``timeout``, else the health timeout): a cancellation of the caller is delivered
-        only once it stopped (:func:`tierkv.chunks.ownership.finish`; ``asyncio.wait_for`` alone stops
+        only once it stopped (``tierkv.chunks.ownership.finish``; ``asyncio.wait_for`` alone stops
         waiting when it is cancelled again while it cancels). At the timeout it is cancelled
         and waited for, or with ``run_to_end`` (a backend whose worker threads outlive its
         cancelled coroutine) left to finish before the timeout is raised."""
@@ -206,7 +206,7 @@ class Tier:
     # -- lifecycle --------------------------------------------------------------------------
     def demote_to(self, sink: DemoteSink) -> bool:
         """Write-back: chunks the tier evicts go to ``sink`` (the router's demotion) instead of
-        being dropped; False when the backend cannot demote (:class:`SupportsDemotion`)."""
+        being dropped; False when the backend cannot demote (``SupportsDemotion``)."""
         if not isinstance(self.backend, SupportsDemotion):
             return False
         self.backend.demote_sink = sink
@@ -221,7 +221,7 @@ class Tier:
         return True
 
     def watch_pressure(self, probe: MemoryProbe | None, config: PressureConfig, spawn: Spawn) -> None:
-        """Start following memory pressure, when the backend can (see :func:`tier_pressure.watch`)."""
+        """Start following memory pressure, when the backend can (see ``tier_pressure.watch``)."""
         self.pressure = watch(self.backend, probe, config, spawn)
 
     async def stop_watching(self) -> None:
@@ -248,7 +248,7 @@ class Tier:
             return None
 
     def contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
-        """:meth:`contains` from the tier's in-memory index, from any thread; None when the
+        """``contains`` from the tier's in-memory index, from any thread; None when the
         tier has none (its answer needs I/O)."""
         return self.backend.batched_contains_nowait(list(keys))
 
@@ -267,7 +267,7 @@ class Tier:
     @property
     def streams_into_destination(self) -> bool:
         """Whether a read writes into the caller's memory while it runs (see
-        :attr:`~tierkv.backend.StorageBackend.streams_into_destination`)."""
+        ``tierkv.backend.StorageBackend.streams_into_destination``)."""
         return bool(self.backend.streams_into_destination)
 
     @property
@@ -291,7 +291,7 @@ class Tier:
         return list(await self.timed(self.backend.batched_get(list(keys)))), []
 
     def hold(self, keys: Sequence[CacheKey], pin: bool) -> list[ChunkHold | None]:
-        """Holds on an in-place tier's chunks (see :class:`~tierkv.backend.InPlaceTier`)."""
+        """Holds on an in-place tier's chunks (see ``tierkv.backend.InPlaceTier``)."""
         return list(self.backend.hold(keys, pin=pin))  # type: ignore[attr-defined]
 
     async def put(self, keys: list[CacheKey], chunks: list[torch.Tensor] | None = None, *,
@@ -394,7 +394,7 @@ class Tier:
 
     async def get(self, keys: list[CacheKey]) -> list[torch.Tensor | None]:
         """``batched_get`` within the health timeout; errors are misses, an undecodable chunk
-        is dropped (see :meth:`_get_one_checked`)."""
+        is dropped (see ``_get_one_checked``)."""
         started = time.perf_counter()
         try:
             got = await self.timed(self.backend.batched_get(keys))
@@ -421,7 +421,7 @@ class Tier:
     async def _get_one_checked(self, key: CacheKey) -> torch.Tensor | None:
         """A get that turns an undecodable value into a miss, a delete and a count, for a
         backend that raised instead of dropping it itself (counted by the backend's
-        :meth:`~tierkv.backend.StorageBackend.count_corrupt`, like its own drops)."""
+        ``tierkv.backend.StorageBackend.count_corrupt``, like its own drops)."""
         try:
             return await self.backend.get(key)
         except ChunkFormatError as exc:
@@ -461,7 +461,7 @@ def release_all(holds: Sequence[Any]) -> None:
 
 
 def rejection(exc: BaseException) -> str:
-    """Why a tier did not take a put, for :class:`~tierkv.errors.TierUnavailableError`."""
+    """Why a tier did not take a put, for ``tierkv.errors.TierUnavailableError``."""
     if isinstance(exc, TierFullError):
         return f"full: {exc}"
     if isinstance(exc, CapacityError):

@@ -1,7 +1,7 @@
 """Memory-pressure reactions of the memory tiers: each reading of a tier's probe (NVML for a
 tier of device memory, host memory for the others) becomes a decision
-(:func:`tierkv.policy.residency.pressure_decision`) applied to the tier: stop admitting, shrink to a
-limit, grow back. It knows the tier (a :class:`~tierkv.backend.SupportsPressure`) and a
+(``tierkv.policy.residency.pressure_decision``) applied to the tier: stop admitting, shrink to a
+limit, grow back. It knows the tier (a ``tierkv.backend.SupportsPressure``) and a
 function that runs its shrinks in the background, nothing of the router.
 """
 

@@ -32,7 +32,7 @@ def payload_offset(header_len: int, payload_len: int) -> int:
 
 def payload_offset_in(file_size: int, header_len: int, payload_len: int) -> int | None:
     """Where an existing chunk file of ``file_size`` bytes holds its payload: right after the
-    header (every file written before payloads were aligned) or where :func:`payload_offset`
+    header (every file written before payloads were aligned) or where ``payload_offset``
     puts it; None when the size fits neither (a torn or appended file)."""
     offset = file_size - payload_len
     return offset if offset in (header_len, payload_offset(header_len, payload_len)) else None

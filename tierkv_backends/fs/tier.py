@@ -3,7 +3,7 @@ r"""``fs`` tier: one file per chunk in a sharded directory (local or shared file
 One module of about 560 lines, by choice: one tier over one shared state -- the in-memory index,
 the rescans that refresh it for other processes' writes, the writers that rename into it and the
 LRU that deletes from it -- with every method a few lines; the byte-level I/O helpers live in
-:mod:`tierkv_backends.fs.files`.
+``tierkv_backends.fs.files``.
 
 A chunk is written to a temporary name in its final directory and renamed into place,
 so a crash or a concurrent reader never sees a half-written chunk. With a capacity,
@@ -29,10 +29,10 @@ included -- only checks the clock; when the interval has passed the tier's event
 starts a rescan in the background.
 
 Ownership: the threads that ``writev`` from the caller's chunks or ``preadv`` into its
-destinations are always waited for (:func:`tierkv.chunks.ownership.finish`): a call returns,
+destinations are always waited for (``tierkv.chunks.ownership.finish``): a call returns,
 raises or is cancelled only once none of them touches the caller's memory any more.
 
-A full disk (ENOSPC, EDQUOT, EIO on write) is a :class:`~tierkv.errors.TierFullError`
+A full disk (ENOSPC, EDQUOT, EIO on write) is a ``tierkv.errors.TierFullError``
 naming the tier and the file; the failed file is removed, what was written stays
 readable, and the next put tries again (after space was freed, it succeeds).
 """
@@ -94,7 +94,7 @@ def _encode_parts(key: CacheKey, chunk: torch.Tensor) -> FileParts:
     """How to make the header, zero-copy views of the payload's pieces, and where they go.
     Checked here (a bad dtype fails before anything is written); the checksum is left to the
     writer thread, which takes it piece by piece as it writes (see
-    :func:`~tierkv_backends.fs.files.write_payload`)."""
+    ``tierkv_backends.fs.files.write_payload``)."""
     fmt = key.fmt if key.fmt in KV_FORMATS else None
     runs = serde.payload_runs(chunk)
     length = len(serde.encode_header(chunk, fmt, runs, digest=0))  # the digest has a fixed size
@@ -267,15 +267,15 @@ class FSBackend(BlobBackend):
         await self.batched_put([key], [chunk])
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
-        """Read through :meth:`batched_get`: a chunk file is not one encoded chunk when its
-        payload starts on a page boundary (see :func:`~tierkv_backends.fs.files.payload_offset`)."""
+        """Read through ``batched_get``: a chunk file is not one encoded chunk when its
+        payload starts on a page boundary (see ``tierkv_backends.fs.files.payload_offset``)."""
         return (await self.batched_get([key]))[0]
 
     async def _write_indexed(self, items: list[tuple[str, FileParts]], sizes: dict[str, int],
                              named: Mapping[str, CacheKey] | None = None) -> None:
         """Write files in worker threads; index every file renamed into place, even when
         another failed or the call was cancelled (the threads are waited for either way).
-        ``named``: the key of each digest, kept for the files written (:meth:`next_victims`)."""
+        ``named``: the key of each digest, kept for the files written (``next_victims``)."""
         written: list[str] = []
         try:
             await self._in_threads(items, lambda part: self._write_files(part, written))
@@ -334,7 +334,7 @@ class FSBackend(BlobBackend):
 
         The threads read or write memory the caller owns (its chunks, its destinations), so
         this returns, raises or delivers a cancellation only once every thread has stopped
-        (:func:`tierkv.chunks.ownership.finish`); the first error is raised after all of them ended.
+        (``tierkv.chunks.ownership.finish``); the first error is raised after all of them ended.
         """
         if not items:
             return []
@@ -495,7 +495,7 @@ class FSBackend(BlobBackend):
 
     def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
         """The chunks an eviction for chunks of ``chunk_nbytes`` bytes (and their headers)
-        would take, in order (see :class:`~tierkv.backend.NamesVictims`). Files another
+        would take, in order (see ``tierkv.backend.NamesVictims``). Files another
         process wrote have no name here and are left out (nobody here has seen them)."""
         if self.capacity is None:
             return []

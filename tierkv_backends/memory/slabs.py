@@ -1,15 +1,15 @@
 """Where memory tiers keep their chunks: slabs handed out by one of two allocators.
 
-- :class:`SlabArena` (``preallocate: true``): the tier's whole capacity is allocated and
+- ``SlabArena`` (``preallocate: true``): the tier's whole capacity is allocated and
   touched (pinned, with CUDA) once, at start-up, in a few large segments; slabs are ranges
   carved out of them. A steady-state put or get allocates nothing and takes no page
   faults. Under memory pressure, segments left empty are given back.
-- :class:`LazySlabs` (``preallocate: false``): a slab is allocated on first use and kept
+- ``LazySlabs`` (``preallocate: false``): a slab is allocated on first use and kept
   for reuse by size class; idle slabs of other sizes are freed when a new size would not
   fit otherwise.
 
 Both never hold more than ``limit`` bytes and hand out uint8 tensors of
-:func:`tierkv.chunks.memory.size_class` bytes.
+``tierkv.chunks.memory.size_class`` bytes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Shared machinery of the memory tiers (``cpu`` and ``gpu``): slabs on one device,
 bounded by an effective capacity, with a pluggable eviction policy and demotion.
 
-Chunks live in slabs from :mod:`tierkv_backends.memory.slabs` (by default a pool allocated and
+Chunks live in slabs from ``tierkv_backends.memory.slabs`` (by default a pool allocated and
 touched once at start-up). Besides the backend contract, a memory tier lets the engine
 move bytes without intermediate copies:
 
-- :meth:`MemoryTier.reserve` sets slabs aside for chunks that a caller then writes in place
-  (a connector gathers a paged cache straight into them) and :meth:`~MemoryTier.commit`\\ s;
-- :meth:`MemoryTier.hold` hands out the bytes of resident chunks, valid until released even
+- ``MemoryTier.reserve`` sets slabs aside for chunks that a caller then writes in place
+  (a connector gathers a paged cache straight into them) and ``MemoryTier.commit``\\ s;
+- ``MemoryTier.hold`` hands out the bytes of resident chunks, valid until released even
   if the chunk is evicted or replaced meanwhile (a background fill reads from them; a
   connector scatters from them).
 
@@ -19,8 +19,8 @@ demoted, and a chunk being read is never chosen.
 Over 400 lines (about 435) by choice: reservations, commits, holds, eviction and demotion
 are one state machine over one index and one slab pool (a cancelled reserve gives back what
 eviction already freed; a hold outlives eviction), and splitting it would share that state
-across modules. The slab allocators are apart (:mod:`tierkv_backends.memory.slabs`), and so are the
-copies (:mod:`tierkv.routing.offload`).
+across modules. The slab allocators are apart (``tierkv_backends.memory.slabs``), and so are the
+copies (``tierkv.routing.offload``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Resident:
 
 
 class Hold:
-    """The bytes of one resident chunk, kept valid until :meth:`release` (idempotent)."""
+    """The bytes of one resident chunk, kept valid until ``release`` (idempotent)."""
 
     __slots__ = ("_tier", "_resident", "_pinned_key", "chunk")
 
@@ -195,7 +195,7 @@ class MemoryTier(StorageBackend):
     # -- copies (overridden by devices with their own streams) --------------------------
     async def copy_chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (dst, src) pair, off the event loop when large (the engine's one threshold,
-        :mod:`tierkv.routing.offload`); the destinations are slabs or a caller's memory, so a
+        ``tierkv.routing.offload``); the destinations are slabs or a caller's memory, so a
         cancellation waits for the copy."""
         await offload.copy_pairs(pairs)
 
@@ -207,8 +207,8 @@ class MemoryTier(StorageBackend):
     async def reserve(self, keys: Sequence[CacheKey], layouts: Sequence[ChunkLayout]) -> list[Reservation]:
         """Set slabs aside for chunks of the given (shape, dtype), making room as a put would.
 
-        The caller writes each reservation's ``chunk`` and then calls :meth:`commit` (the
-        chunks become visible) or :meth:`abort`. Later duplicate keys win.
+        The caller writes each reservation's ``chunk`` and then calls ``commit`` (the
+        chunks become visible) or ``abort``. Later duplicate keys win.
         """
         self._ensure_open()
         if len(keys) != len(layouts):
@@ -293,7 +293,7 @@ class MemoryTier(StorageBackend):
         other task can evict the chunks (the engine holds them there for its background fill).
 
         ``write`` must not return (nor raise, cancelled or not) while a copy into the views
-        still runs (:mod:`tierkv.chunks.ownership`): the slabs are given back as soon as it ended.
+        still runs (``tierkv.chunks.ownership``): the slabs are given back as soon as it ended.
         """
         reservations = await self.reserve(keys, layouts)
         try:
@@ -321,7 +321,7 @@ class MemoryTier(StorageBackend):
 
     def next_victims(self, chunk_nbytes: Sequence[int]) -> list[CacheKey] | None:
         """The chunks an eviction for chunks of ``chunk_nbytes`` bytes would take, in order
-        (see :class:`~tierkv.backend.NamesVictims`); slabs are rounded up to size classes."""
+        (see ``tierkv.backend.NamesVictims``); slabs are rounded up to size classes."""
         need = sum(size_class(nbytes) for nbytes in chunk_nbytes)
         return self._index.victims(need + self._reserved, self.capacity_limit)
 

@@ -10,7 +10,7 @@ verified there, and is copied once into the caller's destination.
 Regions are owned by the worker thread that reserved them and freed by it when the store
 call returned, never by the caller that stopped waiting: a region a timed-out transfer may
 still write into is never handed to anyone else (the ownership rule, see
-:mod:`tierkv.chunks.ownership`).
+``tierkv.chunks.ownership``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A serving engine looks every request up before it schedules it (vLLM's scheduler asks on its
 own path, per request, often more than once), and without an index each chunk of the prompt
-would cost a HEAD request there. :class:`ExistenceCache` remembers recent answers:
+would cost a HEAD request there. ``ExistenceCache`` remembers recent answers:
 
 - *present*: a chunk this process stored, read, or found with a HEAD; kept ``present_ttl_s``
   (another replica or a lifecycle rule may delete it: then the read that follows is a 404, a

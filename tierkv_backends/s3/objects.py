@@ -1,9 +1,9 @@
 """Blocking requests of the ``s3`` tier for one bucket (run in its worker threads).
 
-:class:`S3Objects` is everything the tier asks of the store, request by request: retries of
+``S3Objects`` is everything the tier asks of the store, request by request: retries of
 transient faults under a deadline, whole or ranged GETs of one object (ranges in parallel),
 multipart puts, HEAD and DELETE, and the start-up check of the bucket. It knows nothing of
-batches, chunks in caller memory or health: :class:`~tierkv_backends.s3.S3Backend` does.
+batches, chunks in caller memory or health: ``tierkv_backends.s3.S3Backend`` does.
 
 Small batches (with ``min_range`` set): a batch of fewer objects than ``max_concurrency``
 leaves request slots idle, so each object is fetched as ``ways`` ranges in parallel (no
@@ -123,9 +123,9 @@ class S3Objects:
         """Bytes [start, end] of an object and the object's total size.
 
         A body that did not arrive whole (cut, short, reset mid-body) is a transient fault
-        (see :mod:`tierkv_backends.s3.requests`): retried here, never taken for corruption. A
+        (see ``tierkv_backends.s3.requests``): retried here, never taken for corruption. A
         whole first range of an object whose size (Content-Range) differs from its chunk
-        header's raises :class:`~tierkv_backends.s3.requests.ObjectSizeError` at once: the
+        header's raises ``tierkv_backends.s3.requests.ObjectSizeError`` at once: the
         object is wrong, and asking again cannot help.
         """
         def call() -> tuple[bytes, int]:

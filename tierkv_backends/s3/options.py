@@ -1,6 +1,6 @@
 """The ``s3`` tier's YAML options: the one place its settings and their defaults are written.
 
-:class:`~tierkv_backends.s3.S3Backend` takes exactly these keyword arguments and fills what
+``tierkv_backends.s3.S3Backend`` takes exactly these keyword arguments and fills what
 is not given from here (and checks what is, as the YAML loader does), so a default cannot
 drift between the config documentation and the constructor.
 """

@@ -11,7 +11,7 @@ acts on them differently:
 - *corrupt*: a whole body (its length matches what the server said) that is not what tierkv
   wrote: not a valid chunk (bad magic, checksum mismatch), or an object whose size, as the
   server states it in Content-Range, differs from the size its own chunk header gives
-  (:class:`ObjectSizeError`). A miss, deleted and counted, and no strike against the tier's
+  (``ObjectSizeError``). A miss, deleted and counted, and no strike against the tier's
   health: the store answered, the object is wrong. Without a Content-Range (a 200 to a
   ranged GET) the size comes only from Content-Length, which a middlebox may have rewritten
   together with the body, so a disagreement there stays transient.
@@ -107,11 +107,11 @@ def checked_body(body: bytes, response: Mapping[str, Any], start: int) -> int:
 
     The body must hold exactly the bytes the reply said it carries: the span of its
     Content-Range (or its Content-Length without one); anything else is a cut or short
-    transfer (:class:`IncompleteBodyError`, transient). A first range (``start == 0``) must
+    transfer (``IncompleteBodyError``, transient). A first range (``start == 0``) must
     also agree with the chunk header inside it: the object is as long as the header says.
     When the server stated the object's size (Content-Range) and the whole body arrived, a
-    disagreement is the object's fault (:class:`ObjectSizeError`, corrupt); without a
-    Content-Range it may be a rewritten reply (:class:`IncompleteBodyError`).
+    disagreement is the object's fault (``ObjectSizeError``, corrupt); without a
+    Content-Range it may be a rewritten reply (``IncompleteBodyError``).
     """
     match = _CONTENT_RANGE_RE.match(response.get("ContentRange") or "")
     if match:

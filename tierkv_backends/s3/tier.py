@@ -17,32 +17,32 @@ How it talks to the store:
   thread in the background within ``timeout_s`` more (its socket timeouts are capped at
   ``timeout_s``). Encoding, checksum and decoding of a chunk also happen in the worker.
 - Lookups: what this process stored, read or asked about is remembered
-  (:mod:`tierkv_backends.s3.existence`), so a lookup of known chunks is answered from memory
+  (``tierkv_backends.s3.existence``), so a lookup of known chunks is answered from memory
   (``batched_contains_nowait``, with no request), and only unknown chunks cost a HEAD.
 - Large chunks: a put of ``multipart_threshold`` bytes or more is a multipart upload of
   ``part_size`` parts sent in parallel; a get asks for the first ``part_size`` bytes and,
   when the object is larger, fetches the remaining ranges in parallel. Below those sizes
   (the default covers a 32-layer, 256-token Llama-3-8B chunk) it is one request each way --
   except, with ``min_range`` set, for a batch of fewer objects than ``max_concurrency``: its
-  idle request slots fetch ranges of the same object in parallel (:mod:`tierkv_backends.s3.objects`).
-- Layout: options and their defaults (one source) in :mod:`tierkv_backends.s3.options`, the
-  blocking requests in :mod:`tierkv_backends.s3.objects`, what a reply means in
-  :mod:`tierkv_backends.s3.requests`; here: batches, deadlines, health, caller memory.
+  idle request slots fetch ranges of the same object in parallel (``tierkv_backends.s3.objects``).
+- Layout: options and their defaults (one source) in ``tierkv_backends.s3.options``, the
+  blocking requests in ``tierkv_backends.s3.objects``, what a reply means in
+  ``tierkv_backends.s3.requests``; here: batches, deadlines, health, caller memory.
 - Retries: throttling (SlowDown, 429, 503) and transient faults (connection refused/reset,
   timeouts, 5xx, a body cut, short or reset mid-transfer) are retried ``retries`` times with
   capped, jittered exponential backoff, never past the operation's ``timeout_s`` deadline.
   Anything else fails at once. A transport fault is never taken for corruption: only a whole
   body that is not what tierkv wrote (it fails its checksum, or the object's size as the
   server states it differs from its chunk header's) is deleted and counted, as a miss that
-  does not count against the tier's health (:mod:`tierkv_backends.s3.requests`).
+  does not count against the tier's health (``tierkv_backends.s3.requests``).
 - Ownership: a read writes into the caller's destinations, and a put reads the caller's
-  chunk, only while the call still owns them (:class:`tierkv.chunks.ownership.WriteGrant`): a
+  chunk, only while the call still owns them (``tierkv.chunks.ownership.WriteGrant``): a
   request abandoned at ``timeout_s`` or by a cancellation never touches them afterwards.
-- Health: a batch whose requests all fail counts against a :class:`~tierkv.policy.health.CircuitBreaker`;
+- Health: a batch whose requests all fail counts against a ``tierkv.policy.health.CircuitBreaker``;
   after ``failure_threshold`` in a row the tier fails fast (no network) and a HEAD on the
   bucket probes it every ``probe_interval_s`` until it answers. Gets return what arrived
   within ``timeout_s`` (the rest are misses); puts that failed are counted and reported as
-  :class:`~tierkv.errors.TierUnavailableError`, which the engine counts as a dropped fill.
+  ``tierkv.errors.TierUnavailableError``, which the engine counts as a dropped fill.
 - Credentials: the standard boto3 chain (AWS_* variables, ``profile`` or AWS_PROFILE in the
   ~/.aws files, instance roles), or environment variables the config names (``{env: NAME}``),
   or written into the options (the config then warns: a serving engine may log its config).
@@ -104,7 +104,7 @@ class S3Backend(BlobBackend):
     options: ClassVar[dict[str, Option]] = S3_OPTIONS
 
     def __init__(self, name: str, capacity: int | None = None, **options: Any) -> None:
-        """``options``: the keys of :data:`~tierkv_backends.s3.options.S3_OPTIONS` (``bucket``
+        """``options``: the keys of ``tierkv_backends.s3.options.S3_OPTIONS`` (``bucket``
         required); what is not given takes its default from there, what is given is checked."""
         super().__init__(name, capacity)
         settings = parse_options(S3_OPTIONS, options, f"tier {name!r}")
@@ -194,7 +194,7 @@ class S3Backend(BlobBackend):
         return max(1, self.max_concurrency // max(1, batch))
 
     def _load(self, name: str, deadline: float, ways: int = 1) -> torch.Tensor | object | ChunkFormatError:
-        """A chunk, :data:`_ABSENT`, or the ChunkFormatError of an object that is not what
+        """A chunk, ``_ABSENT``, or the ChunkFormatError of an object that is not what
         tierkv wrote (a wrong size for its header, bad magic, checksum): corrupt, not a fault."""
         try:
             data = self._fetch(name, deadline, ways)
@@ -258,7 +258,7 @@ class S3Backend(BlobBackend):
     # -- batching, deadline and health (event loop) ------------------------------------------------
     async def _batch(self, op: str, calls: Sequence[Callable[[float], Any]]) -> list[Any]:
         """Run ``calls`` on worker threads under one deadline, at most ``max_concurrency`` at once
-        in the op's slots (:data:`_SLOTS`); each result is a value or the exception.
+        in the op's slots (``_SLOTS``); each result is a value or the exception.
 
         Requests still running at the deadline are abandoned (a miss or a dropped put), counted
         as timeouts, and give their slot back at once. Raises TierUnavailableError when the tier
@@ -347,7 +347,7 @@ class S3Backend(BlobBackend):
 
         The destinations are the caller's until this returns (or raises): a request still
         running at ``timeout_s`` or at a cancellation loses its grant to write before this
-        call gives them back (:class:`tierkv.chunks.ownership.WriteGrant`).
+        call gives them back (``tierkv.chunks.ownership.WriteGrant``).
         """
         check_destinations(keys, outs)
         names = [key.to_string() for key in keys]
@@ -416,7 +416,7 @@ class S3Backend(BlobBackend):
 
     def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
         """From what this process knows (stored, read or asked recently), with no request; None
-        when some chunk is not known (the engine then asks with :meth:`batched_contains`)."""
+        when some chunk is not known (the engine then asks with ``batched_contains``)."""
         return None if self._closed else self._known.answer(keys)
 
     async def contains(self, key: CacheKey) -> bool:

@@ -4,7 +4,7 @@ whole under a temporary name and moved into place without replacing anything, ch
 the layout it must have, mapped shared by this process, and viewed part by part (numpy arrays of
 the header, tables, entries, free extents, processes and holds; a torch tensor of the data area;
 plain memoryviews for lookups). Nothing here changes the index after creation:
-:mod:`tierkv_backends.shm.index` and :mod:`tierkv_backends.shm.pool` do.
+``tierkv_backends.shm.index`` and ``tierkv_backends.shm.pool`` do.
 
 Why a pool file is checked this way: it holds every tenant's KV, and its default path under the
 world-writable ``/dev/shm`` is predictable. A file another user planted there (a pool of theirs,
@@ -101,7 +101,7 @@ class PoolFile:
     # -- opening -------------------------------------------------------------------------------
     def _open(self) -> int:
         """The pool file's descriptor, created first when there is none; refused when it is not
-        this user's pool file (see :meth:`_check_owner`)."""
+        this user's pool file (see ``_check_owner``)."""
         for attempt in range(_OPEN_ATTEMPTS):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)

@@ -1,7 +1,7 @@
 """The index of a ``shm`` pool: its open-addressing hash table of entry ids (two buffers, one live)
 and the free extents of its data area (first fit, coalesced). Methods of the pool, called under
-its lock, except the lookups (:meth:`PoolIndex.contains`, :meth:`PoolIndex.find`), which read the
-live table without it. Kept apart from the pool's state machine (:mod:`tierkv_backends.shm.pool`)
+its lock, except the lookups (``PoolIndex.contains``, ``PoolIndex.find``), which read the
+live table without it. Kept apart from the pool's state machine (``tierkv_backends.shm.pool``)
 because neither structure needs to know why an entry is where it is.
 """
 
@@ -24,7 +24,7 @@ class PoolIndex(PoolFile):
         return self.tables[int(self.words[Word.LIVE_TABLE]) & 1]
 
     def contains(self, digests: Sequence[tuple[int, int]]) -> list[bool]:
-        """Whether a committed entry of each digest is in the pool: :meth:`find` for the few
+        """Whether a committed entry of each digest is in the pool: ``find`` for the few
         digests of a lookup, in plain Python over memoryviews (no lock, no numpy call)."""
         _, words, tables, digest_of, state_of = self._lookup_views
         table = tables[words[10] & 1]  # Word.LIVE_TABLE

@@ -5,14 +5,14 @@ One file on a memory file system, mapped by every process that names it::
 
     [header 4 KiB][table A][table B][entries][free extents][processes][holds][... data, 2 MiB aligned]
 
-- header: int64 words (:class:`Word`): magic, layout version, geometry, the lock holder, counters;
+- header: int64 words (``Word``): magic, layout version, geometry, the lock holder, counters;
 - tables A and B: the open-addressing hash table, int32 entry ids (-1 empty, -2 deleted); the
   header says which is live, so a rebuild writes the other one whole and then flips one word;
-- entries: struct-of-arrays, one slot per chunk (:data:`ENTRY_FIELDS`): digest, state, owner,
+- entries: struct-of-arrays, one slot per chunk (``ENTRY_FIELDS``): digest, state, owner,
   readers, extent, layout, last use, scope;
 - free extents: (start, length) pairs of the data area, sorted by start, coalesced;
 - processes: a slot per attached process (pid, start time, pid namespace, heartbeat, token); the
-  process also holds a kernel lock on one byte per slot (:data:`LIVENESS_BASE`, far past the
+  process also holds a kernel lock on one byte per slot (``LIVENESS_BASE``, far past the
   file's end), so whether a slot's process lives is a question the kernel answers;
 - holds: per process slot, the entry ids it holds (-1 free), so a dead process's holds can be
   given back;
@@ -20,7 +20,7 @@ One file on a memory file system, mapped by every process that names it::
 
 Everything but the entries and the data is derived: after a crash inside the lock the next holder
 rebuilds tables, free extents and reader counts from the entries and the live processes' holds
-(:mod:`tierkv_backends.shm.pool`).
+(``tierkv_backends.shm.pool``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whether the process in a pool's slot lives, asked of the kernel: every attached process holds
 an open-file-description lock (``F_OFD_SETLK``) on one byte of the pool file per slot, far past
-its end (:data:`~tierkv_backends.shm.layout.LIVENESS_BASE`). The kernel drops it when the process
+its end (``tierkv_backends.shm.layout.LIVENESS_BASE``). The kernel drops it when the process
 dies (or closes the pool), whatever pid namespace or container it runs in, and keeps it while the
 process is stopped, frozen or swapped out.
 
@@ -8,7 +8,7 @@ Why not pids and heartbeats: a pid means something only in its pid namespace, an
 that stopped cannot tell a dead process from a stopped one. Taking a stopped process for dead and
 freeing what it was writing lets it, once resumed, write into memory that is another chunk's by
 then. With the lock, a slot's room is freed only when its process is gone; a stopped process's
-holds are taken back by its lease instead (:mod:`tierkv_backends.shm.pool`), which is safe
+holds are taken back by its lease instead (``tierkv_backends.shm.pool``), which is safe
 because a hold's bytes are checked on release.
 
 OFD locks (Linux 3.15+) belong to the open file description, not the process: two pools opened in

@@ -5,12 +5,12 @@ until a deadline.
 Why a deadline: a process stopped while it holds the lock (SIGSTOP, a debugger, a frozen
 container, a throttled or swapped-out process) keeps its ``flock`` until it runs again, and a
 blocking ``flock`` would stop every serving process on the node with it. Here a waiter gives up
-after ``timeout_s`` (:class:`PoolBusyError`: a store goes to the next tier, a read is a miss) and,
+after ``timeout_s`` (``PoolBusyError``: a store goes to the next tier, a read is a miss) and,
 until it next finds the lock free, tries once per call without waiting: a stopped holder costs
 each other process one wait of at most ``timeout_s``, then nothing but misses. Lookups never take
 the lock.
 
-The asynchronous form (:meth:`PoolLock.acquire_async`) sleeps on the event loop, so a wait
+The asynchronous form (``PoolLock.acquire_async``) sleeps on the event loop, so a wait
 never stalls it; a body run under the lock must not await (the thread lock is the event loop
 thread's while it runs).
 """
@@ -93,19 +93,19 @@ class PoolLock:
 
     def acquire(self, wait_s: float | None = None) -> None:
         """Take the lock within ``wait_s`` (default ``timeout_s``; one try while stuck), else
-        :class:`PoolBusyError`. Blocks the calling thread meanwhile."""
+        ``PoolBusyError``. Blocks the calling thread meanwhile."""
         pauses = self._pauses(wait_s)
         while not self.try_acquire():
             time.sleep(next(pauses))
 
     async def acquire_async(self, wait_s: float | None = None) -> None:
-        """:meth:`acquire`, sleeping on the event loop between tries."""
+        """``acquire``, sleeping on the event loop between tries."""
         pauses = self._pauses(wait_s)
         while not self.try_acquire():
             await asyncio.sleep(next(pauses))
 
     def _pauses(self, wait_s: float | None) -> Iterator[float]:
-        """The sleeps between tries (doubling, up to the deadline), then :class:`PoolBusyError`."""
+        """The sleeps between tries (doubling, up to the deadline), then ``PoolBusyError``."""
         deadline = self._deadline(wait_s)
         pause = _FIRST_SLEEP_S
         while True:

@@ -1,13 +1,15 @@
 """A pool of chunk memory in one file that every process on the node maps: the shared index,
 the allocator, holds, eviction, and recovery from processes that die at any instant.
 
+One module of about 530 lines, by choice (why: below, "Over 400 lines").
+
 The contract (docs/design.md, "One host cache per node"):
 
 - **One lock, released by the kernel, never waited on without bound.** Every change to the
   index happens under an ``flock`` on the pool file (plus a thread lock inside the process),
-  taken with a deadline (:mod:`tierkv_backends.shm.lock`: a holder that is stopped costs the
+  taken with a deadline (``tierkv_backends.shm.lock``: a holder that is stopped costs the
   others one wait of ``lock_timeout_s``, then misses). A process killed while holding it loses
-  it at once; the header word :attr:`Word.HOLDER` it set on entry is still set, so the next
+  it at once; the header word ``Word.HOLDER`` it set on entry is still set, so the next
   holder knows the index may be half changed and rebuilds everything derived (tables, free
   extents, reader counts) from the entries, which change one state word at a time.
 - **Visible only when whole.** A put reserves an entry (WRITING, invisible, owned by its process
@@ -18,7 +20,7 @@ The contract (docs/design.md, "One host cache per node"):
   in the process's hold row in the pool) while it copies; an entry with readers is never
   evicted and a replaced or deleted one is RETIRED until its last reader lets go.
 - **Dead is what the kernel says.** A process is dead when the kernel dropped its slot's
-  liveness lock (:mod:`tierkv_backends.shm.liveness`; any pid namespace): then its holds, its
+  liveness lock (``tierkv_backends.shm.liveness``; any pid namespace): then its holds, its
   unfinished writes and its slot are given back. A live process whose heartbeat stopped for
   ``lease_s`` (stopped, frozen) has only its holds taken back and its token voided: when it runs
   again it finds the token changed, forgets those holds without touching any count, reports
@@ -33,15 +35,15 @@ The contract (docs/design.md, "One host cache per node"):
   CLOCK_MONOTONIC, one clock for every process on the node).
 - **A shrunk file is an error, not a signal.** Before each batch and at each heartbeat the
   process compares the file's size with its mapping; a file someone truncated makes the pool
-  unusable to this process (:class:`PoolBrokenError`, one log line), never a SIGBUS, save for a
+  unusable to this process (``PoolBrokenError``, one log line), never a SIGBUS, save for a
   truncation in the instant between that check and a copy.
 
 Lookups read the live hash table without the lock (an answer may be stale by the time it is
 used; a read then misses, never returns another chunk's bytes).
 
-The file and its mapping are :mod:`tierkv_backends.shm.file`'s, the hash table and the free
-extents :mod:`tierkv_backends.shm.index`'s, the lock's deadline :mod:`tierkv_backends.shm.lock`'s, the attached processes
-:mod:`tierkv_backends.shm.processes`'. Over 400 lines (about 530) by choice: the lock, the
+The file and its mapping are ``tierkv_backends.shm.file``'s, the hash table and the free
+extents ``tierkv_backends.shm.index``'s, the lock's deadline ``tierkv_backends.shm.lock``'s, the attached processes
+``tierkv_backends.shm.processes``'. Over 400 lines (about 530) by choice: the lock, the
 entries' states, holds, reaping and recovery are one state machine over one index (recovery
 rebuilds what every other method keeps; reaping undoes holds and writes), and splitting it
 would spread the invariants above across modules that each keep only part of them.
@@ -120,14 +122,14 @@ class SharedPool(PoolProcesses):
     # -- the lock ------------------------------------------------------------------------------
     @property
     def lock_timeouts(self) -> int:
-        """Waits for the lock that gave up (:class:`~tierkv_backends.shm.lock.PoolBusyError`)."""
+        """Waits for the lock that gave up (``tierkv_backends.shm.lock.PoolBusyError``)."""
         return self._lock.timeouts
 
     @contextlib.contextmanager
     def lock(self, wait_s: float | None = None) -> Iterator[None]:
         """The pool's one lock, within ``wait_s`` (default ``lock_timeout_s``), else
-        :class:`PoolBusyError` (see :mod:`tierkv_backends.shm.lock`). A holder that died inside
-        leaves :attr:`Word.HOLDER` set; the next holder rebuilds first. A change that failed with
+        ``PoolBusyError`` (see ``tierkv_backends.shm.lock``). A holder that died inside
+        leaves ``Word.HOLDER`` set; the next holder rebuilds first. A change that failed with
         a tierkv error left the index whole (every such path gives back what it took); any other
         exception leaves the word set, so the next holder rebuilds too."""
         self.check_intact()
@@ -140,7 +142,7 @@ class SharedPool(PoolProcesses):
 
     @contextlib.asynccontextmanager
     async def alock(self, wait_s: float | None = None) -> AsyncIterator[None]:
-        """:meth:`lock`, waiting on the event loop; the body must not await."""
+        """``lock``, waiting on the event loop; the body must not await."""
         self.check_intact()
         await self._lock.acquire_async(wait_s)
         try:

@@ -2,8 +2,8 @@
 a heartbeat, the lease that takes back a stopped process's holds, what a resumed process does
 when it finds that happened, and the check that the pool file did not shrink under them.
 
-Kept apart from the pool's state machine (:mod:`tierkv_backends.shm.pool`) because who is
-attached, alive and running is one question (asked of the kernel, :mod:`liveness`), and what
+Kept apart from the pool's state machine (``tierkv_backends.shm.pool``) because who is
+attached, alive and running is one question (asked of the kernel, ``liveness``), and what
 the pool does with a dead or stopped process's entries is another.
 """
 
@@ -94,7 +94,7 @@ class PoolProcesses(PoolIndex):
 
     # -- a shrunk file -------------------------------------------------------------------------
     def check_intact(self) -> None:
-        """Raise :class:`PoolBrokenError` when the pool file is shorter than the mapping (checked
+        """Raise ``PoolBrokenError`` when the pool file is shorter than the mapping (checked
         by one ``fstat``: before each batch, at each heartbeat); the first time, one error line.
         A truncation between this check and a copy still kills the process (SIGBUS): no
         check can close that window, only not truncating a live pool."""
@@ -132,7 +132,7 @@ class PoolProcesses(PoolIndex):
         """Under the lock: when another process took this one's holds back (its heartbeat had
         stopped for ``lease_s``: it was stopped or frozen), forget them without touching any
         count (the taker gave them back), and go on under a new token in the same slot (a slot
-        is never given to another process while its own lives: :mod:`liveness`). Holds taken
+        is never given to another process while its own lives: ``liveness``). Holds taken
         before are stale: their reads are misses."""
         slot = self.slot
         if int(self.procs["token"][slot]) == self.token and int(self.procs["pid"][slot]) == os.getpid():
@@ -170,7 +170,7 @@ class PoolProcesses(PoolIndex):
 
     def alive(self, slot: int) -> bool:
         """Whether the process in ``slot`` still runs: it holds the slot's liveness lock
-        (:mod:`tierkv_backends.shm.liveness`), in whatever pid namespace it is."""
+        (``tierkv_backends.shm.liveness``), in whatever pid namespace it is."""
         if int(self.procs["pid"][slot]) == 0:
             return False
         if slot == self.slot:

@@ -1,5 +1,8 @@
 """``shm`` tier: one host cache per node, in a pool file every serving process maps.
 
+One module of about 410 lines, by choice: the tier's calls share one attached pool, its lock
+deadline and its counters; the pool, its file, lock and processes already stand apart.
+
 Data-parallel replicas, one vLLM per NUMA socket, an SGLang beside a vLLM, a restarted engine
 beside a live one: every process whose config names the same ``path`` shares one pool of
 ``capacity`` bytes, with no daemon. A prefix one process stored is a hit in the others at
@@ -8,10 +11,10 @@ Keys bind model, revision, adapter and tenant, so processes serving different mo
 pool safely; ``stats()`` and ``occupancy()`` count what each scope holds.
 
 The data path is the ``cpu`` tier's: a put reserves room in the pool and the source writes
-each chunk there once (in place, :class:`~tierkv.backend.InPlaceTier`), a read copies once out
+each chunk there once (in place, ``tierkv.backend.InPlaceTier``), a read copies once out
 of the pool into the caller's memory (``out=``, a connector's pages), and holds lend the
 pool's memory to connectors and fills. What the pool guarantees when processes die at any
-instant is :mod:`tierkv_backends.shm.pool`'s; where CUDA is present the data area is
+instant is ``tierkv_backends.shm.pool``'s; where CUDA is present the data area is
 registered as pinned memory in every process (pieces of at most 64 GiB), so device copies go
 straight to and from it.
 
@@ -82,7 +85,7 @@ def _scope_id(scope: str) -> int:
 
 
 class PoolHold:
-    """The bytes of one chunk in the pool, kept from eviction until :meth:`release`."""
+    """The bytes of one chunk in the pool, kept from eviction until ``release``."""
 
     __slots__ = ("_backend", "_held", "chunk")
 

@@ -19,7 +19,7 @@ SGLang creates one per rank (``cls(storage_config, kwargs)``) and hands it its h
   (flat pages in the pool's order), same storage.
 
 Nothing here raises into SGLang: a failing, slow or corrupt tier is a miss (SGLang recomputes)
-or a failed store (a future miss), logged and counted in :attr:`TierKVStorage.counters`.
+or a failed store (a future miss), logged and counted in ``TierKVStorage.counters``.
 """
 
 from __future__ import annotations

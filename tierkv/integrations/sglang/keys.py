@@ -3,7 +3,7 @@
 SGLang names each page of a prompt by a chained hash of its tokens (a hex string; other
 pools add a suffix such as ``.mamba``). tierkv keys carry the model, the tensor-parallel
 world size and rank, and a chunk hash. A page key here is in its own namespace
-(:data:`NAMESPACE`, as in :mod:`tierkv.chunks.namespaces`), so it never collides with the engine's
+(``NAMESPACE``, as in ``tierkv.chunks.namespaces``), so it never collides with the engine's
 prefix-chunk keys, and its hash also covers the page geometry (layers, heads, head size,
 page size, dtype, pipeline stage), the model's revision and tierkv's key format: caches of
 different models, revisions, shapes or TP layouts never mix, even in one shared tier.

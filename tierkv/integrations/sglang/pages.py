@@ -1,14 +1,14 @@
 """SGLang pages through a tierkv engine: stored straight out of, and read straight into,
 SGLang's host pool (one copy per byte), located from the tiers' in-memory indexes.
 
-A page batch is handed to the engine as a :class:`ViewSource` / :class:`ViewSink` over chunk
-views of the pool (:mod:`.layout`), the same ``ChunkSource`` / ``ChunkSink`` machinery the
-connectors use (:mod:`tierkv.connectors.engine_io`): a memory tier copies a page into its slab
+A page batch is handed to the engine as a ``ViewSource`` / ``ViewSink`` over chunk
+views of the pool (``.layout``), the same ``ChunkSource`` / ``ChunkSink`` machinery the
+connectors use (``tierkv.connectors.engine_io``): a memory tier copies a page into its slab
 or out of it once, a disk tier reads or writes the page's contiguous runs in place. Page ``j``
 of a batch stands at "tokens" ``[j * page, (j + 1) * page)`` of the batch.
 
 The engine's public API reads prompts by their tokens; SGLang asks for pages by hash, so
-:class:`PageIO` uses the engine's key-level calls: ``locate_keys_nowait`` / ``locate_keys``
+``PageIO`` uses the engine's key-level calls: ``locate_keys_nowait`` / ``locate_keys``
 (where each page is), ``plan_located`` (how many of them are worth loading),
 ``retrieve_keys_into`` and ``store_from`` (the pages themselves).
 """

@@ -2,12 +2,12 @@
 
 A synchronous load holds up vLLM's forward pass: while it runs, vLLM's worker thread and its
 OpenMP team (bound to the compute cores) sit idle. tierkv's own threads live on the core vLLM
-keeps free (:func:`~tierkv.integrations.vllm_v1.worker.keep_off_compute_cores`), so a copy
+keeps free (``tierkv.integrations.vllm_v1.worker.keep_off_compute_cores``), so a copy
 they made would run on one core while the compute cores wait. Instead, the tierkv thread that
-has a chunk ready hands the copy into vLLM's blocks to the waiting thread (:meth:`CallerRuns.run`),
-which runs it with every compute core (:meth:`CallerRuns.serve`: the extension's kernels use the
-thread's whole OpenMP team, see :func:`tierkv.ops.set_copy_threads`); a batch of chunks is split
-between it and the handing thread (:meth:`CallerRuns.run_split`), so the core kept free copies
+has a chunk ready hands the copy into vLLM's blocks to the waiting thread (``CallerRuns.run``),
+which runs it with every compute core (``CallerRuns.serve``: the extension's kernels use the
+thread's whole OpenMP team, see ``tierkv.ops.set_copy_threads``); a batch of chunks is split
+between it and the handing thread (``CallerRuns.run_split``), so the core kept free copies
 too. Reading the tiers stays on tierkv's threads. Once the waiting thread stops serving (the load finished or timed out), what
 is handed over afterwards runs on the handing thread, so nothing waits for a thread that left.
 """

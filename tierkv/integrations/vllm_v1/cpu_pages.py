@@ -8,13 +8,13 @@ written by ``cpu_attn_reshape_and_cache``):
 
 - ``vec``, ``vec16``, ``neon`` (fp32/fp16), ``vsx``, ``vxe``, ``rvv``: K transposed
   (``d * block_size + t``), V row by row (``t * head_size + d``): plain strided views, the
-  ``cpu`` layout of :mod:`~tierkv.integrations.vllm_v1.layouts`;
+  ``cpu`` layout of ``tierkv.integrations.vllm_v1.layouts``;
 - ``amx`` (bf16 models on CPUs with AMX tiles, cache bf16 or fp8): K in 16-token tiles
   of dimension pairs, ``(t // 16) * 16 * head_size + (d // 2) * 32 + (t % 16) * 2 + d % 2``;
   V in 16-dimension tiles of token pairs, ``(d // 16) * block_size * 16 + (t // 2) * 32 +
   (d % 16) * 2 + t % 2`` (the pairs are what an AMX bf16 tile multiply reads). No strided view
   addresses that, so the ``cpu_amx`` layout moves tokens through an offset map (see
-  :class:`PageMap`);
+  ``PageMap``);
 - ``neon`` with bf16 on a vLLM built with ``ARM_BF16_SUPPORT`` (Graviton 3+, Grace): the
   BFMMLA order, K ``(t // 8) * 8 * head_size + (d // 4) * 32 + (t % 8) * 4 + d % 4``, V
   ``(d // 2) * 2 * block_size + (t // 4) * 8 + (d % 2) * 4 + t % 4`` (``cpu_bfmmla``; from
@@ -29,7 +29,7 @@ the cache dtype), so an fp8 chunk is never read as another format.
 
 Each formula here is checked element by element against vLLM's own op where it runs
 (``tests/test_vllm_cpu_pages.py``), and the registration self-check
-(:mod:`~tierkv.integrations.vllm_v1.layout_check`) checks it again on every start.
+(``tierkv.integrations.vllm_v1.layout_check``) checks it again on every start.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class PageMap:
 
 @lru_cache(maxsize=32)
 def page_map(layout: str, block_size: int, head_size: int) -> PageMap:
-    """The :class:`PageMap` of ``layout`` (a key of :data:`PAGE_ORDERS`) for these sizes."""
+    """The ``PageMap`` of ``layout`` (a key of ``PAGE_ORDERS``) for these sizes."""
     try:
         formulas = PAGE_ORDERS[layout]
     except KeyError:
@@ -182,9 +182,9 @@ def requested_slots(kwargs: dict[str, Any], start: int, end: int) -> np.ndarray:
 
 
 class MappedPageConnector(GPUConnector):
-    """A :class:`~tierkv.connectors.GPUConnector` over a vLLM CPU cache whose pages have an
+    """A ``tierkv.connectors.GPUConnector`` over a vLLM CPU cache whose pages have an
     order no strided view addresses (``cpu_amx``): tokens move through the page's
-    :class:`PageMap` (:func:`tierkv.ops.paged_copy_mapped`, one call for every layer).
+    ``PageMap`` (``tierkv.ops.paged_copy_mapped``, one call for every layer).
 
     ``layers``: vLLM's per-layer tensors ``[num_blocks, heads, block_size, 2 * head_size]``.
     ``views`` (what the worker hands the engine as ``kvcaches``): per layer the K and V halves

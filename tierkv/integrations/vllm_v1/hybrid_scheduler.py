@@ -1,10 +1,10 @@
 """The scheduler side of the vLLM connector for hybrid models (vLLM's hybrid KV cache manager:
-several KV cache groups, :mod:`.kv_groups`): what each step loads into and saves out of every
+several KV cache groups, ``.kv_groups``): what each step loads into and saves out of every
 group's blocks.
 
 Pure bookkeeping, no vLLM import, tested with stand-ins for vLLM's objects. Rules:
 
-- a hit is joint (:func:`~.kv_groups.joint_hit`, answered by worker 0): the longest chunk
+- a hit is joint (``.kv_groups.joint_hit``, answered by worker 0): the longest chunk
   boundary at which every group has what it needs, never beyond the prompt's last token;
 - a load is planned per group once vLLM allocated the request's blocks: full attention from
   what vLLM already computed up to the hit; a sliding window only the tokens of its blocks in

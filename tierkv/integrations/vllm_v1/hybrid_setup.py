@@ -1,10 +1,10 @@
 """What the connector needs of vLLM to run a hybrid model: its KV cache groups read once at
-start-up (:class:`HybridModel`), the pins a hybrid save holds in vLLM's block pool
-(:class:`BlockPins`) and the per-step report of finished save jobs that carries them back to
-the scheduler (:class:`TierKVWorkerMetadata`).
+start-up (``HybridModel``), the pins a hybrid save holds in vLLM's block pool
+(``BlockPins``) and the per-step report of finished save jobs that carries them back to
+the scheduler (``TierKVWorkerMetadata``).
 
-The connector (``connector.py``) delegates to these and to :mod:`.hybrid_scheduler` /
-:mod:`.hybrid_worker` in a line or two per vLLM call; the rules are in those modules.
+The connector (``connector.py``) delegates to these and to ``.hybrid_scheduler`` /
+``.hybrid_worker`` in a line or two per vLLM call; the rules are in those modules.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The worker side of the vLLM connector for hybrid models: each KV cache group's blocks bound
-to a connector of its own, loads and saves planned per group (:mod:`.hybrid_scheduler`), and
+to a connector of its own, loads and saves planned per group (``.hybrid_scheduler``), and
 the joint lookup worker 0 answers.
 
 Attention groups (full, sliding window) use the paged-layer connectors of the one-group path
-(:func:`~.layouts.connector_for`, the CPU page maps), one per group over that group's layers;
-Mamba groups use :class:`~.state_pages.StatePageConnector`. Every group's chunks go through
+(``.layouts.connector_for``, the CPU page maps), one per group over that group's layers;
+Mamba groups use ``.state_pages.StatePageConnector``. Every group's chunks go through
 one tierkv engine (one set of tiers, one capacity) under keys of their own
-(:meth:`~.kv_groups.KVGroup.identity`).
+(``.kv_groups.KVGroup.identity``).
 
 A load of several groups is one asynchronous unit: it succeeds when every group got every
 token it asked for, and is reported failed (vLLM recomputes the request) otherwise; a load
-that times out or is abandoned stops writing first (:class:`~.worker._GuardedSink`). A save
+that times out or is abandoned stops writing first (``.worker._GuardedSink``). A save
 job stores each group's chunks, skipping those already cached, and is reported done to the
 scheduler (which then unpins its blocks) whether it stored, skipped or failed.
 """
@@ -117,7 +117,7 @@ class HybridTransfers:
 
     # -- loads ---------------------------------------------------------------------------------------
     def start_load(self, load: HybridLoad) -> None:
-        """Start reading every group's part of the hit (reported by :meth:`finished`; with no
+        """Start reading every group's part of the hit (reported by ``finished``; with no
         group bound, tierkv off, a failed load)."""
         if not self.groups:
             with self._lock:
@@ -162,7 +162,7 @@ class HybridTransfers:
 
     # -- saves ---------------------------------------------------------------------------------------
     def save(self, save: HybridSave) -> None:
-        """Start storing the job's chunks of every group; reported done by :meth:`take_done_jobs`
+        """Start storing the job's chunks of every group; reported done by ``take_done_jobs``
         (at once with no group bound)."""
         if not self.groups:
             with self._lock:

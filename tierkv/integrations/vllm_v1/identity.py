@@ -1,13 +1,13 @@
 """What a vLLM request's KV depends on besides its token ids, and the engine's identity.
 
-The request (:func:`request_identity`): its LoRA adapter (a digest of the adapter's files,
+The request (``request_identity``): its LoRA adapter (a digest of the adapter's files,
 never vLLM's per-process integer id), its ``cache_salt``, and its multimodal inputs (each
 ``mm_features`` item's content hash at its placeholder tokens). A request given as prompt
 embeddings, or with an adapter whose files tierkv cannot read, is *unidentified*: the
 connector neither loads nor stores it. A user's hook (``identity_hook`` in the extra
 config) may add parts or refuse a request.
 
-The engine (:func:`engine_identity`): the model's revision (the tierkv config's
+The engine (``engine_identity``): the model's revision (the tierkv config's
 ``model_revision``, else a digest of the model directory, else the name and vLLM's
 ``revision`` with a warning), the KV cache dtype, the model dtype and quantization, and the
 KV geometry.
@@ -115,7 +115,7 @@ def engine_identity(model: str, model_dtype: str, geometry: tuple[int, int, int]
     """(model revision, KV cache dtype unless the model's, identity pairs) of a vLLM serving
     ``model``: what every key binds besides the model name and ranks. ``geometry``: (layers,
     KV heads, head size) of this worker. Another process reading what the connector stored
-    (e.g. with :class:`~tierkv.Engine` directly) builds its metadata from the same values."""
+    (e.g. with ``tierkv.Engine`` directly) builds its metadata from the same values."""
     pairs = [("model_dtype", model_dtype.removeprefix("torch.")), ("quantization", quantization or "none")]
     if geometry is not None:
         layers, heads, head_size = geometry

@@ -3,9 +3,9 @@
 vLLM's own block hashes of the request (what a vLLM-fed router matches) and ``medium`` = that
 tier's name, and ``BlockRemoved`` when that tier evicts or drops a chunk.
 
-The worker records events (:class:`KVEventLog`) and hands them to vLLM after each step
+The worker records events (``KVEventLog``) and hands them to vLLM after each step
 (``get_kv_connector_kv_cache_events``); vLLM brings them to the scheduler side, where the
-connector gathers them (:class:`TierKVEvents`) and vLLM's publisher takes them (``take_events``).
+connector gathers them (``TierKVEvents``) and vLLM's publisher takes them (``take_events``).
 With tensor parallelism every rank stores its shard, so an event is published once all ranks
 reported it. Only the first tier's removals are reported: a chunk evicted from the cpu tier
 may still sit on disk, and the event names the medium it left.

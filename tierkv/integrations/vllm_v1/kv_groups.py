@@ -12,13 +12,13 @@ layer its own group, with its own block table over one shared pool of blocks):
   checkpointed at block boundaries in vLLM's "align" mode; a hit needs the state after exactly
   ``L`` tokens, stored as the chunk that ends at ``L``.
 
-Each group's chunks are keyed apart: the group's :attr:`KVGroup.descriptor` (its kind, block,
+Each group's chunks are keyed apart: the group's ``KVGroup.descriptor`` (its kind, block,
 window or state shapes and dtypes, and its layers) joins the request's identity, so a chunk of
 one group is never served for another, and a model whose groups change misses as a changed
 revision does. A hit is **joint**: the longest chunk boundary at which every group has what it
-needs (:func:`joint_hit`), so a hit is never KV without its state, or state without its KV.
+needs (``joint_hit``), so a hit is never KV without its state, or state without its KV.
 
-Pure bookkeeping, no vLLM import: :func:`groups_from_config` reads vLLM's ``KVCacheConfig``
+Pure bookkeeping, no vLLM import: ``groups_from_config`` reads vLLM's ``KVCacheConfig``
 duck-typed.
 """
 
@@ -133,7 +133,7 @@ def _spec_kind(spec: Any) -> str:
 
 
 def group_from_spec(index: int, layer_names: Sequence[str], spec: Any) -> KVGroup:
-    """A :class:`KVGroup` from one of vLLM's ``KVCacheGroupSpec`` parts."""
+    """A ``KVGroup`` from one of vLLM's ``KVCacheGroupSpec`` parts."""
     kind = _spec_kind(spec)
     block = int(spec.block_size)
     if kind == "mamba":
@@ -153,14 +153,14 @@ def group_from_spec(index: int, layer_names: Sequence[str], spec: Any) -> KVGrou
 
 
 def groups_from_config(kv_cache_config: Any) -> list[KVGroup]:
-    """vLLM's ``KVCacheConfig.kv_cache_groups`` as :class:`KVGroup`s, in vLLM's order."""
+    """vLLM's ``KVCacheConfig.kv_cache_groups`` as ``KVGroup``s, in vLLM's order."""
     return [group_from_spec(index, list(group.layer_names), group.kv_cache_spec)
             for index, group in enumerate(kv_cache_config.kv_cache_groups)]
 
 
 def block_size_of(groups: Sequence[KVGroup]) -> int:
     """vLLM's block size, the same in every group (its hybrid manager makes it so); raises
-    :class:`UnsupportedKVGroupError` when the groups disagree."""
+    ``UnsupportedKVGroupError`` when the groups disagree."""
     sizes = {group.block_size for group in groups}
     if len(sizes) != 1:
         raise UnsupportedKVGroupError(f"KV cache groups with different block sizes {sorted(sizes)}")

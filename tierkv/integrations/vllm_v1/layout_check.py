@@ -1,9 +1,9 @@
 """The registration self-check: do tierkv's K/V views address what vLLM's own kernel writes?
 
-tierkv's layouts (:mod:`~tierkv.integrations.vllm_v1.layouts`) are written from vLLM's
+tierkv's layouts (``tierkv.integrations.vllm_v1.layouts``) are written from vLLM's
 sources; a vLLM that packs its cache differently (another version, a CPU ISA tierkv has no
 order for, another attention backend) would make every partial-block load wrong while whole
-blocks still round-trip. So when vLLM registers its caches, :func:`verify_layout` writes a
+blocks still round-trip. So when vLLM registers its caches, ``verify_layout`` writes a
 known pattern for a few tokens through vLLM's own cache-write op (the attention layer's
 ``impl.do_kv_cache_update``, the very call vLLM makes in its forward pass) and checks, per
 layer, that
@@ -85,7 +85,7 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor, offsets: Sequence[i
 def verify_layout(layers: Sequence[torch.Tensor], connector: PagedLayerConnector | MappedPageConnector,
                   write: CacheWriter, model_dtype: torch.dtype, block_dim: int = 0, kv_cache_dtype: str = "auto",
                   scales: tuple[float, float] = (1.0, 1.0)) -> None:
-    """Raise :class:`LayoutMismatchError` unless ``connector``'s views of ``layers`` address
+    """Raise ``LayoutMismatchError`` unless ``connector``'s views of ``layers`` address
     exactly what ``write`` (vLLM's cache-write op) writes; see the module docstring.
 
     ``block_dim``: the dimension of each layer tensor that counts blocks (1 for ``kv_first``,

@@ -9,8 +9,8 @@ sit inside it depends on the attention backend and the vLLM version:
   row by row (``[block_size, head_size]``); the same order for the ``vec16``, ``neon``,
   ``vsx``, ``vxe`` and ``rvv`` ISAs;
 - ``cpu_amx``: the same tensor as vLLM's ``amx`` ISA packs it (tiles of token and dimension
-  pairs, :mod:`~tierkv.integrations.vllm_v1.cpu_pages`): no strided view addresses it, so it
-  has its own connector (:class:`~tierkv.integrations.vllm_v1.cpu_pages.MappedPageConnector`);
+  pairs, ``tierkv.integrations.vllm_v1.cpu_pages``): no strided view addresses it, so it
+  has its own connector (``tierkv.integrations.vllm_v1.cpu_pages.MappedPageConnector``);
 - ``content``: the generic per-layer view of vLLM 0.32+ CUDA backends (FlashAttention and
   others), ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` in any physical stride
   order, each token's content being its K then its V;
@@ -21,11 +21,11 @@ sit inside it depends on the attention backend and the vLLM version:
 
 Each layout gives, per layer, a K view and a V view indexed ``[block, offset_in_block]``
 (shape ``[num_blocks, block_size, num_kv_heads, head_size]``, strided, no copy).
-:class:`PagedLayerConnector` moves a token range between those views and a tierkv chunk in
-``vllm`` format (``[layers, 2, tokens, heads, head_size]``): through :func:`tierkv.ops.paged_gather`
-/ :func:`~tierkv.ops.paged_scatter` (one call for every layer; CUDA kernels on a GPU) when the
+``PagedLayerConnector`` moves a token range between those views and a tierkv chunk in
+``vllm`` format (``[layers, 2, tokens, heads, head_size]``): through ``tierkv.ops.paged_gather``
+/ ``tierkv.ops.paged_scatter`` (one call for every layer; CUDA kernels on a GPU) when the
 views are plain ``[blocks, block_size, heads, head_size]`` tensors; through
-:func:`tierkv.ops.paged_copy_strided` (one call, transposed K moved in cache-friendly tiles)
+``tierkv.ops.paged_copy_strided`` (one call, transposed K moved in cache-friendly tiles)
 for other views on CPU when tierkv's extension is built; else one *run* at a time:
 consecutive tokens whose slots are consecutive in one block are one strided copy per layer and
 K/V, so no temporary tensor is made. ``-1`` slots (tokens not to be touched) are skipped either way.
@@ -164,11 +164,11 @@ def token_runs(slots: np.ndarray, block_size: int) -> list[tuple[int, int, int, 
 
 
 class PagedLayerConnector(GPUConnector):
-    """A :class:`~tierkv.connectors.GPUConnector` over the K/V views of a vLLM paged cache.
+    """A ``tierkv.connectors.GPUConnector`` over the K/V views of a vLLM paged cache.
 
     Bound to the views once (``register_kv_caches``); each call names the request's
     ``slot_mapping`` (numpy or tensor, one slot per token of the whole sequence, ``-1`` =
-    leave alone). A chunk is gathered or scattered run by run (see :func:`token_runs`):
+    leave alone). A chunk is gathered or scattered run by run (see ``token_runs``):
     strided copies straight between the cache and the chunk, through a staging chunk on the
     cache's device when the chunk lives elsewhere.
     """

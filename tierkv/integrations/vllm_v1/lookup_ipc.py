@@ -8,7 +8,7 @@ live in one process (vLLM's in-process executor) the answer is a direct call.
 
 Wire format (no pickle): request = uint32 token count + uint32 identity length + that many
 int32 ids (little endian) + the request's identity as UTF-8 JSON
-(:meth:`~tierkv.chunks.identity.RequestIdentity.to_wire`); reply = int64 cached tokens + int64 of
+(``tierkv.chunks.identity.RequestIdentity.to_wire``); reply = int64 cached tokens + int64 of
 them in memory tiers. Any failure to ask
 (worker not up yet, worker gone) is answered as "nothing cached": a lookup never fails a
 request, it only costs a recompute.
@@ -140,7 +140,7 @@ def _reset_or_fail(reset: Reset | None) -> int:
 
 
 class LookupClient:
-    """Asks the worker's :class:`LookupServer` (or calls it, in the same process)."""
+    """Asks the worker's ``LookupServer`` (or calls it, in the same process)."""
 
     def __init__(self, path: str, timeout_s: float = 5.0, reset_timeout_s: float = 150.0) -> None:
         self.path = path

@@ -15,7 +15,7 @@ Rules:
   whose save was planned keeps its blocks after it finishes until the worker reports
   the save done (``request_finished`` returns True);
 - every lookup, load and save carries the request's identity (LoRA adapter, cache salt,
-  media: :class:`~tierkv.chunks.identity.RequestIdentity`), recorded when vLLM first asks about the
+  media: ``tierkv.chunks.identity.RequestIdentity``), recorded when vLLM first asks about the
   request; a request without one (prompt embeddings, an adapter tierkv cannot read) is
   neither loaded nor saved, and counted.
 """

@@ -24,7 +24,7 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
   one error and stays off (no loads, no saves), so a vLLM that changed its layout runs as
   if no connector were set instead of computing from misplaced K/V. ``false`` skips it;
 - ``identity_hook``: ``"package.module:function"`` called as ``function(request, identity)``
-  for every request: returns the :class:`~tierkv.chunks.identity.RequestIdentity` to key it with
+  for every request: returns the ``tierkv.chunks.identity.RequestIdentity`` to key it with
   (add ``extra`` parts, drop the salt to share across tenants knowingly) or None to leave
   the request uncached.
 """

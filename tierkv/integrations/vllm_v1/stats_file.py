@@ -1,6 +1,6 @@
 """A worker's transfer counters as a JSON file (``stats_file`` in the connector's settings).
 
-vLLM's own metrics (:mod:`.vllm_metrics`) show intervals; the file shows the totals since
+vLLM's own metrics (``.vllm_metrics``) show intervals; the file shows the totals since
 the worker started, for scripts and tests that read them from outside the serving process.
 Worker 0 writes ``stats_file``, worker *n* ``stats_file.rank<n>``; each write replaces the
 file whole (a reader never sees half of one), and only when a counter changed.

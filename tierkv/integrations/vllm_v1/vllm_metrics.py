@@ -1,6 +1,6 @@
 """tierkv's counters in vLLM's own metrics: the interval stats a worker hands vLLM
-(``get_kv_connector_stats``), how vLLM's logger adds them up (:class:`TierKVStats`), and the
-Prometheus series ``vllm serve`` shows on ``/metrics`` (:class:`TierKVPromMetrics`).
+(``get_kv_connector_stats``), how vLLM's logger adds them up (``TierKVStats``), and the
+Prometheus series ``vllm serve`` shows on ``/metrics`` (``TierKVPromMetrics``).
 
 Series (each with vLLM's engine labels):
 

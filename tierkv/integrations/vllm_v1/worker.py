@@ -1,10 +1,13 @@
 """The worker side of the vLLM v1 connector: loads into and saves out of vLLM's paged cache.
 
+One module of about 420 lines, by choice: WorkerTransfers' loads, saves, completion reports and
+reset share its locks and in-flight maps; the hybrid path already stands apart (hybrid_worker.py).
+
 Loads read each chunk from the tier that holds it straight into the request's blocks (a
 memory tier's slab is scattered with no intermediate); saves gather the finished prompt's
 tokens straight into the first tier's memory. Saves run on the tierkv engine's loop while
 vLLM computes the next step: the blocks they read stay allocated until the scheduler hears,
-through :meth:`WorkerTransfers.finished`, that the save is done.
+through ``WorkerTransfers.finished``, that the save is done.
 
 Nothing here fails a request. A load that errors, times out or finds a chunk gone reports
 the blocks it could not fill (vLLM recomputes them); a guard stops a load that timed out
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 RESET_WAIT_S = 120.0
 """How long a cache reset waits for the saves and fills started before it (see
-:meth:`WorkerTransfers.reset_memory_tiers`); the scheduler waits that long and a little more."""
+``WorkerTransfers.reset_memory_tiers``); the scheduler waits that long and a little more."""
 
 
 def spare_cpus() -> set[int] | None:
@@ -74,8 +77,8 @@ def keep_off_compute_cores(engine: Engine) -> set[int] | None:
 
 
 class _GuardedSink(ConnectorSink):
-    """A sink that writes into vLLM's blocks only under a :class:`~tierkv.chunks.ownership.WriteGrant`:
-    once the load is abandoned (:meth:`abandon`: a timeout, vLLM finished the request) no
+    """A sink that writes into vLLM's blocks only under a ``tierkv.chunks.ownership.WriteGrant``:
+    once the load is abandoned (``abandon``: a timeout, vLLM finished the request) no
     chunk is written any more, and ``abandon`` returns only after a chunk being written has
     landed, so the blocks can go back to vLLM."""
 
@@ -155,8 +158,8 @@ class WorkerTransfers:
     def check_layout(self, layers: Sequence[torch.Tensor], cache_writer: CacheWriter, model_dtype: torch.dtype,
                      **options: Any) -> None:
         """Check that the registered views read what vLLM's own cache write (``cache_writer``)
-        puts in ``layers``; raises :class:`~.layout_check.LayoutMismatchError` when not (see
-        :func:`~.layout_check.verify_layout`, which takes ``options``)."""
+        puts in ``layers``; raises ``.layout_check.LayoutMismatchError`` when not (see
+        ``.layout_check.verify_layout``, which takes ``options``)."""
         verify_layout(layers, self._connector(), cache_writer, model_dtype, **options)
 
     # -- what the scheduler asks -----------------------------------------------------------------
@@ -214,7 +217,7 @@ class WorkerTransfers:
             self.load_seconds.append(elapsed)
 
     def start_async_load(self, spec: LoadSpec) -> None:
-        """Start a load that vLLM waits for between steps (reported by :meth:`finished`)."""
+        """Start a load that vLLM waits for between steps (reported by ``finished``)."""
         try:
             future, sink = self._start_load(spec)
         except Exception as exc:
@@ -319,7 +322,7 @@ class WorkerTransfers:
         empty) and the engine's background work (fills and promotions), so the tiers below
         hold everything saved before the reset and nothing lands in a cleared tier after it.
         Raises TimeoutError (a failed reset, the tiers untouched) when that work is still
-        running after :data:`RESET_WAIT_S`."""
+        running after ``RESET_WAIT_S``."""
         deadline = time.monotonic() + RESET_WAIT_S
         with self._lock:
             pending = [future for futures in self._saves.values() for future in futures]
@@ -377,7 +380,7 @@ class WorkerTransfers:
     # -- completion reports ----------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(requests vLLM has finished whose saves are done, async loads now over, those of
-        them that could not fill every block). Call before :meth:`take_load_errors`: a failed
+        them that could not fill every block). Call before ``take_load_errors``: a failed
         async load's blocks are reported in the same step as the load's end.
 
         An async load of a request vLLM has finished (aborted while it waited for its KV) is
