@@ -354,3 +354,107 @@ def test_the_configuration_reference_is_the_code_s() -> None:
     assert read(DOCS / "reference.md") == reference.reference_markdown(), (
         "docs/reference.md is not the code's: python -m tierkv.config.reference > docs/reference.md")
 
+
+
+ARGS_ITEM = re.compile(r"(\*{0,2}\w+)(?:\s*\([^)]*\))?\s*:")
+
+
+def api_objects() -> list[tuple[str, object]]:
+    """Every object docs/api.md documents (``::: tierkv.X``), imported under that name."""
+    objects = []
+    for name in re.findall(r"^:::\s*([\w.]+)", read(DOCS / "api.md"), re.M):
+        module, _, attr = name.rpartition(".")
+        objects.append((name, getattr(importlib.import_module(module), attr)))
+    return objects
+
+
+def is_tierkv(module: str) -> bool:
+    return module == "tierkv" or module.startswith("tierkv.")
+
+
+def documented_callables(name: str, obj: object) -> list[tuple[str, object, str | None]]:
+    """(name, function, the docstring that documents its parameters) for ``obj`` when it is a
+    function; for a class, each public method it has from tierkv's classes (its own and those
+    it inherits from one: not ``object``'s, ``Exception``'s or ``Protocol``'s), and its own
+    ``__init__`` (documented by the class docstring) unless a dataclass made it. Properties are
+    attributes, not calls: left out."""
+    import dataclasses
+    import inspect
+
+    if inspect.isfunction(obj):
+        return [(name, obj, obj.__doc__)]
+    assert inspect.isclass(obj), f"{name}: neither a function nor a class"
+    found: list[tuple[str, object, str | None]] = []
+    init = vars(obj).get("__init__")
+    if inspect.isfunction(init) and is_tierkv(init.__module__) and not dataclasses.is_dataclass(obj):
+        found.append((f"{name}(...)", init, obj.__doc__))
+    seen: set[str] = set()
+    for klass in inspect.getmro(obj):
+        if not is_tierkv(klass.__module__):
+            continue
+        for attr, value in vars(klass).items():
+            if attr.startswith("_") or attr in seen:
+                continue
+            seen.add(attr)  # the first class in the MRO defining it is the one that counts
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if inspect.isfunction(value):
+                found.append((f"{name}.{attr}", value, value.__doc__))
+    return found
+
+
+def args_section(doc: str) -> list[str] | None:
+    """The parameter names a Google-style docstring's ``Args:`` section lists (``*args`` as
+    ``args``); None when it has no such section."""
+    import inspect
+
+    lines = inspect.cleandoc(doc).splitlines()
+    start = next((index for index, line in enumerate(lines) if line.strip() == "Args:"), None)
+    if start is None:
+        return None
+    names: list[str] = []
+    indent = None
+    for line in lines[start + 1:]:
+        if not line.strip():
+            continue
+        width = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = width
+        if width == 0 or width < indent:
+            break  # the next section, or the end of an empty one
+        match = ARGS_ITEM.match(line.strip())
+        if width == indent and match:
+            names.append(match.group(1).lstrip("*"))
+    return names
+
+
+def test_api_reference_documents_every_parameter() -> None:
+    """Each public function and method of the objects docs/api.md lists that takes parameters
+    (besides self / cls), and each such class's own constructor, has a Google-style ``Args:``
+    section naming exactly its parameters: the API reference (mkdocstrings, ``docstring_style:
+    google``) renders it as the Parameters table, and a parameter added without a word fails
+    here. Read from the imported objects (``inspect``), so methods inherited from another
+    tierkv class count, and dunder and private members do not."""
+    import inspect
+
+    wrong: list[str] = []
+    checked = 0
+    for name, obj in api_objects():
+        for qualname, function, doc in documented_callables(name, obj):
+            params = [parameter.name for parameter in inspect.signature(function).parameters.values()
+                      if parameter.name not in ("self", "cls")]
+            if not params:
+                continue
+            checked += 1
+            listed = args_section(doc or "")
+            if listed is None:
+                wrong.append(f"{qualname}: no Args: section for {params}")
+                continue
+            missing = [param for param in params if param not in listed]
+            unknown = [item for item in listed if item not in params]
+            if missing:
+                wrong.append(f"{qualname}: Args: lacks {missing}")
+            if unknown:
+                wrong.append(f"{qualname}: Args: names {unknown}, which it does not take")
+    assert checked > 80, f"only {checked} callables with parameters found: the scan of docs/api.md is broken"
+    assert not wrong, f"docstrings whose Args: section does not match the parameters: {wrong}"

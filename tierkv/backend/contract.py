@@ -1,5 +1,9 @@
 """The storage backend contract every tier implements (async).
 
+One module of about 660 lines, by choice: the contract (the base classes, the capability
+Protocols and the helpers backends call) is what a backend author reads, in one place, and
+each method carries its part of it in its docstring, which the API reference renders.
+
 Backends are small async stores of whole chunks under ``tierkv.chunks.keys.CacheKey``.
 The batched methods have defaults built on the single-key ones; a backend overrides
 them when it can do better (one transaction, one pipeline, parallel requests).
@@ -42,15 +46,31 @@ logger = logging.getLogger("tierkv.backend")
 class StorageBackend(abc.ABC):
     """Async store of KV chunks; one instance is one tier.
 
-    Class attributes describe capabilities so the engine and the conformance suite can
-    adapt: ``persistent`` (survives close and reopen), ``bounded`` (evicts to stay within
-    ``capacity``), ``requires_capacity`` (YAML must give one), ``options`` (backend-specific
-    YAML keys, validated by ``tierkv.backend.options.parse_options``),
-    ``streams_into_destination`` (``batched_get_into`` may leave bytes in the destination
-    of a chunk it then reports missing, because it reads before it can verify; the engine
-    then reads into a staging buffer rather than straight into memory the caller owns),
-    ``speed_seed`` (a get batch's fixed cost and bandwidth before any was timed: where the
-    engine's estimate of the tier starts, see ``tierkv.policy.planner``).
+    Subclass it (or [BlobBackend][tierkv.backend.BlobBackend] for a byte store), implement
+    ``put``, ``get``, ``contains`` and ``delete``, and check it with
+    [BackendTests][tierkv.testing.BackendTests]. The class attributes describe capabilities
+    so the engine and the conformance suite can adapt.
+
+    Args:
+        name: The tier's name (from the configuration).
+        capacity: The tier's capacity in bytes; None: none given.
+
+    Raises:
+        CapacityError: if the class declares ``requires_capacity`` and ``capacity`` is None.
+
+    Attributes:
+        persistent: Whether what it stores survives close and reopen.
+        bounded: Whether it evicts to stay within ``capacity``.
+        requires_capacity: Whether the YAML must give a capacity.
+        streams_into_destination: Whether ``batched_get_into`` may leave bytes in the
+            destination of a chunk it then reports missing, because it reads before it can
+            verify; the engine then reads into a staging buffer rather than straight into
+            memory the caller owns.
+        options: The backend's own YAML keys, each an [Option][tierkv.backend.Option]
+            (validated by ``validate_options``).
+        speed_seed: A get batch's fixed cost and bandwidth before any was timed: where the
+            engine's estimate of the tier starts (``tierkv.policy.planner``).
+        counters: Evictions, evicted bytes and corrupt chunks so far (in ``stats()``).
     """
 
     persistent: ClassVar[bool] = False
@@ -72,74 +92,203 @@ class StorageBackend(abc.ABC):
     # -- construction from YAML -------------------------------------------------
     @classmethod
     def validate_options(cls, raw: Mapping[str, Any], path: str) -> dict[str, Any]:
-        """Check this backend's YAML options; errors name ``path`` and what was expected."""
+        """Check this backend's YAML options.
+
+        Args:
+            raw: The tier's keys that are not common to every tier.
+            path: The tier's YAML path (``tiers[1]``), for error messages.
+
+        Returns:
+            The options converted to their kinds, defaults filled in (a dict whose repr hides
+                the secret ones).
+
+        Raises:
+            ConfigError: if an option is unknown, missing, of the wrong kind or out of range
+                (the message names ``path`` and what was expected).
+        """
         return parse_options(cls.options, raw, path)
 
     @classmethod
     def from_options(cls, name: str, capacity: int | None, options: Mapping[str, Any]) -> StorageBackend:
-        """Build a tier from validated options (the registry calls this)."""
+        """Build a tier from validated options (the registry calls this).
+
+        Args:
+            name: The tier's name.
+            capacity: The tier's capacity in bytes, or None.
+            options: What ``validate_options`` returned, passed as keyword arguments.
+
+        Returns:
+            The backend.
+
+        Raises:
+            CapacityError: if the class declares ``requires_capacity`` and ``capacity`` is None.
+        """
         return cls(name=name, capacity=capacity, **options)
 
     # -- single-key contract --------------------------------------------------------
     @abc.abstractmethod
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
-        """Store a copy of ``chunk`` under ``key`` (replacing any older value)."""
+        """Store a copy of ``chunk`` under ``key`` (replacing any older value).
+
+        The caller may reuse its tensor as soon as ``put`` returns. A bounded backend evicts
+        least-recently-used chunks to make room.
+
+        Args:
+            key: The chunk's key.
+            chunk: The chunk's KV blob (possibly not contiguous).
+
+        Raises:
+            CapacityError: if the chunk cannot fit; nothing stored before is lost.
+            BackendClosedError: if the backend is closed.
+        """
 
     @abc.abstractmethod
     async def get(self, key: CacheKey) -> torch.Tensor | None:
-        """The chunk stored under ``key`` as a tensor the caller owns, or None."""
+        """The chunk stored under ``key``, as a tensor the caller owns.
+
+        Args:
+            key: The chunk's key.
+
+        Returns:
+            The chunk (changing it changes nothing stored), or None for a miss: a missing key
+                is never an exception.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
 
     @abc.abstractmethod
     async def contains(self, key: CacheKey) -> bool:
-        """Whether ``key`` is stored (a hint: a later get may still miss)."""
+        """Whether ``key`` is stored (a hint: a later get may still miss).
+
+        Args:
+            key: The chunk's key.
+
+        Returns:
+            True if the key is stored.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
 
     @abc.abstractmethod
     async def delete(self, key: CacheKey) -> bool:
-        """Remove ``key``; True if it was there."""
+        """Remove ``key``.
+
+        Args:
+            key: The chunk's key.
+
+        Returns:
+            True if it was there.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
 
     # -- batched defaults ---------------------------------------------------------------
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Store many chunks; returns how many were stored. Later duplicates win."""
+        """Store many chunks; later duplicates win.
+
+        The default calls ``put`` for each; override it when the medium does better (one
+        transaction, one pipeline, parallel requests).
+
+        Args:
+            keys: One key per chunk.
+            chunks: The chunks.
+
+        Returns:
+            How many chunks were stored.
+
+        Raises:
+            ValueError: if ``keys`` and ``chunks`` differ in length.
+            CapacityError: if a chunk cannot fit.
+            BackendClosedError: if the backend is closed.
+        """
         check_batch(keys, chunks)
         for key, chunk in zip(keys, chunks):
             await self.put(key, chunk)
         return len(keys)
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        """Chunks for ``keys`` in input order, None for each miss."""
+        """The chunks stored under ``keys``.
+
+        The default calls ``get`` for each key, concurrently.
+
+        Args:
+            keys: The keys to read.
+
+        Returns:
+            The chunks in input order, None for each miss.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
         return list(await asyncio.gather(*(self.get(key) for key in keys)))
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is stored.
+
+        The default calls ``contains`` for each key, concurrently.
+
+        Args:
+            keys: The keys to look for.
+
+        Returns:
+            One flag per key, in input order.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
         return list(await asyncio.gather(*(self.contains(key) for key in keys)))
 
     async def batched_get_into(self, keys: Sequence[CacheKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Read each chunk into ``outs[i]``; True where the destination now holds it.
+        """Read each chunk into ``outs[i]``.
 
         The default reads with ``batched_get`` and copies, so it costs a second copy;
         override it to read straight into the destination (one copy) when the medium
         allows. A miss leaves its destination untouched unless the class declares
-        ``streams_into_destination``; a destination reported True holds the whole chunk.
+        ``streams_into_destination``; a chunk whose shape or dtype differs from its
+        destination is a miss.
+
+        Args:
+            keys: The keys to read.
+            outs: One destination tensor per key (possibly a strided slice of a larger one).
+
+        Returns:
+            Per key, True where the destination now holds the whole, verified chunk.
+
+        Raises:
+            ValueError: if ``keys`` and ``outs`` differ in length, or a destination is not a
+                tensor.
+            BackendClosedError: if the backend is closed.
         """
         check_destinations(keys, outs)
         chunks = await self.batched_get(keys)
         return [fill_destination(out, chunk) for out, chunk in zip(outs, chunks)]
 
     def batched_contains_nowait(self, keys: Sequence[CacheKey]) -> list[bool] | None:
-        """Whether each key is held, answered from memory at once, or None when that needs I/O.
+        """Whether each key is held, answered from memory at once.
 
         Called from any thread (a scheduler asking "how much is cached?" must not wait on
         the engine's event loop): read shared state only, never mutate it. Tiers with an
         in-memory index override it; the engine falls back to ``batched_contains``.
+
+        Args:
+            keys: The keys to look for.
+
+        Returns:
+            One flag per key, or None when answering needs I/O (the default).
         """
         return None
 
     async def close(self) -> None:
-        """Release resources; later calls raise BackendClosedError. Idempotent."""
+        """Release resources; later calls raise ``BackendClosedError``. Idempotent."""
         self._closed = True
 
     # -- accounting ---------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int | None:
+        """The capacity in bytes now (a memory tier under pressure reports its lowered limit); None: unbounded."""
         return self.capacity
 
     @property
@@ -149,16 +298,27 @@ class StorageBackend(abc.ABC):
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called."""
         return self._closed
 
     def scope_usage(self) -> dict[str, dict[str, int]] | None:
-        """``{scope: {"chunks": n, "bytes": b}}`` of what this tier holds, per key scope (the
-        digest of a model revision, adapter and tenant salt: ``tierkv.chunks.identity``), without
-        naming any key; None when the tier cannot list its keys cheaply (a remote store)."""
+        """What this tier holds per key scope, without naming any key.
+
+        A scope is the digest of a model revision, adapter and tenant salt
+        (``tierkv.chunks.identity``).
+
+        Returns:
+            ``{scope: {"chunks": n, "bytes": b}}``, or None when the tier cannot list its keys
+                cheaply (a remote store; the default).
+        """
         return None
 
     def stats(self) -> dict[str, Any]:
-        """Counters and occupancy, safe to print (no credentials)."""
+        """Counters and occupancy, safe to print (no credentials).
+
+        Returns:
+            The backend's class name, ``capacity_bytes``, ``used_bytes`` and ``counters``.
+        """
         return {
             "backend": type(self).__name__,
             "capacity_bytes": self.capacity_bytes,
@@ -167,10 +327,15 @@ class StorageBackend(abc.ABC):
         }
 
     def count_corrupt(self, dropped: Sequence[tuple[str, object]]) -> None:
-        """The one place a corrupt chunk is counted and reported: ``dropped`` holds (which
-        chunk, why) for each chunk that failed verification and is being deleted (a miss to
-        its reader). How to delete one is the store's own business; the count
-        (``counters["corrupt_chunks"]``, in ``stats()``) and the warning are the same for all."""
+        """Count and report chunks that failed verification and are being deleted.
+
+        The one place a corrupt chunk is counted and reported (a miss to its reader). How to
+        delete one is the store's own business; the count (``counters["corrupt_chunks"]``, in
+        ``stats()``) and the warning are the same for all.
+
+        Args:
+            dropped: ``(which chunk, why)`` for each chunk dropped.
+        """
         self.counters["corrupt_chunks"] += len(dropped)
         for which, why in dropped:
             logger.warning("tier %r: dropping corrupt chunk %s: %s", self.name, which, why)
@@ -204,20 +369,47 @@ class ChunkHold(Protocol):
 
 @runtime_checkable
 class InPlaceTier(Protocol):
-    """A tier whose chunks live in memory that may be written and read in place (the memory
-    tiers): the engine fills lower tiers from the copy such a tier holds, and connectors
-    gather into, and scatter out of, its slabs, so no byte is copied twice."""
+    """A tier whose chunks live in memory that may be written and read in place.
+
+    The memory tiers: the engine fills lower tiers from the copy such a tier holds, and
+    connectors gather into, and scatter out of, its slabs, so no byte is copied twice.
+    """
 
     async def put_with(self, keys: Sequence[CacheKey], layouts: Sequence[tuple[tuple[int, ...], torch.dtype]],
                        write: Callable[[dict[CacheKey, torch.Tensor]], Awaitable[None]],
                        on_commit: Callable[[], None] | None = None) -> int:
-        """Store chunks of the given (shape, dtype) by letting ``write`` fill their memory in
-        place; ``on_commit`` runs right at the commit, before another task can evict them."""
+        """Store chunks of the given layouts by letting ``write`` fill their memory in place.
+
+        Args:
+            keys: One key per chunk.
+            layouts: The ``(shape, dtype)`` of each chunk.
+            write: Called with the chunks' memory (key -> tensor view) and awaited; it fills
+                them. It must not return while a copy into the views still runs.
+            on_commit: Runs right at the commit, before another task can evict the chunks.
+
+        Returns:
+            How many chunks were stored.
+
+        Raises:
+            CapacityError: if the chunks cannot fit.
+            BackendClosedError: if the tier is closed.
+        """
         ...
 
     def hold(self, keys: Sequence[CacheKey], pin: bool = True) -> Sequence[ChunkHold | None]:
-        """The bytes of each stored chunk (None for misses), valid until released; ``pin``
-        keeps the chunk from eviction meanwhile."""
+        """The bytes of each stored chunk, valid until released.
+
+        Args:
+            keys: The chunks' keys.
+            pin: Keep each held chunk from eviction until its hold is released.
+
+        Returns:
+            A ``ChunkHold`` per key (``hold.chunk`` is the tier's memory; call
+                ``hold.release()`` when done), None for misses.
+
+        Raises:
+            BackendClosedError: if the tier is closed.
+        """
         ...
 
 
@@ -227,37 +419,62 @@ DemoteSink = Callable[[list[CacheKey], list[torch.Tensor]], Awaitable[None]]
 
 @runtime_checkable
 class SupportsPressure(Protocol):
-    """A tier whose capacity follows memory pressure (the memory tiers): the engine watches the
-    memory it lives in and lowers or restores its effective capacity.
+    """A tier whose capacity follows memory pressure (the memory tiers).
 
-    ``device_memory``: the capacity is accelerator memory (watched through NVML on a CUDA
-    ``device``, with the gpu watermarks); otherwise host memory (the host watermarks).
+    The engine watches the memory it lives in and lowers or restores its effective
+    capacity.
+
+    Attributes:
+        device: Where the tier's memory is.
+        device_memory: Whether the capacity is accelerator memory (watched through NVML on
+            a CUDA ``device``, with the gpu watermarks); otherwise host memory (the host
+            watermarks).
     """
 
     device: torch.device
     device_memory: bool
 
     def set_capacity_limit(self, limit: int) -> None:
-        """Effective capacity in bytes, never above the configured one."""
+        """Set the effective capacity.
+
+        Args:
+            limit: The capacity in bytes to keep to, never above the configured one (a higher
+                limit restores the configured capacity).
+        """
         ...
 
     async def shrink_to_limit(self) -> int:
-        """Free (demote) chunks until usage fits the effective capacity; the bytes freed."""
+        """Free (demote) chunks until usage fits the effective capacity.
+
+        Returns:
+            The bytes freed.
+        """
         ...
 
 
 @runtime_checkable
 class SupportsDemotion(Protocol):
-    """A tier that hands what it evicts to ``demote_sink`` when one is set (write-back)."""
+    """A tier that hands what it evicts to ``demote_sink`` when one is set (write-back).
+
+    Attributes:
+        demote_sink: Awaited as ``sink(keys, chunks)`` with the chunks the tier evicts;
+            None: evicted chunks are dropped.
+    """
 
     demote_sink: DemoteSink | None
 
 
 @runtime_checkable
 class ReclaimsHeldMemory(Protocol):
-    """A tier whose memory write-through fills hold while they wait for the tiers below (the
-    memory tiers): when a store needs that memory it calls ``reclaim(need, waited)``, which
-    drops such fills and returns the bytes their holds give back."""
+    """A tier whose memory write-through fills hold while they wait for the tiers below.
+
+    The memory tiers: when a store needs that memory it calls ``reclaim``.
+
+    Attributes:
+        reclaim: Awaited as ``reclaim(need, waited)``: drops such fills and returns the
+            bytes their holds give back; None until the engine sets it (when fills to the
+            tiers below hold this tier's memory).
+    """
 
     reclaim: Callable[[int, bool], Awaitable[int]] | None
 
@@ -318,34 +535,88 @@ def fill_destination(out: torch.Tensor, chunk: torch.Tensor | None) -> bool:
 class BlobBackend(StorageBackend):
     """Helper base for byte stores: implement four methods on string keys and bytes.
 
-    Tensors are (de)serialized with ``tierkv.chunks.serde`` (versioned header, checksum, no
-    pickle). A value that fails to decode is deleted, counted in
-    ``counters["corrupt_chunks"]`` and reported as a miss.
+    ``get_bytes``, ``put_bytes``, ``delete_bytes`` and ``exists`` take the key's
+    ``CacheKey.to_string`` form. Tensors are (de)serialized with ``tierkv.chunks.serde``
+    (versioned header, checksum, no pickle). A value that fails to decode is deleted,
+    counted in ``counters["corrupt_chunks"]`` and reported as a miss.
     """
 
     bounded: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def get_bytes(self, key: str) -> bytes | memoryview | None:
-        """The value stored under ``key``, or None."""
+        """The value stored under ``key``.
+
+        Args:
+            key: The key's string form.
+
+        Returns:
+            The value, or None when absent.
+        """
 
     @abc.abstractmethod
     async def put_bytes(self, key: str, data: bytes | bytearray) -> None:
-        """Store ``data`` under ``key`` atomically: a reader sees the old or the new value."""
+        """Store ``data`` under ``key`` atomically: a reader sees the old or the new value.
+
+        Args:
+            key: The key's string form.
+            data: The serialized chunk.
+
+        Raises:
+            CapacityError: if the value cannot fit (``full_disk_error`` makes the one for a
+                full disk).
+        """
 
     @abc.abstractmethod
     async def delete_bytes(self, key: str) -> bool:
-        """Remove ``key``; True if it was there."""
+        """Remove ``key``.
+
+        Args:
+            key: The key's string form.
+
+        Returns:
+            True if it was there.
+        """
 
     @abc.abstractmethod
     async def exists(self, key: str) -> bool:
-        """Whether ``key`` is stored."""
+        """Whether ``key`` is stored.
+
+        Args:
+            key: The key's string form.
+
+        Returns:
+            True if it is stored.
+        """
 
     async def put(self, key: CacheKey, chunk: torch.Tensor) -> None:
+        """Serialize ``chunk`` and store it with ``put_bytes``.
+
+        Args:
+            key: The chunk's key.
+            chunk: The chunk's KV blob.
+
+        Raises:
+            CapacityError: if ``put_bytes`` finds no room.
+            BackendClosedError: if the backend is closed.
+        """
         self._ensure_open()
         await self.put_bytes(key.to_string(), serde.encode(chunk, key.fmt if key.fmt in ("vllm", "huggingface") else None))
 
     async def get(self, key: CacheKey) -> torch.Tensor | None:
+        """Read with ``get_bytes`` and deserialize.
+
+        A value that fails to decode is counted, deleted and reported as a miss.
+
+        Args:
+            key: The chunk's key.
+
+        Returns:
+            The chunk as a tensor the caller owns, or None for a miss.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
         self._ensure_open()
         name = key.to_string()
         data = await self.get_bytes(name)
@@ -363,9 +634,31 @@ class BlobBackend(StorageBackend):
         await self.delete_bytes(name)
 
     async def contains(self, key: CacheKey) -> bool:
+        """Whether ``key`` is stored, asked with ``exists``.
+
+        Args:
+            key: The chunk's key.
+
+        Returns:
+            True if it is stored.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
         self._ensure_open()
         return await self.exists(key.to_string())
 
     async def delete(self, key: CacheKey) -> bool:
+        """Remove ``key`` with ``delete_bytes``.
+
+        Args:
+            key: The chunk's key.
+
+        Returns:
+            True if it was there.
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
         self._ensure_open()
         return await self.delete_bytes(key.to_string())

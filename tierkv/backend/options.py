@@ -52,10 +52,24 @@ def format_size(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class Option:
-    """One declared option: its kind, default and documentation.
+    """One declared option of a backend: its kind, default and documentation.
 
-    ``kind`` is one of ``str``, ``int``, ``float``, ``bool``, ``size``, ``path`` or a
-    callable converting the raw value (raising ValueError with a message on bad input).
+    A backend declares its YAML keys as ``options = {"name": Option(...)}``;
+    ``StorageBackend.validate_options`` checks a tier's values against them and every
+    mistake is reported the same way (the YAML path, what was expected, the valid choices
+    or a close match). The configuration reference is generated from ``doc``.
+
+    Attributes:
+        kind: One of ``"str"``, ``"int"``, ``"float"``, ``"bool"``, ``"size"`` (bytes, from
+            an int or ``4GiB``), ``"path"``, or a callable converting the raw value (raising
+            ValueError or TypeError with a message on bad input).
+        default: The value when the key is absent or null.
+        required: Whether the key must be given.
+        doc: What the option does, for the configuration reference and error messages.
+        choices: The values allowed; None: any of the kind.
+        minimum: The smallest value allowed (numbers); None: no bound.
+        secret: Whether the value is a credential: never echoed back in errors or reprs,
+            and it may be given as ``{env: NAME}`` (read from that environment variable).
     """
 
     kind: str | Callable[[Any], Any]

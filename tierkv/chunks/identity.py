@@ -34,8 +34,22 @@ _SCOPE_HEX = 16  # 64 bits: names a scope in key strings; the chain itself uses 
 
 @dataclass(frozen=True, order=True)
 class MediaSpan:
-    """One multimodal input of a prompt: ``content_hash`` (a stable digest of the image,
-    audio or video, e.g. vLLM's ``mm_hash``) at placeholder tokens ``[offset, offset + length)``."""
+    """One multimodal input of a prompt, at a run of placeholder tokens.
+
+    Given in ``RequestIdentity.media``: the input is folded into the key of the first chunk
+    it overlaps, so chunks before it keep their plain text keys and every chunk from it on
+    is that input's alone.
+
+    Attributes:
+        content_hash: A stable digest of the image, audio or video (e.g. vLLM's
+            ``mm_hash``).
+        offset: The index of its first placeholder token in the prompt.
+        length: How many placeholder tokens it occupies (at least one).
+
+    Raises:
+        ValueError: if ``content_hash`` is not a non-empty string, ``offset`` or ``length``
+            is not a non-negative int, or ``length`` is 0.
+    """
 
     content_hash: str
     offset: int
@@ -53,6 +67,7 @@ class MediaSpan:
 
     @property
     def end(self) -> int:
+        """The index just past its last placeholder token: ``offset + length``."""
         return self.offset + self.length
 
 
@@ -60,14 +75,24 @@ class MediaSpan:
 class RequestIdentity:
     """What, besides the tokens and the engine, determines one request's KV.
 
-    - ``adapter``: a stable identity of the LoRA adapter (``tierkv.chunks.revisions.adapter_identity``
-      gives one from the adapter's files; never a per-process integer id);
-    - ``salt``: the tenant's cache salt (vLLM's ``cache_salt``): requests under different
-      salts never share a chunk; the salt itself is hashed, never stored or logged;
-    - ``media``: the multimodal inputs of the prompt;
-    - ``extra``: anything else a user's rule binds (strings, hashed in order).
+    Every prompt call of [Engine][tierkv.Engine] takes one (``identity=``); a chunk is only
+    ever found again by a request of the same identity. The default (all empty) is a plain
+    text request of the engine's base model.
 
-    The default (all empty) is a plain text request of the engine's base model.
+    Attributes:
+        adapter: A stable identity of the LoRA adapter
+            (``tierkv.chunks.revisions.adapter_identity`` gives one from the adapter's files;
+            never a per-process integer id); None: the base model.
+        salt: The tenant's cache salt (vLLM's ``cache_salt``): requests under different
+            salts never share a chunk. The salt itself is hashed, never stored or logged
+            (it is left out of the repr).
+        media: The multimodal inputs of the prompt, kept sorted by offset.
+        extra: Anything else a user's rule binds (strings, hashed in order).
+
+    Raises:
+        ValueError: if ``adapter`` or ``salt`` is neither a string nor None, or ``media``
+            holds something other than ``MediaSpan`` items, or ``extra`` something other
+            than strings.
     """
 
     adapter: str | None = None
@@ -103,7 +128,13 @@ class RequestIdentity:
         return self._scope_parts
 
     def describe(self) -> dict[str, object]:
-        """What this identity binds, safe to show (the salt is never shown)."""
+        """What this identity binds, safe to show (the salt is never shown).
+
+        Returns:
+            ``{"adapter": ...}`` when there is an adapter, ``{"salted": True}`` when there is
+                a salt, ``{"extra_parts": n}`` when there are extra parts (together); empty for a
+                plain request.
+        """
         out: dict[str, object] = {}
         if self.adapter:
             out["adapter"] = self.adapter
@@ -114,13 +145,31 @@ class RequestIdentity:
         return out
 
     def to_wire(self) -> dict[str, object]:
-        """A JSON-safe form (the vLLM scheduler sends it to the worker that answers lookups)."""
+        """A JSON-safe form (the vLLM scheduler sends it to the worker that answers lookups).
+
+        It holds the salt: send it only between a deployment's own processes.
+
+        Returns:
+            A dict of ``adapter``, ``salt``, ``extra`` and ``media`` (``[hash, offset,
+                length]`` triples), for ``from_wire``.
+        """
         return {"adapter": self.adapter, "salt": self.salt, "extra": list(self.extra),
                 "media": [[span.content_hash, span.offset, span.length] for span in self.media]}
 
     @classmethod
     def from_wire(cls, data: object) -> RequestIdentity:
-        """The identity ``to_wire`` wrote; ValueError naming what was expected otherwise."""
+        """The identity ``to_wire`` wrote.
+
+        Args:
+            data: What ``to_wire`` returned, after a trip through JSON.
+
+        Returns:
+            An identity equal to the one written.
+
+        Raises:
+            ValueError: if ``data`` is not a mapping, its media are not ``[hash, offset,
+                length]`` triples, or a part is invalid (as for the constructor).
+        """
         if not isinstance(data, dict):
             raise ValueError(f"request identity: expected a mapping, got {type(data).__name__}")
         try:

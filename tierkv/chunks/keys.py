@@ -45,7 +45,17 @@ class CacheKey:
     models or tensor-parallel shards never mix, even in one shared bucket. ``scope`` names
     the identity the chunk's hash was seeded with (``tierkv.chunks.identity``: model revision,
     KV dtype and geometry, LoRA adapter, tenant salt); every key an engine makes has one,
-    and keys made by hand (a backend's tests) may leave it empty.
+    and keys made by hand (a backend's tests) may leave it empty. An engine makes keys with
+    ``keys_for``; a backend stores under them, or under ``to_string``.
+
+    Attributes:
+        fmt: The KV layout, ``"vllm"`` or ``"huggingface"``.
+        model_name: The model's name.
+        world_size: How many workers share the model.
+        worker_id: The rank of the worker whose KV this is.
+        chunk_hash: The hex hash of the chunk's tokens and every token before them.
+        scope: The short digest of the identity the hash was seeded with; ``""`` for a key
+            made by hand.
     """
 
     fmt: str
@@ -75,11 +85,14 @@ class CacheKey:
                 and self.scope == other.scope)
 
     def to_string(self) -> str:
-        """Stable, escaped string form for byte stores: ``fmt@model@world@worker@scope@hash``
-        (``fmt@model@world@worker@hash`` for a key without a scope).
+        """Stable, escaped string form for byte stores.
 
         Every field is percent-escaped, so ``@`` or ``/`` in a model name cannot collide
         with the separators.
+
+        Returns:
+            ``fmt@model@world@worker@scope@hash``, or ``fmt@model@world@worker@hash`` for a
+                key without a scope; ``from_string`` parses it back.
         """
         if self._string is None:
             tail = self.chunk_hash if _PLAIN.match(self.chunk_hash) else quote(str(self.chunk_hash), safe="-_.")
@@ -89,16 +102,30 @@ class CacheKey:
         return self._string  # type: ignore[return-value]
 
     def to_bytes(self) -> bytes:
-        """``to_string`` in UTF-8 (computed once: byte stores look it up on every probe)."""
+        """``to_string`` in UTF-8 (computed once: byte stores look it up on every probe).
+
+        Returns:
+            The UTF-8 bytes of ``to_string()``.
+        """
         if self._bytes is None:
             object.__setattr__(self, "_bytes", self.to_string().encode())
         return self._bytes  # type: ignore[return-value]
 
     @classmethod
     def in_namespace(cls, fields: tuple[str, str, int, int, str], prefix: str, chunk_hash: str) -> CacheKey:
-        """The key of a plain (hex) ``chunk_hash`` in the namespace ``fields`` whose escaped
-        prefix (``namespace_prefix``) the caller already has: its string form is set at
-        once (a lookup makes a key per chunk, and every tier asks for that string)."""
+        """The key of a plain (hex) ``chunk_hash`` in a namespace whose string prefix is known.
+
+        Its string form is set at once (a lookup makes a key per chunk, and every tier asks for
+        that string).
+
+        Args:
+            fields: ``(fmt, model_name, world_size, worker_id, scope)`` of the namespace.
+            prefix: Their escaped string form, ``namespace_prefix(*fields)``.
+            chunk_hash: The chunk's hash, of characters that need no escaping.
+
+        Returns:
+            The key.
+        """
         fmt, model, world, worker, scope = fields
         key = cls(fmt, model, world, worker, chunk_hash, scope)
         object.__setattr__(key, "_string", prefix + chunk_hash)
@@ -106,7 +133,18 @@ class CacheKey:
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:
-        """Parse the form written by ``to_string``."""
+        """Parse the form written by ``to_string``.
+
+        Args:
+            text: A key's string form.
+
+        Returns:
+            The key it names.
+
+        Raises:
+            ValueError: if ``text`` has neither 5 nor 6 ``@``-separated fields, or its world
+                size or worker id is not an integer.
+        """
         parts = text.split("@")
         if len(parts) not in _KEY_FIELDS:
             raise ValueError(

@@ -107,7 +107,33 @@ class RecomputeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The whole engine: model identity, chunking, KV layout and the tier stack (top first)."""
+    """The whole engine: model identity, chunking, KV layout and the tier stack (top first).
+
+    Made by [load_config][tierkv.load_config], which validates every value; the YAML keys
+    of the same names are documented in the configuration reference.
+
+    Attributes:
+        model: The model's name; part of every key.
+        tiers: The tiers, fastest first.
+        chunk_size: Tokens per chunk (the unit of storage and of every key).
+        kv_format: The layout of KV blobs: ``"vllm"`` or ``"huggingface"``.
+        dtype: The dtype every stored KV must have; None: any.
+        write_policy: ``"write_through"`` or ``"write_back"``.
+        world_size: How many workers (tensor-parallel ranks) share the model; part of
+            every key.
+        worker_id: This worker's rank, below ``world_size``; part of every key.
+        pressure: The memory watermarks at which memory tiers shrink.
+        background: The bound of the queue of lower-tier fills, and what a put does when
+            it is full.
+        health: When a failing tier is skipped, for how long, and the limit on one tier
+            operation.
+        recompute: How fast the serving model prefills, for the cost model.
+        cost_aware: Load a cached prefix only as far as that beats recomputing it; None:
+            on once a recompute speed is known.
+        source: Where the configuration came from (a file path, or ``"<dict>"``).
+        model_revision: What tells this model's weights from another revision under the
+            same name; part of every key.
+    """
 
     model: str
     tiers: tuple[TierConfig, ...]
@@ -242,7 +268,26 @@ def config_from_mapping(raw: Mapping[str, Any], source: str = "<dict>") -> Engin
 
 
 def load_config(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> EngineConfig:
-    """Load and validate a configuration from a dict, a YAML file path, or ``$TIERKV_CONFIG``."""
+    """Load and validate a configuration.
+
+    Args:
+        source: An ``EngineConfig`` (returned as it is), a mapping in the shape of the YAML
+            file, the path of a YAML file, or None: the YAML file ``$TIERKV_CONFIG`` names.
+            For a mapping or a file, ``TIERKV_*`` environment variables override top-level
+            keys.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: if no source is given and ``TIERKV_CONFIG`` is not set, the file cannot
+            be read or is not YAML, or a value is missing, unknown, of the wrong type or
+            impossible (the message names its YAML path and what was expected).
+        BackendNotFoundError: if a tier names a backend no installed distribution provides
+            (a ``ConfigError``).
+        BackendLoadError: if a tier's backend is found but cannot be imported, or its name
+            is registered by more than one distribution.
+    """
     if isinstance(source, EngineConfig):
         return source
     if isinstance(source, Mapping):

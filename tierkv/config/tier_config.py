@@ -33,7 +33,24 @@ TIER_COMMON = ("name", "backend", "capacity", "promote", "admission", "codec")
 
 @dataclass(frozen=True)
 class TierConfig:
-    """One tier: its name, backend entry-point name, capacity and validated options."""
+    """One tier: its name, backend entry-point name, capacity and validated options.
+
+    One entry of ``EngineConfig.tiers``, made by [load_config][tierkv.load_config]. Its
+    repr shows options declared secret (and any named like a credential) as
+    ``<redacted>``.
+
+    Attributes:
+        name: The tier's name, unique in the configuration.
+        backend: The backend's entry-point name (``cpu``, ``lmdb``, ``dist:name`` ...).
+        capacity: The tier's capacity in bytes; None when the YAML gives none (a backend that
+            needs one refuses that).
+        options: The backend's own options, validated by it.
+        path: Where in the YAML the tier came from (``tiers[1]``), for error messages.
+        promote: Copy hits from lower tiers up into this tier.
+        admission: Which chunks may be copied into the tier (``tierkv.policy.admission``).
+        codec: How chunks are kept on a byte tier (``tierkv.backend.codecs``); ``"none"``:
+            as they are.
+    """
 
     name: str
     backend: str

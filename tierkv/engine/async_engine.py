@@ -1,6 +1,6 @@
 """The prompt API: tokens in, KV out, across the tiers of the ``tierkv.routing.router.TierRouter`` it holds.
 
-One module of about 520 lines, by choice: it is the whole public prompt API, one class whose
+One module of about 890 lines, by choice: it is the whole public prompt API, one class whose
 methods each carry their contract in their docstring, plus the router's surface re-exposed for
 callers of the engine; the logic behind them lives in the modules beside it (chunk_layout,
 prefix_plans, metadata) and below.
@@ -62,8 +62,10 @@ def apply_log_level() -> None:
 
 
 class AsyncEngine:
-    """Stores and retrieves KV caches of token prefixes across a stack of tiers (held by
-    ``router``, used through its public methods only).
+    """Stores and retrieves KV caches of token prefixes across a stack of tiers.
+
+    The tiers are held by ``router`` (a ``tierkv.routing.router.TierRouter``), used through its
+    public methods only. [Engine][tierkv.Engine] is the blocking facade over this class.
 
     Tiers are tried top (fastest) first. ``write_through``: a put is acknowledged when the
     first tier that admits it holds it, and the tiers below are filled in the background
@@ -71,6 +73,23 @@ class AsyncEngine:
     down when it is evicted (demoted). Either way a hit in a lower tier is copied up into
     the tiers above that have ``promote: true``. A tier that keeps failing is skipped for
     a while and retried; memory tiers shrink and stop admitting under memory pressure.
+
+    Args:
+        config: The configuration: an ``EngineConfig``, a mapping in the shape of the YAML
+            file, or the path of a YAML file (read by [load_config][tierkv.load_config]).
+        metadata: What the cached KV belongs to (model, revision, rank, KV format, KV shape);
+            None: ``EngineMetadata.from_config(config)``.
+        probes: Per tier name, the probe that reads the memory that tier lives in (memory
+            pressure); a memory tier without one gets NVML on its CUDA device, or the
+            host-memory probe.
+
+    Raises:
+        ConfigError: if the configuration is invalid, ``metadata`` names an unknown KV
+            format, a tier's capacity cannot hold one chunk of ``metadata.kv_shape``, a
+            tier fails to open, or ``TIERKV_LOG_LEVEL`` is not a level name.
+        BackendNotFoundError: if a tier names a backend no installed distribution provides
+            (a ``ConfigError``).
+        BackendLoadError: if a tier's backend is found but cannot be imported.
     """
 
     def __init__(
@@ -99,6 +118,20 @@ class AsyncEngine:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> AsyncEngine:
+        """An engine from a YAML config file (the format of ``tierkv.config``).
+
+        Args:
+            path: The YAML file.
+            metadata: What the cached KV belongs to; None: derived from the config.
+
+        Returns:
+            The engine (``close`` it when done).
+
+        Raises:
+            ConfigError: if the file cannot be read, is not YAML or not a valid configuration,
+                or a tier fails to open.
+            BackendLoadError: if a tier's backend is found but cannot be imported.
+        """
         return cls(load_config(path), metadata)
 
     # -- the router's surface, for callers of the engine ---------------------------------------
@@ -108,64 +141,183 @@ class AsyncEngine:
         return self.router.backends
 
     def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
-        """Route every later call into tier ``name`` through ``wrapper(backend)`` (a fault
-        injector, a throttle, a tracer) and return it; the wrapper keeps the tier's name."""
+        """Route every later call into tier ``name`` through ``wrapper(backend)``.
+
+        For a fault injector, a throttle or a tracer. On a tier with a ``codec`` the wrapper
+        goes under the codec: it sees the frames that are stored and moved, as the medium does.
+
+        Args:
+            name: The tier's name in the configuration.
+            wrapper: Called once with the tier's backend; returns the backend to use in its
+                place, which keeps the tier's ``name``.
+
+        Returns:
+            The backend ``wrapper`` returned, now in the tier's place.
+
+        Raises:
+            KeyError: if no tier is called ``name``.
+            TypeError: if ``wrapper`` returns something that is not a ``StorageBackend``.
+            ValueError: if the backend ``wrapper`` returns has another ``name``.
+        """
         return self.router.wrap_tier(name, wrapper)
 
     @property
     def write_policy(self) -> str:
+        """``"write_through"`` or ``"write_back"``, as configured."""
         return self.router.write_policy
 
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Store chunks under their keys (see ``TierRouter.batched_put``); chunks acknowledged."""
+        """Store chunks under their keys, as the write policy says.
+
+        The chunks go to the first tier that admits them; the call fails only when no tier
+        took them. A tier that fails is counted, and skipped for a while after repeated
+        failures.
+
+        Args:
+            keys: One key per chunk (``keys_for`` makes them).
+            chunks: The chunks, each a KV blob of one chunk's tokens; the caller may reuse them
+                once the call returns.
+
+        Returns:
+            How many chunks were acknowledged.
+
+        Raises:
+            ValueError: if ``keys`` and ``chunks`` differ in length.
+            TierUnavailableError: if no tier took the chunks and some are cached nowhere.
+            BackendClosedError: if the engine is closed, or closed under the call.
+        """
         return await self.router.batched_put(keys, chunks)
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        """Chunks for ``keys`` in order, None for misses (see ``TierRouter.batched_get``)."""
+        """The chunk of each key, each from the highest tier holding it.
+
+        Waits for the prefetches moving these keys; hits below the first tier are copied up
+        into the tiers above that promote.
+
+        Args:
+            keys: The keys to read.
+
+        Returns:
+            The chunks in the order of ``keys``; None for a miss.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return await self.router.batched_get(keys)
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each key is held by any tier (or waits in the fill queue)."""
+        """Whether each key is held by any tier (or waits in the fill queue).
+
+        Args:
+            keys: The keys to look for.
+
+        Returns:
+            One flag per key, in order.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return await self.router.batched_contains(keys)
 
     async def batched_delete(self, keys: Sequence[CacheKey]) -> int:
-        """Remove ``keys`` from every tier; how many (key, tier) copies were removed."""
+        """Remove ``keys`` from every tier.
+
+        The background fills already queued land first, so none writes a key back; a tier that
+        fails is counted and skipped (the call removes what it can).
+
+        Args:
+            keys: The keys to remove.
+
+        Returns:
+            How many (key, tier) copies were removed.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return await self.router.batched_delete(keys)
 
     async def locate_keys(self, keys: Sequence[CacheKey]) -> list[str | None]:
-        """The name of the highest tier holding each key (``tierkv.routing.locate.FILL_QUEUE``
-        for a chunk acknowledged and not yet written); None if nowhere."""
+        """The name of the highest tier holding each key.
+
+        Args:
+            keys: The keys to locate.
+
+        Returns:
+            Per key, in order, a tier's name, ``"fill-queue"``
+                (``tierkv.routing.locate.FILL_QUEUE``) for a chunk acknowledged and not yet
+                written, or None where no tier holds it.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return self.router.names(await self.router.levels(keys))
 
     def locate_keys_nowait(self, keys: Sequence[CacheKey]) -> list[str | None] | None:
-        """``locate_keys`` from in-memory indexes, from any thread; None when a tier
-        available now needs I/O to answer."""
+        """``locate_keys`` answered from in-memory indexes, from any thread.
+
+        Args:
+            keys: The keys to locate.
+
+        Returns:
+            What ``locate_keys`` returns, or None when a tier available now needs I/O to answer
+                (then await ``locate_keys``).
+        """
         levels = self.router.levels_nowait(keys)
         return None if levels is None else self.router.names(levels)
 
     async def flush(self) -> None:
-        """Wait until every background operation (fills, prefetches, demotions) has landed;
-        under write-back, also write every chunk a memory tier holds alone to the tier below
-        (returns once they have landed: a persistent tier there keeps them across a crash)."""
+        """Wait until every background operation (fills, prefetches, demotions) has landed.
+
+        Under write-back, also write every chunk a memory tier holds alone to the tier below,
+        and return once they have landed (a persistent tier there keeps them across a crash).
+
+        Raises:
+            TierUnavailableError: under write-back, if no tier below took some dirty chunks
+                (they stay in memory; a later flush tries again), or some left their tier
+                before a tier below took them.
+        """
         await self.router.flush()
 
     async def close(self, flush: bool = True) -> None:
-        """Flush, then close every tier. Idempotent. ``flush=False``: close without writing
-        write-back's dirty chunks down (what only memory tiers hold is then lost)."""
+        """Flush, then close every tier. Idempotent.
+
+        Refuses new calls at once (they raise ``BackendClosedError``) and lets the running ones
+        end first, up to the router's ``close_grace_s``. A flush that cannot write everything
+        down is logged, and the tiers close anyway.
+
+        Args:
+            flush: Under write-back, write the chunks only a memory tier holds to the tier
+                below first; False: close without (what only memory tiers hold is then lost).
+        """
         await self.router.close(flush)
 
     # -- prompts ------------------------------------------------------------------------------
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
-        """The key of every chunk of ``tokens`` (the last one may cover a partial chunk) of a
-        request of ``identity`` (its LoRA adapter, tenant salt and media: ``tierkv.chunks.identity``)."""
+        """The key of every chunk of ``tokens`` for a request of ``identity`` (no tier is asked).
+
+        Args:
+            tokens: The token ids: a 1-D tensor, sequence or numpy array of integers.
+            identity: What else the request's KV depends on: its LoRA adapter, tenant salt and
+                media (``tierkv.chunks.identity``); the default is a plain text request.
+
+        Returns:
+            One [CacheKey][tierkv.CacheKey] per chunk of ``chunk_size`` tokens, in order (the
+                last one may cover a partial chunk).
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids in ``[0, 2**31 - 1]``.
+        """
         return list(self._iter_keys(as_token_array(tokens), identity))
 
     def _iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
         return self.key_maker.iter_keys(token_array, identity)
 
     def note_unidentified(self) -> None:
-        """An integration saw a request whose KV it cannot identify (e.g. a prompt given as
-        embeddings): it neither stores nor loads it, and ``stats()["identity"]`` counts it."""
+        """Count a request whose KV an integration cannot identify.
+
+        E.g. a prompt given as embeddings: the integration neither stores nor loads its KV, and
+        ``stats()["identity"]`` counts it.
+        """
         self.unidentified_requests += 1
 
     async def store(
@@ -178,15 +330,31 @@ class AsyncEngine:
     ) -> int:
         """Store the KV of ``tokens``; returns the number of chunks written.
 
-        ``identity`` (every prompt call takes it): what else the KV depends on, the request's
-        LoRA adapter, tenant salt and media (``tierkv.chunks.identity.RequestIdentity``); a
-        chunk is only ever found again by a request of the same identity.
+        Each byte is copied once, from ``kv`` into the first tier that takes it; lower tiers
+        are filled from that copy in the background.
 
-        With a suffix ``mask``, ``kv`` holds only the masked tokens and the number of
-        unmasked (skipped) tokens must be a multiple of the chunk size. With
-        ``skip_existing``, chunks already cached at the start of the prompt are not
-        written again. Each byte is copied once, from ``kv`` into the first tier that
-        takes it; lower tiers are filled from that copy.
+        Args:
+            tokens: The prompt's token ids (a 1-D tensor, sequence or numpy array).
+            kv: The KV of those tokens: one blob in the engine's ``kv_format``, or per-layer
+                ``(K, V)`` pairs. With ``mask``, only the KV of the masked tokens.
+            mask: A suffix mask over ``tokens`` (False for a prefix, True for the rest): only
+                the True tokens are stored, and the number of False (skipped) tokens must be a
+                multiple of the chunk size. None: every token.
+            skip_existing: Leave out the chunks already cached at the start of the prompt.
+            identity: What else the KV depends on (every prompt call takes it): the request's
+                LoRA adapter, tenant salt and media (``RequestIdentity``); a chunk is only ever
+                found again by a request of the same identity.
+
+        Returns:
+            The number of chunks written (0 when there was nothing to write).
+
+        Raises:
+            ValueError: if ``tokens``, ``mask`` or ``kv`` is malformed, ``kv`` holds another
+                number of tokens than are to be stored, or its dtype is not the configured
+                ``dtype``.
+            TierUnavailableError: if no tier took the chunks (each full, failing or skipped as
+                unhealthy) and some are cached nowhere.
+            BackendClosedError: if the engine is closed, or closed under the call.
         """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
@@ -209,9 +377,20 @@ class AsyncEngine:
 
     async def chunks_to_store(self, token_array: np.ndarray, skip: int, skip_existing: bool = True,
                               identity: RequestIdentity = PLAIN) -> tuple[list[CacheKey], list[tuple[int, int]]]:
-        """Keys and token ranges of the chunks of a validated token array (``as_token_array``)
-        to store, from token ``skip`` (chunk-aligned) on; with ``skip_existing``, without the
-        chunks already cached at the start."""
+        """The keys and token ranges of the chunks of a prompt to store.
+
+        Args:
+            token_array: The prompt's token ids, already validated (``as_token_array``).
+            skip: The first token to store (chunk-aligned): the chunks before it are left out.
+            skip_existing: Also leave out the chunks already cached at the start of the prompt.
+            identity: The request's identity.
+
+        Returns:
+            The keys and the ``[start, end)`` token range of each chunk to store.
+
+        Raises:
+            BackendClosedError: if the engine is closed (asked only with ``skip_existing``).
+        """
         keys = list(self._iter_keys(token_array, identity))[skip // self.chunk_size :]
         ranges = transfer.chunk_ranges(skip, len(token_array), self.chunk_size)
         if skip_existing and keys:
@@ -221,11 +400,24 @@ class AsyncEngine:
 
     async def store_from(self, keys: Sequence[CacheKey], source: transfer.ChunkSource,
                          ranges: Sequence[tuple[int, int]]) -> int:
-        """Store the chunks ``source`` gives for token ``ranges`` under ``keys``; chunks written.
+        """Store the chunks ``source`` gives for token ``ranges`` under ``keys``.
 
         The first tier that admits the batch gets one copy of each byte, straight from the
         source (a memory tier lets the source write into its slabs in place); the tiers
         below are filled from that copy. Connectors call this with a paged-cache source.
+
+        Args:
+            keys: One key per chunk.
+            source: Where the chunks' KV is read from (a ``tierkv.chunks.transfer.ChunkSource``,
+                e.g. over a connector's paged cache).
+            ranges: The ``[start, end)`` token range of each chunk in ``source``.
+
+        Returns:
+            The number of chunks written.
+
+        Raises:
+            TierUnavailableError: if no tier took the chunks and some are cached nowhere.
+            BackendClosedError: if the engine is closed, or closed under the call.
         """
         self.router.ensure_open()
         if ranges:
@@ -244,20 +436,37 @@ class AsyncEngine:
     ) -> tuple[Any, torch.Tensor]:
         """The cached KV of the longest cached prefix of ``tokens`` and a mask of the tokens it covers.
 
-        With a suffix ``mask``, only the masked tokens are returned. When nothing is
-        cached the KV is an empty tuple (whatever ``return_tuple``: what callers of the first version expect).
+        ``out`` receives the KV straight from the tiers, and the KV returned is a view of it;
+        without ``out`` the KV is allocated once and filled straight from the tiers. Tokens of
+        ``out`` past the returned mask are not meant to be read: they keep their old bytes,
+        except where a chunk after a damaged or vanished one was read (then they hold that
+        chunk's correct KV).
 
-        ``out`` (a blob in the engine's ``kv_format`` holding the masked tokens, or per-layer
-        (K, V) pairs) receives the KV straight from the tiers, and the KV returned is a view
-        of it; without ``out`` the KV is allocated once and filled straight from the tiers.
-        Tokens of ``out`` past the returned mask are not meant to be read: they keep their
-        old bytes, except where a chunk after a damaged or vanished one was read (then they
-        hold that chunk's correct KV).
+        With ``cost_aware`` (see ``plan``) only the part of the prefix that is faster to load
+        than to recompute is read.
 
-        With ``cost_aware`` (see ``plan``) only the part of the prefix that is faster to
-        load than to recompute is read. ``deadline_s``: chunks that have not arrived after
-        that many seconds are misses; the prefix that did arrive is returned (a stuck tier
-        costs at most the deadline, and nothing read after it reaches ``out``).
+        Args:
+            tokens: The prompt's token ids.
+            mask: A suffix mask over ``tokens``: only the True tokens are returned. None: every
+                token.
+            return_tuple: Return the KV as per-layer ``(K, V)`` pairs; False: as one blob in
+                the engine's ``kv_format``.
+            out: Memory to retrieve into: a blob in the engine's ``kv_format`` holding the
+                masked tokens, or per-layer ``(K, V)`` pairs. None: a new tensor is allocated.
+            deadline_s: Seconds to wait: chunks that have not arrived by then are misses and the
+                prefix that did arrive is returned (a stuck tier costs at most the deadline, and
+                nothing read after it reaches ``out``). None: no limit.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            A pair ``(kv, mask)``: the KV of the tokens retrieved and a boolean tensor over
+                ``tokens``, True for each token retrieved. When nothing is retrieved the KV is an
+                empty tuple, whatever ``return_tuple`` (what callers of the first version expect).
+
+        Raises:
+            ValueError: if ``tokens``, ``mask`` or ``out`` is malformed, or ``out`` is
+                per-layer tensors that do not form one blob while ``return_tuple`` is False.
+            BackendClosedError: if the engine is closed.
         """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
@@ -282,10 +491,28 @@ class AsyncEngine:
     async def retrieve_to(self, tokens: TokenIds, sink: transfer.ChunkSink, mask: torch.Tensor | None = None,
                           deadline_s: float | None = None, plan: bool = True,
                           identity: RequestIdentity = PLAIN) -> torch.Tensor:
-        """Retrieve the cached prefix of ``tokens`` into ``sink`` (a connector's paged cache);
-        returns the mask of the tokens written. Chunks held by a memory tier are copied
-        straight out of its slabs into the sink. ``plan=False``: load all of the cached prefix
-        (the caller, e.g. vLLM's scheduler, already decided how much pays)."""
+        """Retrieve the cached prefix of ``tokens`` into ``sink`` (a connector's paged cache).
+
+        Chunks held by a memory tier are copied straight out of its slabs into the sink.
+
+        Args:
+            tokens: The prompt's token ids.
+            sink: Where the chunks are written (a ``tierkv.chunks.transfer.ChunkSink``).
+            mask: A suffix mask over ``tokens``: only the True tokens are retrieved. None:
+                every token.
+            deadline_s: Seconds to wait for chunks: one that has not arrived by then is a miss
+                and ends the prefix. None: no limit.
+            plan: Load only as much as the cost model says pays (with ``cost_aware``); False:
+                all of the cached prefix (the caller, e.g. vLLM's scheduler, already decided).
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            A boolean tensor over ``tokens``, True for each token written into ``sink``.
+
+        Raises:
+            ValueError: if ``tokens`` or ``mask`` is malformed.
+            BackendClosedError: if the engine is closed.
+        """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         skip = kvlayout.suffix_mask_skip(mask, len(token_array))
@@ -304,13 +531,26 @@ class AsyncEngine:
 
     async def retrieve_keys_into(self, keys: Sequence[CacheKey], ranges: Sequence[tuple[int, int]],
                                  sink: transfer.ChunkSink, deadline_s: float | None = None) -> int:
-        """Read the leading ``keys`` some tier holds into ``sink`` at token ``ranges``; how
-        many leading chunks arrived (a damaged or late chunk is a miss and ends the prefix).
+        """Read the leading ``keys`` some tier holds into ``sink`` at token ``ranges``.
 
-        The key-level read for callers that name chunks themselves (SGLang's pages): the
-        same tiers, deadline and hit/miss accounting as ``retrieve``, without hashing
-        tokens. Chunks after the delivered prefix may hold junk in ``sink``: the count is the
-        contract (the caller's memory is not released while a tier still writes into it).
+        The key-level read for callers that name chunks themselves (SGLang's pages): the same
+        tiers, deadline and hit/miss accounting as ``retrieve``, without hashing tokens.
+        Chunks after the delivered prefix may hold junk in ``sink``: the count is the contract
+        (the caller's memory is not released while a tier still writes into it).
+
+        Args:
+            keys: The chunks' keys, in prompt order.
+            ranges: The ``[start, end)`` token range of each chunk in ``sink``.
+            sink: Where the chunks are written (a ``tierkv.chunks.transfer.ChunkSink``).
+            deadline_s: Seconds to wait for chunks: one that has not arrived by then is a miss.
+                None: no limit.
+
+        Returns:
+            How many leading chunks arrived (a damaged or late chunk is a miss and ends the
+                prefix).
+
+        Raises:
+            BackendClosedError: if the engine is closed.
         """
         self.router.ensure_open()
         await self.router.start()
@@ -369,11 +609,23 @@ class AsyncEngine:
         return sink, retrieved, ret_mask
 
     async def lookup(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
-        """Length in tokens of the longest prefix of ``tokens`` cached in any tier.
+        """How many leading tokens of ``tokens`` to count as cached.
 
-        ``stats()["last_lookup"]`` says how many of those chunks each tier holds. The first
-        chunk is located on its own: when no tier holds it (a new prompt), the rest of the
-        prompt is neither hashed nor asked for.
+        The longest prefix cached in any tier, or with ``cost_aware`` the part of it worth
+        loading (see ``plan``). ``stats()["last_lookup"]`` says how many of those chunks each
+        tier holds. The first chunk is located on its own: when no tier holds it (a new
+        prompt), the rest of the prompt is neither hashed nor asked for.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            A number of tokens, from 0 to ``len(tokens)``.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
         """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
@@ -381,21 +633,58 @@ class AsyncEngine:
                                    identity).planned_tokens
 
     def lookup_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int | None:
-        """``lookup`` answered at once from the tiers' in-memory indexes, from any thread;
-        None when a tier available now needs I/O to answer (then use ``lookup``)."""
+        """``lookup`` answered at once from the tiers' in-memory indexes, from any thread.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            What ``lookup`` returns, or None when a tier available now needs I/O to answer
+                (then await ``lookup``).
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         levels = self._prefix_levels_nowait(token_array, identity)
         return None if levels is None else self._record_lookup(token_array, levels, identity).planned_tokens
 
     async def locate_prefix(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str]:
-        """The tier holding each chunk of the cached prefix of ``tokens`` (what ``lookup``
-        counts), highest first; ``"fill-queue"`` for a chunk only waiting to be written."""
+        """The tier holding each chunk of the longest cached prefix of ``tokens``.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            Per chunk of the prefix, in order, the name of the highest tier holding it
+                (``"fill-queue"`` for a chunk only waiting to be written); empty when the first
+                chunk is cached nowhere.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         self.router.ensure_open()
         return self._tier_names(await self._prefix_levels(as_token_array(tokens), identity))
 
     def locate_prefix_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str] | None:
-        """``locate_prefix`` from in-memory indexes, from any thread; None when that needs I/O."""
+        """``locate_prefix`` from in-memory indexes, from any thread.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            What ``locate_prefix`` returns, or None when that needs I/O.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         self.router.ensure_open()
         levels = self._prefix_levels_nowait(as_token_array(tokens), identity)
         return None if levels is None else self._tier_names(levels)
@@ -417,8 +706,12 @@ class AsyncEngine:
 
     @property
     def cost_aware(self) -> bool:
-        """Whether a cached prefix is loaded only as far as that beats recomputing it
-        (``cost_aware`` in the config, or as last set; by default, once a recompute speed is known)."""
+        """Whether a cached prefix is loaded only as far as that beats recomputing it.
+
+        ``cost_aware`` in the config, or as last set; by default, once a recompute speed is
+        known. Set it to switch the policy at runtime: True, False, or None (the default);
+        anything else raises ``TypeError``. Every measured speed is kept.
+        """
         return self.plans.cost_aware
 
     @cost_aware.setter
@@ -427,14 +720,32 @@ class AsyncEngine:
         self.plans.set_cost_aware(value)
 
     def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
-        """The serving model computed ``new_tokens`` after ``context_tokens`` cached ones in
-        ``seconds``: refines the recompute speed the cost model uses (integrations call this
-        around every prefill they run)."""
+        """Refine the recompute speed the cost model uses from one measured prefill.
+
+        Integrations call this around every prefill they run. Values that are not positive
+        (``context_tokens``: negative) or not finite are ignored.
+
+        Args:
+            new_tokens: How many tokens the serving model computed.
+            context_tokens: How many cached tokens it attended to before them.
+            seconds: How long that took.
+        """
         self.plans.recompute.observe(new_tokens, context_tokens, seconds)
 
     def plan_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan | None:
-        """How much of the cached prefix of ``tokens`` is worth loading, from in-memory indexes
-        (any thread); None when a tier needs I/O to answer (then use ``plan``)."""
+        """``plan`` answered from in-memory indexes, from any thread.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            What ``plan`` returns, or None when a tier needs I/O to answer (then await ``plan``).
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         levels = self._prefix_levels_nowait(token_array, identity)
@@ -443,29 +754,76 @@ class AsyncEngine:
         return self._record_lookup(token_array, levels, identity)
 
     async def plan(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan:
-        """How much of the cached prefix of ``tokens`` is worth loading: for each prefix length,
-        the expected fetch time (the tiers holding its chunks, at their measured speeds, read in
-        parallel) against the recompute time it saves; the best length wins. Without a known
-        recompute speed (or with ``cost_aware: false``) the plan is the whole cached prefix."""
+        """How much of the cached prefix of ``tokens`` is worth loading.
+
+        For each prefix length, the expected fetch time (the tiers holding its chunks, at their
+        measured speeds, read in parallel) against the recompute time it saves; the best length
+        wins. Without a known recompute speed (or with ``cost_aware: false``) the plan is the
+        whole cached prefix. The plan is also what ``stats()["last_lookup"]`` shows.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The plan: cached and planned tokens, the expected fetch time against the recompute
+                time it saves, chunks per tier and the reason.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         return self._record_lookup(token_array, await self._prefix_levels(token_array, identity), identity)
 
     def plan_located(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
-        """The plan (see ``plan``) for cached chunks already located: ``tier_names`` holds
-        the tier of each (as ``locate_keys`` answers), starting at chunk ``first_chunk``
-        of a prompt of ``num_tokens`` tokens whose earlier chunks the caller already has (an
-        integration that located a page range itself)."""
+        """The plan (see ``plan``) for cached chunks already located.
+
+        For an integration that located a page range itself; nothing is asked of the tiers.
+
+        Args:
+            tier_names: The tier of each cached chunk, as ``locate_keys`` answers, from chunk
+                ``first_chunk`` on.
+            num_tokens: The prompt's length in tokens.
+            first_chunk: The index of the first chunk in ``tier_names``; the chunks before it
+                are the caller's already (not loaded, not counted).
+
+        Returns:
+            The plan for those chunks.
+        """
         return self.plans.plan(tier_names, num_tokens, first_chunk)
 
     async def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
-        """For each chunk of ``tokens``, the name of the highest tier holding it (None if none)."""
+        """Where each chunk of ``tokens`` is cached.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            Per chunk of ``tokens``, the name of the highest tier holding it (``"fill-queue"``
+                for a chunk acknowledged and not yet written), or None where no tier does.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         return await self.locate_keys(self.keys_for(as_token_array(tokens), identity))
 
     async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
-        """Start moving the cached prefix of ``tokens`` up to the top tier; returns at once.
+        """Start moving the cached prefix of ``tokens`` up to the top tier.
 
-        A later retrieve of the same tokens waits only for the chunks still in flight.
+        Returns once the moves have started; a later retrieve of the same tokens waits only
+        for the chunks still in flight.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
         """
         self.router.ensure_open()
         keys = self.keys_for(as_token_array(tokens), identity)
@@ -474,7 +832,14 @@ class AsyncEngine:
         await self.router.prefetch(keys[:held], levels[:held])
 
     def stats(self) -> dict[str, Any]:
-        """Hit rate, the fill queue, memory pressure, and per-tier counters and occupancy."""
+        """Hit rate, the fill queue, memory pressure, and per-tier counters and occupancy.
+
+        Also the last lookup's plan, the cost model's state, copy counts and the identities
+        seen (``identity_stats``).
+
+        Returns:
+            A dict of plain values, safe to print or serve as JSON.
+        """
         total = self._hit_tokens + self._miss_tokens
         router = self.router.stats()
         return {
@@ -497,18 +862,28 @@ class AsyncEngine:
         }
 
     def occupancy(self) -> dict[str, Any]:
-        """What each tier holds per key scope (a model revision x adapter x tenant salt), as
-        ``{"tiers": {tier: {scope: {"chunks", "bytes"}} or None}, "scopes": {scope: what it
-        binds}}``, naming no key and no salt. A tier that cannot list its keys cheaply (s3,
-        mooncake, fs) shows None; scopes this process never made keys in show no description
-        (another process's tenants, or ``""``: keys of an older tierkv, never read now)."""
+        """What each tier holds per key scope (a model revision x adapter x tenant salt).
+
+        A tier that cannot list its keys cheaply (s3, mooncake, fs) shows None; scopes this
+        process never made keys in show no description (another process's tenants, or ``""``:
+        keys of an older tierkv, never read now).
+
+        Returns:
+            ``{"tiers": {tier: {scope: {"chunks": n, "bytes": b}} or None}, "scopes": {scope:
+                what it binds}}``, naming no key and no salt.
+        """
         tiers = {backend.name: backend.scope_usage() for backend in self.tiers}
         labels = self.key_maker.scope_labels
         seen = {scope for usage in tiers.values() if usage for scope in usage}
         return {"tiers": tiers, "scopes": {scope: labels.get(scope, {}) for scope in sorted(seen)}}
 
     def identity_stats(self) -> dict[str, Any]:
-        """The scopes this engine made keys in (short digest -> what it binds, never a salt)
-        and the requests integrations could not identify."""
+        """The scopes this engine made keys in and the requests integrations could not identify.
+
+        Returns:
+            ``{"engine": ..., "scopes": ..., "unidentified_requests": n}``: the engine's identity
+                parts, each scope's short digest and what it binds (never a salt), and the count
+                ``note_unidentified`` keeps.
+        """
         return {"engine": dict(self.metadata.identity_parts()), "scopes": dict(self.key_maker.scope_labels),
                 "unidentified_requests": self.unidentified_requests}

@@ -1,5 +1,10 @@
 """The engine: chunk keys in, tensors across tiers, tensors out.
 
+One module of about 690 lines, by choice: ``Engine`` mirrors the prompt and key-level methods
+of ``AsyncEngine``, and each carries its whole contract (arguments, result, errors) in its
+docstring, which the API reference renders; the logic behind them lives in
+``tierkv.engine.async_engine`` and below.
+
 ``AsyncEngine`` (``tierkv.engine.async_engine``) is the asyncio core: the prompt API over the
 tier router (``tierkv.routing.router``), with the cost model (``tierkv.policy.planner``). ``Engine``
 here is the blocking facade with the same methods, running one core on a private
@@ -44,6 +49,11 @@ __all__ = ["AsyncEngine", "Engine", "EngineBuilder", "EngineMetadata", "TierPres
 class Engine:
     """Blocking facade over ``AsyncEngine``, running it on a private event-loop thread.
 
+    The prompt and key-level methods of [AsyncEngine][tierkv.AsyncEngine] are here with the
+    same arguments, each blocking until its answer; the others (a connector's reads and
+    writes of its paged cache) run on ``core`` through ``submit`` or ``run``. Use it as a
+    context manager, or call ``close`` when done.
+
     Safe to share between threads, ``close`` included: a call that races ``close()``
     either completes or raises ``BackendClosedError``; no caller waits on a loop that is
     gone. Calls already running when ``close()`` starts run to their end against open tiers
@@ -53,6 +63,23 @@ class Engine:
     the loop, and their callers get ``BackendClosedError`` only once the cancelled work has
     ended (a copy into the caller's memory finishes before the call returns, as for any
     cancellation: ``tierkv.chunks.ownership``).
+
+    Args:
+        config: The configuration: an ``EngineConfig``, a mapping in the shape of the YAML
+            file, or the path of a YAML file (read by [load_config][tierkv.load_config]).
+        metadata: What the cached KV belongs to (model, revision, rank, KV format, KV shape);
+            None: ``EngineMetadata.from_config(config)``.
+        probes: Per tier name, the probe that reads the memory that tier lives in (memory
+            pressure); a memory tier without one gets NVML on its CUDA device, or the
+            host-memory probe.
+
+    Raises:
+        ConfigError: if the configuration is invalid, ``metadata`` names an unknown KV
+            format, a tier's capacity cannot hold one chunk of ``metadata.kv_shape``, a
+            tier fails to open, or ``TIERKV_LOG_LEVEL`` is not a level name.
+        BackendNotFoundError: if a tier names a backend no installed distribution provides
+            (a ``ConfigError``).
+        BackendLoadError: if a tier's backend is found but cannot be imported.
     """
 
     close_grace_s: ClassVar[float] = 10.0
@@ -84,7 +111,20 @@ class Engine:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> Engine:
-        """An engine from a YAML config file (the format of ``tierkv.config``)."""
+        """An engine from a YAML config file (the format of ``tierkv.config``).
+
+        Args:
+            path: The YAML file.
+            metadata: What the cached KV belongs to; None: derived from the config.
+
+        Returns:
+            A running engine (``close`` it when done).
+
+        Raises:
+            ConfigError: if the file cannot be read, is not YAML or not a valid configuration,
+                or a tier fails to open.
+            BackendLoadError: if a tier's backend is found but cannot be imported.
+        """
         return cls(load_config(path), metadata)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -97,10 +137,23 @@ class Engine:
             raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run a coroutine of ``core`` on the engine's loop; returns at once with a future
-        (an integration that overlaps tierkv work with its own, e.g. a save during the next
-        forward pass). Raises BackendClosedError once ``close`` has started; a future of a
-        call that ``close`` had to cancel raises ``CancelledError``."""
+        """Run a coroutine of ``core`` on the engine's loop without waiting for it.
+
+        For an integration that overlaps tierkv work with its own, e.g. a save during the next
+        forward pass: ``engine.submit(engine.core.store(tokens, kv))``.
+
+        Args:
+            coro: The coroutine, usually a call of a method of ``core`` (the engine's
+                ``AsyncEngine``). It is closed without running when the engine is closed.
+
+        Returns:
+            A ``concurrent.futures.Future`` of the coroutine's result. Its ``result()`` raises what
+                the coroutine raised, or ``concurrent.futures.CancelledError`` for a call that
+                ``close`` had to cancel.
+
+        Raises:
+            BackendClosedError: if ``close`` has started.
+        """
         with self._lock:
             if self._closing or not self._thread.is_alive():
                 coro.close()
@@ -125,7 +178,19 @@ class Engine:
             self._calls.discard(future)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of ``core`` on the engine's loop and wait for its result."""
+        """Run a coroutine of ``core`` on the engine's loop and wait for its result.
+
+        What the coroutine raises is raised here.
+
+        Args:
+            coro: The coroutine, usually a call of a method of ``core``.
+
+        Returns:
+            What the coroutine returned.
+
+        Raises:
+            BackendClosedError: if ``close`` has started, or cancelled the call while it ran.
+        """
         return self._run(coro)
 
     @property
@@ -149,51 +214,177 @@ class Engine:
         return self._core.tiers
 
     def wrap_tier(self, name: str, wrapper: Callable[[StorageBackend], B]) -> B:
-        """Route every later call into tier ``name`` through ``wrapper(backend)`` and return it
-        (see ``AsyncEngine.wrap_tier``)."""
+        """Route every later call into tier ``name`` through ``wrapper(backend)``.
+
+        For a fault injector, a throttle or a tracer (see ``AsyncEngine.wrap_tier``). On a tier
+        with a ``codec`` the wrapper goes under the codec: it sees the frames that are stored.
+
+        Args:
+            name: The tier's name in the configuration.
+            wrapper: Called once with the tier's backend; returns the backend to use in its
+                place, under the same ``name``.
+
+        Returns:
+            The backend ``wrapper`` returned, now in the tier's place.
+
+        Raises:
+            KeyError: if no tier is called ``name``.
+            TypeError: if ``wrapper`` returns something that is not a ``StorageBackend``.
+            ValueError: if the backend ``wrapper`` returns has another ``name``.
+        """
         return self._core.wrap_tier(name, wrapper)
 
     def keys_for(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[CacheKey]:
-        """The key of every chunk of ``tokens`` for a request of ``identity`` (no tier is asked)."""
+        """The key of every chunk of ``tokens`` for a request of ``identity`` (no tier is asked).
+
+        Args:
+            tokens: The token ids: a 1-D tensor, sequence or numpy array of integers.
+            identity: What else the request's KV depends on (LoRA adapter, tenant salt, media);
+                the default is a plain text request.
+
+        Returns:
+            One [CacheKey][tierkv.CacheKey] per chunk of ``chunk_size`` tokens, in order (the
+                last one may cover a partial chunk); for ``batched_put`` and the other key-level
+                calls.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids in ``[0, 2**31 - 1]``.
+        """
         return self._core.keys_for(tokens, identity)
 
     def note_unidentified(self) -> None:
-        """Count a request whose KV an integration can neither store nor load (see
-        ``AsyncEngine.note_unidentified``)."""
+        """Count a request whose KV an integration can neither store nor load.
+
+        E.g. a prompt given as embeddings; ``stats()["identity"]`` reports the count (see
+        ``AsyncEngine.note_unidentified``).
+        """
         self._core.note_unidentified()
 
     def store(self, tokens: TokenIds, kv: KVCache, mask: torch.Tensor | None = None,
               skip_existing: bool = True, identity: RequestIdentity = PLAIN) -> int:
-        """Store the KV of ``tokens``; the number of chunks written once the first tier took
-        them (lower tiers fill in the background). See ``AsyncEngine.store``."""
+        """Store the KV of ``tokens``; returns once the first tier that admits it holds it.
+
+        Lower tiers are filled in the background from that copy. See ``AsyncEngine.store``.
+
+        Args:
+            tokens: The prompt's token ids (a 1-D tensor, sequence or numpy array).
+            kv: The KV of those tokens: one blob in the engine's ``kv_format``, or per-layer
+                ``(K, V)`` pairs. With ``mask``, only the KV of the masked tokens.
+            mask: A suffix mask over ``tokens`` (False for a prefix, True for the rest): only
+                the True tokens are stored, and the False prefix must be a whole number of
+                chunks. None: every token.
+            skip_existing: Leave out the chunks already cached at the start of the prompt.
+            identity: What else the KV depends on (adapter, tenant salt, media); a chunk is
+                found again only by a request of the same identity.
+
+        Returns:
+            The number of chunks written (0 when there was nothing to write).
+
+        Raises:
+            ValueError: if ``tokens``, ``mask`` or ``kv`` is malformed, ``kv`` holds another
+                number of tokens than are to be stored, or its dtype is not the configured
+                ``dtype``.
+            TierUnavailableError: if no tier took the chunks (each full, failing or skipped as
+                unhealthy) and some are cached nowhere.
+            BackendClosedError: if the engine is closed, or closed under the call.
+        """
         return self._run(self._core.store(tokens, kv, mask, skip_existing, identity))
 
     def retrieve(self, tokens: TokenIds, mask: torch.Tensor | None = None, return_tuple: bool = True,
                  out: KVCache | None = None, deadline_s: float | None = None,
                  identity: RequestIdentity = PLAIN) -> tuple[Any, torch.Tensor]:
-        """The KV of the longest cached prefix of ``tokens`` and the mask of the tokens it
-        covers (bit-exact, or a miss). See ``AsyncEngine.retrieve``."""
+        """The KV of the longest cached prefix of ``tokens`` and the mask of the tokens it covers.
+
+        Bit-exact, or a miss. See ``AsyncEngine.retrieve`` for ``out`` and the cost-aware plan.
+
+        Args:
+            tokens: The prompt's token ids.
+            mask: A suffix mask over ``tokens``: only the True tokens are retrieved. None:
+                every token.
+            return_tuple: Return the KV as per-layer ``(K, V)`` pairs; False: as one blob in
+                the engine's ``kv_format``.
+            out: Memory to retrieve into (a blob in the engine's ``kv_format`` for the masked
+                tokens, or per-layer ``(K, V)`` pairs); the KV returned is then a view of it.
+                None: a new tensor is allocated.
+            deadline_s: Seconds to wait for chunks: one that has not arrived by then is a miss
+                and ends the prefix. None: no limit.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            A pair ``(kv, mask)``: the KV of the tokens retrieved (an empty tuple when none
+                was) and a boolean tensor over ``tokens``, True for each token retrieved.
+
+        Raises:
+            ValueError: if ``tokens``, ``mask`` or ``out`` is malformed, or ``out`` is
+                per-layer tensors that do not form one blob while ``return_tuple`` is False.
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._core.retrieve(tokens, mask, return_tuple, out, deadline_s, identity))
 
     def lookup(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
-        """Answered on the calling thread from the tiers' in-memory indexes when they all have
-        one (no hop to the engine's loop: a scheduler asks this for every request)."""
+        """How many leading tokens of ``tokens`` to count as cached.
+
+        The longest cached prefix, or with ``cost_aware`` the part of it worth loading (see
+        ``plan``); ``stats()["last_lookup"]`` says where its chunks are. Answered on the
+        calling thread from the tiers' in-memory indexes when they all have one (no hop to the
+        engine's loop: a scheduler asks this for every request), on the loop otherwise.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            A number of tokens, from 0 to ``len(tokens)``.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         cached = self._core.lookup_nowait(tokens, identity)
         return cached if cached is not None else self._run(self._core.lookup(tokens, identity))
 
     def plan(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan:
-        """Answered on the calling thread when every tier has an in-memory index (see lookup)."""
+        """How much of the cached prefix of ``tokens`` is worth loading, and why.
+
+        Answered on the calling thread when every tier has an in-memory index (as ``lookup``
+        is); see ``AsyncEngine.plan`` for the cost model.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The plan: cached and planned tokens, the expected fetch time against the recompute
+                time it saves, chunks per tier and the reason.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         planned = self._core.plan_nowait(tokens, identity)
         return planned if planned is not None else self._run(self._core.plan(tokens, identity))
 
     def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
-        """Tell the cost model how long the serving model took to compute ``new_tokens`` after
-        ``context_tokens`` cached ones."""
+        """Tell the cost model how long the serving model took to prefill.
+
+        Integrations call this around every prefill they run; values that are not positive
+        (``context_tokens``: negative) or not finite are ignored.
+
+        Args:
+            new_tokens: How many tokens the model computed.
+            context_tokens: How many cached tokens it attended to before them.
+            seconds: How long that took.
+        """
         self._core.observe_recompute(new_tokens, context_tokens, seconds)
 
     @property
     def cost_aware(self) -> bool:
-        """Whether a cached prefix is loaded only as far as that beats recomputing it."""
+        """Whether a cached prefix is loaded only as far as that beats recomputing it.
+
+        Set it to switch the policy at runtime: True, False, or None (on once a recompute speed
+        is known); anything else raises ``TypeError``. The speeds measured so far are kept,
+        e.g. to compare the two policies on one engine.
+        """
         return self._core.cost_aware
 
     @cost_aware.setter
@@ -204,59 +395,181 @@ class Engine:
         self._core.cost_aware = value
 
     def locate_prefix(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str]:
-        """Answered on the calling thread when every tier has an in-memory index (see lookup)."""
+        """The tier holding each chunk of the longest cached prefix of ``tokens``.
+
+        Answered on the calling thread when every tier has an in-memory index (as ``lookup``
+        is).
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            Per chunk of the prefix, in order, the name of the highest tier holding it
+                (``"fill-queue"`` for a chunk acknowledged and not yet written); empty when the
+                first chunk is cached nowhere.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         names = self._core.locate_prefix_nowait(tokens, identity)
         return names if names is not None else self._run(self._core.locate_prefix(tokens, identity))
 
     def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
-        """Start moving the cached prefix of ``tokens`` up to the first tier; returns once
-        started (a later retrieve waits only for the chunks still in flight)."""
+        """Start moving the cached prefix of ``tokens`` up to the first tier.
+
+        Returns once the moves have started; a later ``retrieve`` of the same tokens waits only
+        for the chunks still in flight.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         self._run(self._core.prefetch(tokens, identity))
 
     def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
-        """Per chunk of ``tokens``, the name of the highest tier holding it (None: nowhere)."""
+        """Where each chunk of ``tokens`` is cached.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            Per chunk of ``tokens``, the name of the highest tier holding it (``"fill-queue"``
+                for a chunk acknowledged and not yet written), or None where no tier does.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._core.locate(tokens, identity))
 
     def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Store chunks under keys you made (``keys_for``); how many were acknowledged."""
+        """Store chunks under keys you made (with ``keys_for``), as the write policy says.
+
+        Args:
+            keys: One key per chunk.
+            chunks: The chunks, each a KV blob of one chunk's tokens; the caller may reuse them
+                once the call returns.
+
+        Returns:
+            How many chunks were acknowledged.
+
+        Raises:
+            ValueError: if ``keys`` and ``chunks`` differ in length.
+            TierUnavailableError: if no tier took the chunks and some are cached nowhere.
+            BackendClosedError: if the engine is closed, or closed under the call.
+        """
         return self._run(self._core.batched_put(keys, chunks))
 
     def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        """The chunk of each key, in order; None for a miss."""
+        """The chunk of each key, each from the highest tier holding it.
+
+        Hits below the first tier are copied up into the tiers above that promote.
+
+        Args:
+            keys: The keys to read.
+
+        Returns:
+            The chunks in the order of ``keys``; None for a miss.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._core.batched_get(keys))
 
     def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether any tier holds each key (or it waits to be written to one)."""
+        """Whether any tier holds each key (or it waits to be written to one).
+
+        Args:
+            keys: The keys to look for.
+
+        Returns:
+            One flag per key, in order.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._core.batched_contains(keys))
 
     def batched_delete(self, keys: Sequence[CacheKey]) -> int:
-        """Remove the keys from every tier; how many (key, tier) copies went."""
+        """Remove the keys from every tier.
+
+        The background fills already queued land first, so none writes a key back; a tier that
+        fails is counted and skipped.
+
+        Args:
+            keys: The keys to remove.
+
+        Returns:
+            How many (key, tier) copies were removed.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._core.batched_delete(keys))
 
     def flush(self) -> None:
-        """Wait until background work (fills, prefetches, demotions) has landed; under
-        write-back, also write what only a memory tier holds to the tier below."""
+        """Wait until background work (fills, prefetches, demotions) has landed.
+
+        Under write-back, also write what only a memory tier holds to the tier below, and
+        return once it has landed there.
+
+        Raises:
+            TierUnavailableError: under write-back, if no tier below took some dirty chunks
+                (they stay in memory; a later flush tries again), or some left their tier
+                before a tier below took them.
+            BackendClosedError: if the engine is closed.
+        """
         self._run(self._core.flush())
 
     def stats(self) -> dict[str, Any]:
-        """Plain data: hit rate, the fill queue, memory pressure, per-tier counters and
-        occupancy, the last lookup's plan."""
+        """Plain data about the engine, safe to print or serve as JSON.
+
+        Hit rate, the fill queue, memory pressure, per-tier counters and occupancy, the last
+        lookup's plan, the cost model and the identities seen (see ``AsyncEngine.stats``).
+
+        Returns:
+            A dict of plain values.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._stats())
 
     async def _stats(self) -> dict[str, Any]:
         return self._core.stats()
 
     def occupancy(self) -> dict[str, Any]:
-        """What each tier holds per key scope (see ``AsyncEngine.occupancy``)."""
+        """What each tier holds per key scope (see ``AsyncEngine.occupancy``).
+
+        Returns:
+            ``{"tiers": {tier: {scope: {"chunks": n, "bytes": b}} or None}, "scopes": {scope:
+                what it binds}}``, naming no key and no salt.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
         return self._run(self._occupancy())
 
     async def _occupancy(self) -> dict[str, Any]:
         return self._core.occupancy()
 
     def close(self, flush: bool = True) -> None:
-        """Flush background work (under write-back, dirty chunks too, unless ``flush=False``),
-        close every tier and stop the loop thread. Idempotent and safe from any thread: a
-        second caller waits for the first's close to end."""
+        """Flush background work, close every tier and stop the loop thread.
+
+        Idempotent and safe from any thread: a second caller waits for the first's close to
+        end. A flush that cannot write everything down is logged, and the tiers close anyway.
+
+        Args:
+            flush: Under write-back, write the chunks only a memory tier holds to the tier
+                below first; False: close without (those chunks are lost).
+        """
         with self._lock:
             closing, self._closing = self._closing, True
             if not closing:
@@ -326,7 +639,20 @@ class EngineBuilder:
     ) -> Engine:
         """The engine named ``instance_id``, built on first use.
 
-        Raises ValueError when the id exists with a different configuration or metadata.
+        Args:
+            instance_id: The engine's name in this process (e.g. one per worker).
+            config: Its configuration (an ``EngineConfig``, a mapping or a YAML path); loaded
+                and compared with the existing engine's on every call.
+            metadata: What the cached KV belongs to; None: derived from the config.
+
+        Returns:
+            The engine of that name: the existing one, or a new one.
+
+        Raises:
+            ConfigError: if ``config`` is invalid, or a new engine's tier fails to open.
+            BackendLoadError: if a new engine's backend cannot be imported.
+            ValueError: if an engine of that name exists with a different configuration or
+                metadata.
         """
         loaded = load_config(config)
         with cls._lock:
@@ -341,12 +667,24 @@ class EngineBuilder:
 
     @classmethod
     def get(cls, instance_id: str) -> Engine | None:
+        """The engine named ``instance_id``, if one was created (and not destroyed).
+
+        Args:
+            instance_id: The engine's name, as given to ``get_or_create``.
+
+        Returns:
+            The engine, or None.
+        """
         with cls._lock:
             return cls._instances.get(instance_id)
 
     @classmethod
     def destroy(cls, instance_id: str) -> None:
-        """Close and forget the engine named ``instance_id`` (no-op when absent)."""
+        """Close and forget the engine named ``instance_id`` (no-op when absent).
+
+        Args:
+            instance_id: The engine's name, as given to ``get_or_create``.
+        """
         with cls._lock:
             engine = cls._instances.pop(instance_id, None)
             cls._configs.pop(instance_id, None)

@@ -20,20 +20,34 @@ KVShape = tuple[int, int, int, torch.dtype]
 class EngineMetadata:
     """Who is caching: the parts of every key that keep models, revisions and shards apart.
 
-    ``kv_shape`` (optional, a sizing hint, not part of any key): ``(num_layers,
-    num_kv_heads, head_size, dtype)`` of this worker's KV. Given, a fresh process knows the
-    size of a chunk before it has seen one (the first lookup plans by cost and a deadline
-    bounds the first retrieve). Not given, it is learned from the first chunk stored, or read
-    in the background from the first chunk a lookup finds. Processes that share a cache may
-    give it or not; to make the geometry part of every key, put it in ``identity``
-    (``geometry_part``: the integrations do).
+    Given to [Engine][tierkv.Engine] by serving-engine integrations; without it an engine
+    uses ``from_config``.
 
-    ``model_revision``: what tells this model's weights from another revision under the
-    same name (a digest of its files, ``tierkv.chunks.revisions.directory_revision``, or a
-    commit id); part of every key, so a re-trained checkpoint never reads the old one's KV.
-    ``kv_cache_dtype``: the serving engine's KV cache dtype when it is not the model's (e.g.
-    vLLM's ``fp8_e4m3``); part of every key. ``identity``: further ``(name, value)`` pairs
-    the engine's KV depends on (a quantization, a serving engine's version), in every key.
+    Attributes:
+        model_name: The model's name; part of every key.
+        world_size: How many workers share the model; part of every key.
+        worker_id: This worker's rank; part of every key.
+        fmt: The KV layout, ``"vllm"`` or ``"huggingface"``.
+        kv_shape: ``(num_layers, num_kv_heads, head_size, dtype)`` of this worker's KV, a
+            sizing hint and not part of any key. Given, a fresh process knows the size of a
+            chunk before it has seen one (the first lookup plans by cost and a deadline
+            bounds the first retrieve). Not given, it is learned from the first chunk
+            stored, or read in the background from the first chunk a lookup finds.
+            Processes that share a cache may give it or not; to make the geometry part of
+            every key, put it in ``identity`` (``geometry_part``: the integrations do).
+        model_revision: What tells this model's weights from another revision under the
+            same name (a digest of its files, ``tierkv.chunks.revisions.directory_revision``,
+            or a commit id); part of every key, so a re-trained checkpoint never reads the
+            old one's KV.
+        kv_cache_dtype: The serving engine's KV cache dtype when it is not the model's (e.g.
+            vLLM's ``fp8_e4m3``); part of every key.
+        identity: Further ``(name, value)`` pairs the engine's KV depends on (a
+            quantization, a serving engine's version), in every key.
+
+    Raises:
+        ValueError: if ``model_revision`` or ``kv_cache_dtype`` is neither a string nor
+            None, ``identity`` is not a tuple of string pairs, or ``kv_shape`` is not three
+            positive ints and a ``torch.dtype``.
     """
 
     model_name: str
@@ -65,14 +79,27 @@ class EngineMetadata:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineMetadata:
-        """The metadata an engine built from ``config`` alone uses (its model, revision, rank, format)."""
+        """The metadata an engine built from ``config`` alone uses.
+
+        Args:
+            config: A validated configuration.
+
+        Returns:
+            Its model, revision, world size, worker id and KV format; no KV shape.
+        """
         return cls(config.model, config.world_size, config.worker_id, config.kv_format,
                    model_revision=config.model_revision)
 
     def identity_parts(self) -> tuple[tuple[str, str], ...]:
-        """``(name, value)`` pairs of everything of this engine that its chunks' KV depends on
-        beyond the model name, world size and worker id (which are fields of every key): they
-        seed every chunk hash (``tierkv.chunks.identity``)."""
+        """What this engine's chunks' KV depends on beyond the model name, world size and worker id.
+
+        Those three are fields of every key; these parts seed every chunk hash
+        (``tierkv.chunks.identity``).
+
+        Returns:
+            ``(name, value)`` pairs: the KV format, then the model revision and the KV cache
+                dtype when given, then ``identity``.
+        """
         parts: list[tuple[str, str]] = [("fmt", self.fmt)]
         if self.model_revision:
             parts.append(("revision", self.model_revision))
@@ -82,7 +109,11 @@ class EngineMetadata:
         return tuple(parts)
 
     def blob_layout(self) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """(blob shape with 0 tokens, dtype) of this worker's chunks, from ``kv_shape``."""
+        """The layout of this worker's chunks, from ``kv_shape``.
+
+        Returns:
+            The blob shape with 0 tokens and the dtype, or None without ``kv_shape``.
+        """
         if self.kv_shape is None:
             return None
         layers, heads, head_size, dtype = self.kv_shape

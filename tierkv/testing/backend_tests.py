@@ -1,6 +1,6 @@
 """Conformance suite for storage backends, ours and third parties'.
 
-One module of about 520 lines, by choice: one class a backend author subclasses to run the whole
+One module of about 740 lines, by choice: one class a backend author subclasses to run the whole
 conformance suite; splitting it would make them subclass several and miss some.
 
 Subclass ``BackendTests`` in a pytest module and implement ``make_backend``::
@@ -83,24 +83,70 @@ def same_bytes(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 class BackendTests:
-    """Subclass and implement ``make_backend`` to check a backend against the contract."""
+    """Subclass and implement ``make_backend`` to check a backend against the contract.
+
+    The contract is [StorageBackend][tierkv.backend.StorageBackend]'s. Put the subclass in a
+    pytest module (its name must start with ``Test``); every ``test_*`` method is then a
+    test of your backend. A test that needs a property the backend does not have
+    (persistence, a capacity bound) or an optional capability it does not declare (by its
+    Protocol) skips, saying why.
+
+    Attributes:
+        capacity_in_chunks: The capacity, in chunks of the default shape, that the eviction
+            tests give the backend.
+    """
 
     #: capacity, in chunks of the default shape, used by the eviction tests
     capacity_in_chunks: int = 4
 
     def make_backend(self, tmp_path: Path, capacity: int | None = None) -> StorageBackend:
-        """A new backend instance. Persistent backends must reopen the same data for the same tmp_path."""
+        """A new backend instance: the one method a subclass must implement.
+
+        Args:
+            tmp_path: pytest's per-test directory, for a backend that keeps files.
+            capacity: The capacity in bytes the test needs, or None for the backend's default.
+
+        Returns:
+            The backend, not yet used. A persistent backend must reopen the same data for the
+                same ``tmp_path``.
+
+        Raises:
+            NotImplementedError: always, unless a subclass overrides it.
+        """
         raise NotImplementedError
 
     def corrupt_stored(self, backend: StorageBackend, key: CacheKey) -> None:
-        """Flip a byte of the payload stored under ``key``, bypassing ``backend`` (optional hook)."""
+        """Flip a byte of the payload stored under ``key``, bypassing ``backend`` (optional hook).
+
+        A byte store implements it to enable the tests of corrupt data; without it they skip.
+
+        Args:
+            backend: The backend the test made, holding the chunk.
+            key: The chunk to damage.
+
+        Raises:
+            NotImplementedError: unless a subclass overrides it (the corrupt-data tests then skip).
+        """
         raise NotImplementedError
 
     # -- helpers ---------------------------------------------------------------------------
     def run(self, body: Callable[[], Awaitable[T]]) -> T:
+        """Run a coroutine function on a fresh event loop (``asyncio.run``).
+
+        Args:
+            body: A coroutine function taking no argument.
+
+        Returns:
+            What ``body()`` returned.
+        """
         return asyncio.run(body())  # type: ignore[arg-type]
 
     def chunk_capacity(self) -> int:
+        """The capacity in bytes of ``capacity_in_chunks`` default chunks, plus 1 KiB of slack.
+
+        Returns:
+            A number of bytes.
+        """
         return self.capacity_in_chunks * chunk_nbytes(make_chunk(0)) + 1024
 
     async def _closing(self, backend: StorageBackend, body: Callable[[StorageBackend], Awaitable[T]]) -> T:
@@ -110,12 +156,27 @@ class BackendTests:
             await backend.close()
 
     def with_backend(self, tmp_path: Path, body: Callable[[StorageBackend], Awaitable[T]], capacity: int | None = None) -> T:
+        """Run ``body`` with a new backend on a fresh event loop, closing the backend after.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+            body: A coroutine function taking the backend.
+            capacity: The capacity in bytes for ``make_backend``; None: its default.
+
+        Returns:
+            What ``body`` returned.
+        """
         async def main() -> T:
             return await self._closing(self.make_backend(tmp_path, capacity), body)
         return asyncio.run(main())
 
     # -- single-key contract -------------------------------------------------------------
     def test_put_get_roundtrip(self, tmp_path: Path) -> None:
+        """A chunk put comes back bit-exact from ``get``.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             chunk = make_chunk(1)
             await backend.put(make_key(1), chunk)
@@ -123,6 +184,13 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_missing_key_is_none(self, tmp_path: Path) -> None:
+        """A missing key is a miss, never an exception.
+
+        ``get`` returns None, ``contains`` and ``delete`` return False.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             assert await backend.get(make_key(404)) is None
             assert await backend.contains(make_key(404)) is False
@@ -130,6 +198,11 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_contains_and_delete(self, tmp_path: Path) -> None:
+        """``contains`` sees a stored chunk, and ``delete`` removes it (True), after which it is gone.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             await backend.put(make_key(2), make_chunk(2))
             assert await backend.contains(make_key(2))
@@ -139,6 +212,11 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_overwrite_replaces_value(self, tmp_path: Path) -> None:
+        """A second ``put`` under one key replaces the first value.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             await backend.put(make_key(3), make_chunk(3))
             await backend.put(make_key(3), make_chunk(33))
@@ -146,6 +224,13 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_put_copies_and_get_returns_own_tensor(self, tmp_path: Path) -> None:
+        """``put`` copies the chunk, and ``get`` returns a tensor the caller owns.
+
+        Changing the tensor given to ``put``, or the one ``get`` returned, changes nothing stored.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             chunk = make_chunk(4)
             original = chunk.clone()
@@ -159,6 +244,11 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_non_contiguous_chunk(self, tmp_path: Path) -> None:
+        """A non-contiguous chunk (a token slice of a larger blob, as the engine cuts chunks) round-trips.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             blob = make_chunk(5, shape=(2, 2, 40, 2, 8))
             view = blob.narrow(2, 8, 16)  # a token slice, as the engine cuts chunks
@@ -168,8 +258,13 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_dtypes_roundtrip_bit_exact(self, tmp_path: Path) -> None:
-        """Every dtype tierkv stores, every bit pattern (NaNs included), one key each: a backend
-        moves bytes, so one session covers them all."""
+        """Every dtype tierkv stores, every bit pattern (NaNs included), round-trips bit-exact.
+
+        One key each: a backend moves bytes, so one session covers them all.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             chunks = {dtype: every_bit_pattern(dtype, seed=7) for dtype in SUPPORTED_DTYPES}
             keys = {dtype: make_key(600 + index) for index, dtype in enumerate(SUPPORTED_DTYPES)}
@@ -181,6 +276,11 @@ class BackendTests:
 
     # -- batches ----------------------------------------------------------------------------
     def test_batched_order_duplicates_and_misses(self, tmp_path: Path) -> None:
+        """Batches keep input order, a later duplicate in a batch wins, and misses are None.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             keys = [make_key(10), make_key(11), make_key(10)]
             chunks = [make_chunk(100), make_chunk(11), make_chunk(10)]
@@ -194,12 +294,22 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_batched_put_length_mismatch(self, tmp_path: Path) -> None:
+        """``batched_put`` with more keys than chunks raises ``ValueError``.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             with pytest.raises(ValueError, match="keys"):
                 await backend.batched_put([make_key(1), make_key(2)], [make_chunk(1)])
         self.with_backend(tmp_path, body)
 
     def test_empty_batches(self, tmp_path: Path) -> None:
+        """Empty batches return empty lists.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             assert await backend.batched_get([]) == []
             assert await backend.batched_contains([]) == []
@@ -207,6 +317,13 @@ class BackendTests:
 
     # -- reads into the caller's memory ---------------------------------------------------------
     def test_get_into_contiguous_and_strided_destinations(self, tmp_path: Path) -> None:
+        """``batched_get_into`` fills a contiguous destination and a strided slice of a larger blob.
+
+        No byte outside the slice changes.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             chunks = [make_chunk(40), make_chunk(41)]
             await backend.batched_put([make_key(40), make_key(41)], chunks)
@@ -220,6 +337,13 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_get_into_misses_leave_destinations_untouched(self, tmp_path: Path) -> None:
+        """A miss, or a chunk of another shape or dtype, is False and leaves its destination as it was.
+
+        The stored chunk is still readable after a mismatched read.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             await backend.put(make_key(42), make_chunk(42))
             absent = torch.full((2, 2, 16, 2, 8), 3.0, dtype=torch.bfloat16)
@@ -234,7 +358,11 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_get_into_dtypes_bit_exact(self, tmp_path: Path) -> None:
-        """Reads into the caller's memory, for every dtype and bit pattern, in one batch."""
+        """Reads into the caller's memory, for every dtype and bit pattern, in one batch.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             chunks = [every_bit_pattern(dtype, seed=9) for dtype in SUPPORTED_DTYPES]
             keys = [make_key(700 + index) for index in range(len(chunks))]
@@ -246,6 +374,11 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_get_into_length_mismatch(self, tmp_path: Path) -> None:
+        """``batched_get_into`` with more keys than destinations raises ``ValueError``; an empty batch is fine.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             with pytest.raises(ValueError, match="destinations"):
                 await backend.batched_get_into([make_key(1), make_key(2)], [torch.empty(1)])
@@ -253,6 +386,14 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_corrupt_value_is_a_miss_and_is_dropped(self, tmp_path: Path) -> None:
+        """A damaged value is a miss, is deleted and is counted; its neighbour is still a hit.
+
+        Needs the ``corrupt_stored`` hook (skips without it). A backend that does not declare
+        ``streams_into_destination`` must leave the damaged chunk's destination untouched.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             chunk = make_chunk(44)
             await backend.batched_put([make_key(44), make_key(45)], [chunk, make_chunk(45)])
@@ -274,6 +415,13 @@ class BackendTests:
 
     # -- capacity -----------------------------------------------------------------------------
     def test_capacity_evicts_least_recently_used(self, tmp_path: Path) -> None:
+        """A bounded backend stays within its capacity by evicting the least recently used chunk.
+
+        A ``get`` counts as a use; evictions show in ``stats()``. Skips for an unbounded backend.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if not backend.bounded or backend.capacity_bytes is None:
                 pytest.skip(f"{type(backend).__name__} is not capacity-bounded")
@@ -289,6 +437,13 @@ class BackendTests:
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
 
     def test_chunk_larger_than_capacity_raises_and_keeps_data(self, tmp_path: Path) -> None:
+        """A chunk larger than the capacity raises ``CapacityError`` and loses nothing stored before.
+
+        Skips for a backend without a capacity bound.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if backend.capacity_bytes is None:
                 pytest.skip(f"{type(backend).__name__} has no capacity bound")
@@ -301,6 +456,11 @@ class BackendTests:
 
     # -- concurrency ------------------------------------------------------------------------------
     def test_concurrent_callers(self, tmp_path: Path) -> None:
+        """Concurrent puts and gets of different keys on one loop each see their own chunk.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             async def writer(index: int) -> None:
                 await backend.put(make_key(index), make_chunk(index))
@@ -313,6 +473,11 @@ class BackendTests:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def test_use_after_close_raises(self, tmp_path: Path) -> None:
+        """``close`` is idempotent, and ``get``, ``put``, ``contains`` and ``batched_get`` raise ``BackendClosedError`` after it.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def main() -> None:
             backend = self.make_backend(tmp_path, None)
             await backend.put(make_key(1), make_chunk(1))
@@ -325,6 +490,13 @@ class BackendTests:
         asyncio.run(main())
 
     def test_persistence_across_reopen(self, tmp_path: Path) -> None:
+        """A persistent backend reopened on the same ``tmp_path`` still holds what it stored.
+
+        Skips for a backend that is not ``persistent``.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def first() -> bool:
             backend = self.make_backend(tmp_path, None)
             if not backend.persistent:
@@ -344,6 +516,11 @@ class BackendTests:
         self.with_backend(tmp_path, second)
 
     def test_stats_are_plain_data(self, tmp_path: Path) -> None:
+        """``stats()`` reports ``used_bytes`` and ``evictions``.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             await backend.put(make_key(1), make_chunk(1))
             stats: dict[str, Any] = backend.stats()
@@ -353,7 +530,13 @@ class BackendTests:
 
     # -- optional capabilities, by Protocol ----------------------------------------------------------
     def test_in_place_put_with_and_hold(self, tmp_path: Path) -> None:
-        """InPlaceTier: ``put_with`` lets a writer fill the tier's memory, ``hold`` lends it back."""
+        """InPlaceTier: ``put_with`` lets a writer fill the tier's memory, ``hold`` lends it back.
+
+        A miss is held as None. Skips for a backend that is not an ``InPlaceTier``.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if not isinstance(backend, InPlaceTier):
                 pytest.skip(f"{type(backend).__name__} is not an InPlaceTier")
@@ -377,8 +560,14 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_pressure_shrinks_to_the_limit_and_grows_back(self, tmp_path: Path) -> None:
-        """SupportsPressure: a lower capacity limit is honoured by ``shrink_to_limit``, and never
-        raises the capacity above the configured one."""
+        """SupportsPressure: a lower capacity limit is honoured by ``shrink_to_limit``.
+
+        A higher limit never raises the capacity above the configured one. Skips for a
+        backend that does not support memory pressure.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if not isinstance(backend, SupportsPressure):
                 pytest.skip(f"{type(backend).__name__} does not support memory pressure")
@@ -399,7 +588,13 @@ class BackendTests:
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
 
     def test_demotion_hands_evicted_chunks_to_the_sink(self, tmp_path: Path) -> None:
-        """SupportsDemotion: every chunk evicted to make room reaches ``demote_sink``, exact."""
+        """SupportsDemotion: every chunk evicted to make room reaches ``demote_sink``, exact.
+
+        Skips for a backend that does not demote.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if not isinstance(backend, SupportsDemotion):
                 pytest.skip(f"{type(backend).__name__} does not demote")
@@ -422,8 +617,14 @@ class BackendTests:
         self.with_backend(tmp_path, body, capacity=self.chunk_capacity())
 
     def test_named_victims_are_the_chunks_a_put_evicts(self, tmp_path: Path) -> None:
-        """NamesVictims (``tinylfu`` admission): empty while there is room; once full, the
-        chunks it names for the next chunk's bytes are the ones that put evicts."""
+        """NamesVictims (``tinylfu`` admission): the chunks named are the ones the next put evicts.
+
+        Empty while there is room; once full, the chunks it names for the next chunk's bytes
+        are held, and that put evicts them. Skips for a backend that does not name its victims.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if not isinstance(backend, NamesVictims):
                 pytest.skip(f"{type(backend).__name__} does not name its victims")
@@ -444,9 +645,16 @@ class BackendTests:
 
     # -- codecs (tierkv.backend.coded): what a tier with `codec:` stores in this backend --------------------
     def test_coded_chunks_round_trip_and_lossy_ones_are_keyed_apart(self, tmp_path: Path) -> None:
-        """``codec: lz4`` over this backend: frames are stored and decode to the exact chunk (into
-        given memory and as new tensors); a reader without the codec finds no chunk it would
-        take for them; ``fp8`` chunks live under other keys, so the exact chunk stays exact."""
+        """``codec: lz4`` over this backend round-trips exact; ``fp8`` chunks live under other keys.
+
+        Frames are stored and decode to the exact chunk (into given memory and as new
+        tensors); a reader without the codec finds no chunk it would take for them; ``fp8``
+        chunks live under other keys, so the exact chunk stays exact. Skips for an
+        ``InPlaceTier`` (codecs are for byte tiers).
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if isinstance(backend, InPlaceTier):
                 pytest.skip(f"{type(backend).__name__} keeps chunks in place: codecs are for byte tiers")
@@ -472,8 +680,14 @@ class BackendTests:
 
     # -- admission (tierkv.policy.admission): what the engine lets reach this backend ---------------------
     def test_admission_decides_what_reaches_this_backend(self, tmp_path: Path) -> None:
-        """``reused(2)`` in front of this backend, through the engine's tier handle: the chunks
-        seen twice are stored and read back exact, the ones seen once never reach it."""
+        """``reused(2)`` admission in front of this backend lets through only the chunks seen twice.
+
+        Through the engine's tier handle: the chunks seen twice are stored and read back
+        exact, the ones seen once never reach the backend.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             sketch = FrequencySketch()
             tier = Tier(backend, 1, False, HealthConfig(), Admission("reused", 2), sketch)
@@ -491,8 +705,14 @@ class BackendTests:
         self.with_backend(tmp_path, body)
 
     def test_tinylfu_keeps_what_was_seen_more_than_the_newcomer(self, tmp_path: Path) -> None:
-        """``tinylfu`` on a full tier that names its victims: a chunk seen less often than the
-        next victim is turned away; one seen more often is admitted and the victim goes."""
+        """``tinylfu`` on a full tier keeps what was seen more often than the newcomer.
+
+        A chunk seen less often than the next victim is turned away; one seen more often is
+        admitted and the victim goes. Skips for a backend that does not name its victims.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
         async def body(backend: StorageBackend) -> None:
             if not isinstance(backend, NamesVictims):
                 pytest.skip(f"{type(backend).__name__} does not name its victims")
