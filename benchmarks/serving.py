@@ -86,19 +86,25 @@ def model_kv_bytes_per_token(model: Path) -> int:
     return int(config["num_hidden_layers"]) * 2 * heads * head_size * 2
 
 
-def start_server(model: Path, port: int, config: Config, log: Path) -> subprocess.Popen[bytes]:
-    """``vllm serve`` (its OpenAI API server module: the ``vllm`` script needs a dist named vllm)."""
+def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_bytes: int | None = None,
+                 env_extra: dict[str, str] | None = None,
+                 connector_extra: dict[str, Any] | None = None, dtype: str = "bfloat16") -> subprocess.Popen[bytes]:
+    """``vllm serve`` (its OpenAI API server module: the ``vllm`` script needs a dist named vllm).
+    ``kv_cache_bytes``: vLLM's own KV space (default: ``KV_TOKENS`` tokens); ``env_extra``: more
+    environment (a core to bind its compute thread to, ``VLLM_CPU_OMP_THREADS_BIND``);
+    ``connector_extra``: more ``kv_connector_extra_config`` keys; ``dtype``: the model's."""
+    kv_cache_bytes = kv_cache_bytes or KV_TOKENS * model_kv_bytes_per_token(model)
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-            "--skip-tokenizer-init", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "bfloat16",
-            "--enable-prefix-caching", "--kv-cache-memory-bytes", str(KV_TOKENS * model_kv_bytes_per_token(model)),
+            "--skip-tokenizer-init", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", dtype,
+            "--enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
     if config.tiers is not None:
-        extra = {"config": {"chunk_size": CHUNK, "tiers": config.tiers}}
+        extra = {"config": {"chunk_size": CHUNK, "tiers": config.tiers}, **(connector_extra or {})}
         args += ["--kv-transfer-config", json.dumps({
             "kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm_v1",
             "kv_role": "kv_both", "kv_connector_extra_config": extra})]
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     with open(log, "wb") as handle:  # a process group of its own: the API server, its engine core and worker
         return start_group(args, stdout=handle, stderr=subprocess.STDOUT, env=env)
 

@@ -66,9 +66,9 @@ def step(req_id: str, computed: int, scheduled: int, tables: tuple[list[int], ..
                            scheduled_cached_reqs=cached, kv_connector_block_state=block_state({req_id: tables}))
 
 
-def transfers(engine: Engine, kv_caches: dict[str, torch.Tensor]) -> HybridTransfers:
+def transfers(engine: Engine, kv_caches: dict[str, torch.Tensor], load_timeout_s: float = 30.0) -> HybridTransfers:
     bound = bind_groups(GROUPS, kv_caches, "cpu", HEADS, HEAD, BLOCK)
-    return HybridTransfers(engine, bound, CHUNK, BLOCK, Counter(), _GuardedSink, 30.0)
+    return HybridTransfers(engine, bound, CHUNK, BLOCK, Counter(), _GuardedSink, load_timeout_s)
 
 
 def attention_block(cache: torch.Tensor, block: int) -> torch.Tensor:
@@ -165,6 +165,39 @@ def test_each_group_is_saved_in_the_step_that_computed_it_and_loaded_into_other_
             assert not target[name][34, 176:].any(), "the page's padding is not the state's"
         assert loader.stats["tokens_loaded"] == 64
         assert [loader.stats[f"tokens_loaded_group{g}"] for g in range(3)] == [64, 32, 32]
+
+
+def test_a_load_from_a_hung_tier_is_abandoned_at_its_deadline_and_writes_nothing(tmp_path: Path) -> None:
+    """``load_timeout_s`` holds for a hybrid model's loads too: a load still reading from a hung
+    tier at its deadline is reported over and failed (vLLM recomputes it), and the reads that
+    end later write nothing into the blocks vLLM took back."""
+    import threading
+
+    from tierkv.testing.faults import FaultyBackend
+
+    source, target = caches(seed=4), caches(seed=None)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    config = {"model": "hybrid-test", "chunk_size": CHUNK, "cost_aware": False,
+              "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    tables = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15])
+    targets = ([21, 22, 23, 24, 25], [0, 0, 28, 29, 30], [0, 0, 0, 34, 35])
+    with Engine(config) as engine:
+        save_prompt(engine, source, tokens, tables, [32, 32, 16])
+        disk = engine.wrap_tier("disk", FaultyBackend)
+        disk.stall_s = 30.0  # far above the deadline: the tier hangs
+        loader = transfers(engine, target, load_timeout_s=1.0)
+        planner = HybridPlanner(GROUPS, loader.lookup, chunk=CHUNK, block_size=BLOCK)
+        assert planner.matched_tokens("b", tokens.tolist(), 0) == (64, True)
+        planner.after_alloc("b", targets, 64)
+        (load,) = planner.build(step("b", 0, 16, targets, new=True)).loads
+        loader.start_load(load)
+        assert loader.finished(set()) == (set(), set()), "before its deadline the load is still running"
+        threading.Event().wait(1.1)
+        assert loader.finished(set()) == ({"b"}, {"b"}), "past load_timeout_s: over, and failed"
+        assert loader.stats["load_timeouts"] == 1 and loader.stats["tokens_load_failed"] == 64
+        disk.stall_s = 0.0  # the hung reads end now
+        threading.Event().wait(0.5)
+        assert all(int(cache.count_nonzero()) == 0 for cache in target.values()), "bytes landed after the deadline"
 
 
 def test_a_state_evicted_while_its_kv_stays_gives_a_shorter_hit_never_a_wrong_one(tmp_path: Path) -> None:

@@ -411,10 +411,11 @@ def slow_disk_worker(tmp_path: Path, engine: Engine, source: list[torch.Tensor],
     return disk
 
 
-@pytest.mark.parametrize("how", ["aborted", "timed_out"])
+@pytest.mark.parametrize("how", ["aborted", "timed_out", "async_timed_out"])
 def test_an_abandoned_load_never_writes_into_blocks_vllm_got_back(tmp_path: Path, how: str) -> None:
     """vLLM aborts a request waiting for its KV (finished_req_ids: it frees the blocks once the
-    load is reported over), or a synchronous load times out (vLLM recomputes its blocks): from
+    load is reported over), or a synchronous or asynchronous load outlives ``load_timeout_s``
+    (a hung tier: vLLM recomputes its blocks): from
     the moment the connector reports it, nothing lands in those blocks, no load is left
     behind, and the next load still works."""
     from tierkv.integrations.vllm_v1.scheduler import LoadSpec
@@ -428,14 +429,23 @@ def test_an_abandoned_load_never_writes_into_blocks_vllm_got_back(tmp_path: Path
     blocks = (11, 10, 9, 8, 7)
     with Engine(config) as engine:
         disk = slow_disk_worker(tmp_path, engine, source, tokens)
-        disk.stall_s = 0.5
-        loader = WorkerTransfers(engine, load_timeout_s=0.1)
+        # the asynchronous case checks the load is still running before its deadline: a deadline
+        # far above any pause of a busy machine, and a stall far above the deadline
+        disk.stall_s, timeout = (30.0, 1.0) if how == "async_timed_out" else (0.5, 0.1)
+        loader = WorkerTransfers(engine, load_timeout_s=timeout)
         loader.register(target, "cpu", HEADS, HEAD, BLOCK, BLOCK)
         if how == "aborted":
             loader.start_async_load(LoadSpec("a", tokens, blocks, 0, 79, asynchronous=True))
             sending, recving, failed = loader.finished({"a"})  # vLLM finished (aborted) the request
             assert (sending, recving) == (set(), {"a"}), "the abandoned load is reported over at once"
             assert loader.stats["loads_abandoned"] == 1
+        elif how == "async_timed_out":
+            loader.start_async_load(LoadSpec("a", tokens, blocks, 0, 79, asynchronous=True))
+            assert loader.finished(set()) == (set(), set(), set()), "within its time the load is still running"
+            threading.Event().wait(timeout + 0.1)
+            assert loader.finished(set()) == (set(), {"a"}, {"a"}), "past load_timeout_s: over, and failed"
+            assert loader.take_load_errors() == set(blocks) and loader.stats["load_timeouts"] == 1
+            disk.stall_s = 0.5  # the hung read goes on a little longer, then ends
         else:
             assert not loader.load(LoadSpec("a", tokens, blocks, 0, 79)), "a load past its timeout fails"
             assert loader.take_load_errors() == set(blocks)

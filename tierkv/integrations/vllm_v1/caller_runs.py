@@ -2,7 +2,7 @@
 
 A synchronous load holds up vLLM's forward pass: while it runs, vLLM's worker thread and its
 OpenMP team (bound to the compute cores) sit idle. tierkv's own threads live on the core vLLM
-keeps free (``tierkv.integrations.vllm_v1.worker.keep_off_compute_cores``), so a copy
+keeps free (``tierkv.integrations.vllm_v1.placement.place_engine_threads``), so a copy
 they made would run on one core while the compute cores wait. Instead, the tierkv thread that
 has a chunk ready hands the copy into vLLM's blocks to the waiting thread (``CallerRuns.run``),
 which runs it with every compute core (``CallerRuns.serve``: the extension's kernels use the

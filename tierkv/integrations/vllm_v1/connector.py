@@ -50,11 +50,12 @@ from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
+from tierkv.integrations.vllm_v1.placement import place_engine_threads
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec, SchedulerPlanner
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
 from tierkv.integrations.vllm_v1.stats_file import StatsFile
 from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
-from tierkv.integrations.vllm_v1.worker import RESET_WAIT_S, WorkerTransfers, keep_off_compute_cores
+from tierkv.integrations.vllm_v1.worker import RESET_WAIT_S, WorkerTransfers
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -215,7 +216,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
             engine = EngineBuilder.get_or_create(self._instance, config, self._settings.metadata(
                 worker_id, None if self._hybrid.groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
-            cpus = keep_off_compute_cores(engine)
+            cpus = place_engine_threads(engine, self._settings.transfer_cpus)
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             if _kv_events_enabled(vllm_config):

@@ -21,7 +21,9 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,7 +93,8 @@ class HybridTransfers:
         self._guarded_sink = guarded_sink  # the one-group path's sink class (a write grant per load)
         self.load_timeout_s = load_timeout_s
         self._lock = threading.Lock()
-        self._loads: dict[str, tuple[HybridLoad, concurrent.futures.Future[bool], list[Any]]] = {}
+        # per request: the load, its future, its sinks, and when it is abandoned (monotonic; inf: never)
+        self._loads: dict[str, tuple[HybridLoad, concurrent.futures.Future[bool], list[Any], float]] = {}
         self._saves: dict[int, concurrent.futures.Future[int]] = {}
         self._done_jobs: list[int] = []
         self.on_saved = on_saved  # told after each save job ends (the stats file)
@@ -129,8 +132,9 @@ class HybridTransfers:
         except Exception as exc:
             future = concurrent.futures.Future()
             future.set_exception(exc)
+        deadline = time.monotonic() + self.load_timeout_s if self.load_timeout_s is not None else math.inf
         with self._lock:
-            self._loads[load.req_id] = (load, future, sinks)
+            self._loads[load.req_id] = (load, future, sinks, deadline)
 
     async def _load_all(self, load: HybridLoad, sinks: list[Any]) -> bool:
         parts = {part.group: part for part in load.parts}
@@ -231,21 +235,30 @@ class HybridTransfers:
 
     # -- completion ----------------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(loads now over, those of them that failed). A load of a request vLLM finished is
-        abandoned (no chunk is written once this returns)."""
+        """(loads now over, those of them that failed). A load of a request vLLM finished, or
+        one still running ``load_timeout_s`` after it started (a hung tier), is abandoned: no
+        chunk is written once this returns, and vLLM recomputes what it would have filled."""
+        now = time.monotonic()
         with self._lock:
             over = {req_id: entry for req_id, entry in self._loads.items()
-                    if entry[1].done() or req_id in finished_req_ids}
+                    if entry[1].done() or req_id in finished_req_ids or now >= entry[3]}
             for req_id in over:
                 del self._loads[req_id]
             failed, self._refused = self._refused, set()
         refused = set(failed)
-        for req_id, (load, future, sinks) in over.items():
-            if not future.done():  # aborted while it waited for its KV
+        for req_id, (load, future, sinks, _) in over.items():
+            if not future.done():  # aborted while it waited for its KV, or past its deadline
                 for sink in sinks:
                     sink.abandon()
                 future.cancel()
-                self.stats["loads_abandoned"] += 1
+                if req_id in finished_req_ids:
+                    self.stats["loads_abandoned"] += 1
+                else:
+                    self.stats["load_timeouts"] += 1
+                    self.stats["tokens_load_failed"] += load.hit - load.computed
+                    self.stats["load_failures"] += 1
+                    logger.warning("tierkv: load of request %s still running after %.1f s: abandoned (vLLM recomputes "
+                                   "it)", req_id, self.load_timeout_s)
                 failed.add(req_id)
                 continue
             ok = False

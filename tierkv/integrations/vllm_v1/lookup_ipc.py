@@ -29,6 +29,7 @@ import numpy as np
 
 from tierkv.chunks.identity import RequestIdentity
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
+from tierkv.threads import name_native_thread
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class LookupServer:
             _LOCAL[path] = (lookup, reset)
 
     def _accept(self) -> None:
+        name_native_thread("tierkv-lookup")
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread and the connection threads it starts
         while not self._closed.is_set():
@@ -91,6 +93,7 @@ class LookupServer:
             threading.Thread(target=self._serve, args=(conn,), name="tierkv-lookup-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        name_native_thread("tierkv-lookup")
         with conn:
             while not self._closed.is_set():
                 try:

@@ -23,6 +23,10 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
   cache-write op and read it back through tierkv's views; on any disagreement tierkv logs
   one error and stays off (no loads, no saves), so a vLLM that changed its layout runs as
   if no connector were set instead of computing from misplaced K/V. ``false`` skips it;
+- ``transfer_cpus``: where tierkv's threads run in the worker: ``"auto"`` (default: the
+  worker's own CPUs when ``VLLM_CPU_OMP_THREADS_BIND`` binds it to a list of cores, as when
+  several replicas share a machine; else the CPUs vLLM reserves), ``"spare"`` (the CPUs the
+  worker is not pinned to) or ``"own"`` (see ``tierkv.integrations.vllm_v1.placement.transfer_cpus``);
 - ``identity_hook``: ``"package.module:function"`` called as ``function(request, identity)``
   for every request: returns the ``tierkv.chunks.identity.RequestIdentity`` to key it with
   (add ``extra`` parts, drop the salt to share across tenants knowingly) or None to leave
@@ -42,7 +46,8 @@ from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS
 
 _KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check",
-          "identity_hook")
+          "identity_hook", "transfer_cpus")
+_TRANSFER_CPUS = ("auto", "spare", "own")
 # auto, vLLM's CPU page orders (cpu: vec and its kin, cpu_amx, cpu_bfmmla), then the GPU backends' layouts
 _LAYOUTS = ("auto", *PAGE_ORDERS, "content", "kv_first", "blocks_first")
 _ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
@@ -64,6 +69,7 @@ class ConnectorSettings:
     layout: str = "auto"
     layout_check: bool = True
     identity_hook: str | None = None
+    transfer_cpus: str = "auto"
 
     def metadata(self, worker_id: int, kv_shape: tuple[int, int, int, Any] | None = None,
                  model_revision: str | None = None, kv_cache_dtype: str | None = None,
@@ -129,7 +135,11 @@ def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_na
     hook = extra.get("identity_hook")
     if hook is not None and (not isinstance(hook, str) or ":" not in hook):
         raise ConfigError(f"kv_connector_extra_config.identity_hook: expected 'package.module:function', got {hook!r}")
+    placement = extra.get("transfer_cpus", "auto")
+    if placement not in _TRANSFER_CPUS:
+        raise ConfigError(f"kv_connector_extra_config.transfer_cpus: expected one of {list(_TRANSFER_CPUS)}, "
+                          f"got {placement!r}")
     load, save = _ROLES[role]
     return ConnectorSettings(config, model_name, world_size, load, save, _load_async(extra.get("load_async", "auto")),
                              _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file, str(layout), check,
-                             hook)
+                             hook, str(placement))

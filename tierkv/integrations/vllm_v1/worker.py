@@ -21,7 +21,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import os
+import math
 import threading
 import time
 from collections import Counter, defaultdict
@@ -50,30 +50,6 @@ logger = logging.getLogger(__name__)
 RESET_WAIT_S = 120.0
 """How long a cache reset waits for the saves and fills started before it (see
 ``WorkerTransfers.reset_memory_tiers``); the scheduler waits that long and a little more."""
-
-
-def spare_cpus() -> set[int] | None:
-    """CPUs this process is not pinned to: vLLM's CPU backend pins each worker to its compute
-    cores and reserves others for other work. None when the process may run anywhere."""
-    try:
-        own = os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # not Linux
-        return None
-    spare = set(range(os.cpu_count() or 0)) - own
-    return spare or None
-
-
-async def _pin_current_thread(cpus: set[int]) -> None:
-    os.sched_setaffinity(0, cpus)
-
-
-def keep_off_compute_cores(engine: Engine) -> set[int] | None:
-    """Run the engine's loop thread (and the threads it starts) on the CPUs vLLM keeps free,
-    so tierkv's copies do not take cores from the forward pass; returns them (None: no change)."""
-    cpus = spare_cpus()
-    if cpus is not None:
-        engine.run(_pin_current_thread(cpus))
-    return cpus
 
 
 class _GuardedSink(ConnectorSink):
@@ -125,7 +101,9 @@ class WorkerTransfers:
         self._lock = threading.Lock()
         self._saves: dict[str, list[concurrent.futures.Future[int]]] = defaultdict(list)
         self._owed: set[str] = set()  # finished requests whose save completion is still to be reported
-        self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink]] = {}
+        # per request: the load, its future, its sink, and when it is abandoned (monotonic; inf: never)
+        self._async_loads: dict[str, tuple[LoadSpec, concurrent.futures.Future[torch.Tensor], _GuardedSink,
+                                           float]] = {}
         self._load_errors: set[int] = set()
         self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
         self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
@@ -226,8 +204,9 @@ class WorkerTransfers:
             failed.set_exception(exc)
             future, sink = failed, _GuardedSink(self._connector(), {"slot_mapping": []}, 0)
             sink.abandon()
+        deadline = time.monotonic() + self.load_timeout_s if self.load_timeout_s is not None else math.inf
         with self._lock:
-            self._async_loads[spec.req_id] = (spec, future, sink)
+            self._async_loads[spec.req_id] = (spec, future, sink, deadline)
 
     def _settle(self, spec: LoadSpec, future: concurrent.futures.Future[torch.Tensor], sink: _GuardedSink,
                 timeout: float | None) -> bool:
@@ -385,7 +364,10 @@ class WorkerTransfers:
 
         An async load of a request vLLM has finished (aborted while it waited for its KV) is
         abandoned: its remaining chunks are not written, and it is reported over only once no
-        chunk is being written, since vLLM frees the request's blocks when it hears that."""
+        chunk is being written, since vLLM frees the request's blocks when it hears that. One
+        still running ``load_timeout_s`` after it started (a hung tier) is abandoned the same
+        way and reported failed: vLLM recomputes its blocks."""
+        now = time.monotonic()
         with self._lock:
             self._owed |= {req_id for req_id in finished_req_ids if req_id in self._saves}
             sending = {req_id for req_id in self._owed if all(f.done() for f in self._saves[req_id])}
@@ -396,15 +378,25 @@ class WorkerTransfers:
                        if req_id in finished_req_ids and not entry[1].done()]
             for req_id, _ in aborted:
                 del self._async_loads[req_id]
+            late = [(req_id, entry) for req_id, entry in self._async_loads.items()
+                    if not entry[1].done() and now >= entry[3]]
+            for req_id, _ in late:
+                del self._async_loads[req_id]
             done_loads = [(req_id, entry) for req_id, entry in self._async_loads.items() if entry[1].done()]
             for req_id, _ in done_loads:
                 del self._async_loads[req_id]
-        for _, (_, future, sink) in aborted:
+        for _, (_, future, sink, _) in aborted:
             sink.abandon()
             future.cancel()
             self.stats["loads_abandoned"] += 1
-        failed = {req_id for req_id, (spec, future, sink) in done_loads if not self._settle(spec, future, sink, 0)}
-        recving = {req_id for req_id, _ in done_loads + aborted}
+        for _, (spec, future, sink, _) in late:
+            sink.abandon()  # returns once no chunk is being written: the blocks can go back to vLLM
+            future.cancel()
+            self.stats["load_timeouts"] += 1
+            self._load_failed(spec, spec.start, TimeoutError(f"still running after {self.load_timeout_s:.1f} s"))
+        failed = {req_id for req_id, (spec, future, sink, _) in done_loads if not self._settle(spec, future, sink, 0)}
+        failed |= {req_id for req_id, _ in late}
+        recving = {req_id for req_id, _ in done_loads + aborted + late}
         if self.hybrid is not None:
             over, hybrid_failed = self.hybrid.finished(finished_req_ids)
             recving |= over

@@ -1,0 +1,318 @@
+"""The price of a miss: two ``vllm serve`` replicas, one core each, a multi-user chat whose every
+next round goes to the other replica (``tox -e bench-replicas``; a short form runs in ``tox -e bench``).
+
+Configurations, each two replicas (the baseline of every ratio is the first):
+
+- ``vllm``: vLLM alone, prefix caching on;
+- ``tierkv-private``: each replica with its own ``cpu`` tier. A round's prefix was computed on
+  the other replica, so nothing can hit: tierkv only saves, and what it costs is overhead;
+- ``tierkv-shm``: both replicas on one node cache (the ``shm`` tier): the other replica's
+  prefixes hit.
+
+Each replica's vLLM compute thread is bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``),
+as vLLM's CPU build is deployed (one instance per socket or NUMA node). All servers start once
+and stay up; each run replays a fresh chat (a new seed: no run hits an earlier run's prompts)
+against every configuration, in an order that rotates from run to run, so every ratio compares
+two configurations timed minutes apart on the same servers. Per run and configuration: the
+later rounds' time (the summed latency of every request after a user's first), their TTFT p90,
+the prompt tokens tierkv loaded. The verdict takes the median of the runs' ratios.
+
+``--profile DIR``: after the measured runs, one more chat per configuration of
+``--profile-configs``, recorded with py-spy (if on PATH), and where each replica's processes
+and threads spent their CPU (benchmarks/replicas_profile.py).
+
+    python benchmarks/replicas_nohit.py [--runs 3] [--users 6] [--rounds 3] [--out DIR] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_dtype import CHOICES, model_dtype  # noqa: E402
+from replicas_profile import summarize_profile, thread_times  # noqa: E402
+from serving import Config, percentile, start_server, stop_server, wait_ready  # noqa: E402
+from serving_client import Result, counters, replay  # noqa: E402
+from serving_workloads import Trace, chat  # noqa: E402
+from tables import print_table  # noqa: E402
+
+from tierkv.testing.mooncake_server import free_port  # noqa: E402
+
+KV_CACHE_BYTES = 1 << 28  # vLLM's own KV space per replica: 0.25 GiB
+TARGETS = {("tierkv-private", "later_s"): 1.03, ("tierkv-private", "later_ttft_p90_s"): 1.03,
+           ("tierkv-shm", "later_s"): 0.46}
+COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loaded_tok", "vllm_cached_tok",
+           "later_s_vs_vllm", "later_ttft_p90_s_vs_vllm"]
+
+
+def configurations(pool: str) -> dict[str, Config]:
+    return {
+        "vllm": Config("vllm", None, servers=2),
+        "tierkv-private": Config("tierkv-private", [{"name": "host", "backend": "cpu", "capacity": "1GiB"}], servers=2),
+        "tierkv-shm": Config("tierkv-shm", [{"name": "node", "backend": "shm", "path": pool, "capacity": "1GiB"}],
+                             servers=2),
+    }
+
+
+def replica_cores() -> list[int]:
+    """Two cores this process may use, one per replica (the first two of its affinity)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("replicas_nohit: needs two cores (one per replica)")
+    return cores[:2]
+
+
+@dataclass
+class Servers:
+    """One configuration's running replicas."""
+
+    config: Config
+    urls: list[str]
+    processes: list[subprocess.Popen[bytes]]
+
+
+def start_all(names: Sequence[str], available: dict[str, Config], model: Path, work: Path,
+              dtype: str) -> dict[str, Servers]:
+    """Every configuration's replicas, started one at a time (they would fight over the cores
+    while loading), replica ``i`` bound to the ``i``-th core."""
+    cores = replica_cores()
+    running: dict[str, Servers] = {}
+    try:
+        for name in names:
+            config = available[name.partition("@")[0]]
+            placement = {"transfer_cpus": name.partition("@")[2]} if "@" in name else {}
+            servers = Servers(config, [], [])
+            running[name] = servers
+            for index in range(config.servers):
+                port = free_port()
+                log = work / f"{name}-{index}.log"
+                began = time.perf_counter()
+                print(f"  starting {name} replica {index} on core {cores[index]} ...", flush=True)
+                servers.processes.append(start_server(model, port, config, log, KV_CACHE_BYTES,
+                                                      {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])}, placement, dtype))
+                servers.urls.append(f"http://127.0.0.1:{port}")
+                wait_ready(servers.urls[-1], servers.processes[-1], log)
+                print(f"  ... up in {time.perf_counter() - began:.0f} s", flush=True)
+    except BaseException:
+        stop_all(running)
+        raise
+    return running
+
+
+def stop_all(running: dict[str, Servers]) -> None:
+    for servers in running.values():
+        for process in servers.processes:
+            stop_server(process)
+
+
+def other_replica(index: int, request: Any) -> int:
+    """A chat's rounds alternate between the replicas (trace order is user by user, round by round)."""
+    return index % 2
+
+
+def later_rounds(results: list[Result]) -> list[Result]:
+    return [r for r in results if r.group != "round 0"]
+
+
+def measure(servers: Servers, trace: Trace, model: Path, max_tokens: int
+            ) -> tuple[list[Result], dict[str, float], Counter[tuple[str, str]]]:
+    """Replay ``trace``; its results, the servers' counter deltas and the CPU seconds each
+    (process, thread) of the replicas used meanwhile."""
+    before = asyncio.run(counters(servers.urls))
+    cpu_before = sum((thread_times(process.pid) for process in servers.processes), Counter())
+    began = time.perf_counter()
+    results = asyncio.run(replay(trace, servers.urls, str(model), max_tokens, other_replica))
+    wall = time.perf_counter() - began
+    cpu = sum((thread_times(process.pid) for process in servers.processes), Counter())
+    cpu.subtract(cpu_before)
+    after = asyncio.run(counters(servers.urls))
+    return results, {**{key: after[key] - before[key] for key in after}, "wall_s": wall}, cpu
+
+
+def settle(running: dict[str, Servers], quiet_cpu: float = 0.05, window_s: float = 1.0, limit_s: float = 60.0) -> float:
+    """Wait until every server is idle (all of them together use under ``quiet_cpu`` of a core
+    over ``window_s``), so no configuration's replay shares the cores with another's leftover
+    work; the seconds waited."""
+    began = time.perf_counter()
+    groups = [process.pid for servers in running.values() for process in servers.processes]
+    before = sum(sum(thread_times(pid).values()) for pid in groups)
+    while time.perf_counter() - began < limit_s:
+        time.sleep(window_s)
+        now = sum(sum(thread_times(pid).values()) for pid in groups)
+        if now - before < quiet_cpu * window_s:
+            break
+        before = now
+    return time.perf_counter() - began
+
+
+def print_cpu(cpu: dict[str, Counter[tuple[str, str]]], runs: int) -> None:
+    """CPU seconds per replay (both replicas), by process and thread, per configuration."""
+    keys = sorted({key for per in cpu.values() for key, seconds in per.items() if seconds / runs >= 0.05})
+    rows = [{"process": process, "thread": thread,
+             **{name: round(per[(process, thread)] / runs, 2) for name, per in cpu.items()}}
+            for process, thread in keys]
+    rows.append({"process": "tierkv's threads", "thread": "tierkv-*", **{
+        name: round(sum(v for (_, thread), v in per.items() if thread.startswith("tierkv")) / runs, 3)
+        for name, per in cpu.items()}})
+    rows.append({"process": "all", "thread": "", **{name: round(sum(per.values()) / runs, 2)
+                                                     for name, per in cpu.items()}})
+    print("\n-- CPU seconds per replay, both replicas (from /proc: time on a core, not time waiting) --")
+    print_table(rows, ["process", "thread", *cpu])
+
+
+def row_for(run: int, name: str, results: list[Result], delta: dict[str, float]) -> dict[str, Any]:
+    later = later_rounds(results)
+    return {"run": run, "config": name, "later_s": round(sum(r.latency for r in later), 3),
+            "later_ttft_p90_s": round(percentile([r.ttft for r in later], 0.9), 3),
+            "wall_s": round(delta["wall_s"], 2), "tierkv_loaded_tok": int(delta["tierkv_tokens_loaded"]),
+            "vllm_cached_tok": int(delta["prompt_tokens_cached"]), "later_s_vs_vllm": "",
+            "later_ttft_p90_s_vs_vllm": ""}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        if row["config"] == "vllm":
+            continue
+        base = next(r for r in rows if r["run"] == row["run"] and r["config"] == "vllm")
+        for metric in ("later_s", "later_ttft_p90_s"):
+            row[f"{metric}_vs_vllm"] = round(row[metric] / base[metric], 3)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The median over runs of each targeted ratio, and whether it is met."""
+    found = []
+    for (config, metric), limit in TARGETS.items():
+        ratios = [row[f"{metric}_vs_vllm"] for row in rows if row["config"] == config]
+        if ratios:
+            median = statistics.median(ratios)
+            found.append({"config": config, "metric": metric, "median_vs_vllm": round(median, 3),
+                          "runs": ratios, "target": limit, "met": median <= limit})
+    return found
+
+
+def profile_start(out: Path, servers: Servers, seconds: int) -> list[subprocess.Popen[bytes]]:
+    """py-spy on each replica's process group (its API server, engine core and worker)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        print("  --profile: py-spy is not on PATH (pip install py-spy); not profiling", flush=True)
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([spy, "record", "--pid", str(process.pid), "--subprocesses", "--threads",
+                              "--nonblocking", "--rate", "100", "--duration", str(seconds), "--format", "raw",
+                              "--output", str(out / f"{servers.config.name}-{index}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for index, process in enumerate(servers.processes)]
+
+
+def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: int = 3, max_tokens: int = 8,
+                 out: Path = Path("bench-results/replicas"), profile: Path | None = None,
+                 profile_configs: Sequence[str] = (), dtype: str = "auto") -> dict[str, Any]:
+    """The whole benchmark: start every configuration's replicas, ``runs`` rounds of replays,
+    stop them; the rows, verdicts and CPU table, written to ``out/replicas.json``. ``dtype``:
+    the model's (``auto``: bf16 where the CPU computes it natively, else float32)."""
+    dtype = model_dtype(dtype)
+    pool = f"/dev/shm/tierkv-replicas-{uuid.uuid4().hex[:8]}.pool"
+    available = configurations(pool)
+    if not names or names[0] != "vllm" or any(name.partition("@")[0] not in available for name in names):
+        raise ValueError(f"configs: expected 'vllm' first, then any of {list(available)[1:]}; got {list(names)}")
+    work = Path(tempfile.mkdtemp(prefix="tierkv-replicas-"))
+    from tierkv.testing.vllm_runner import save_random_llama
+
+    model = save_random_llama(work / "model", num_layers=8, hidden_size=1024, num_heads=8, num_kv_heads=4,
+                              initializer_range=0.15)
+    print(f"== the price of a miss: 2 replicas, one core each, x {len(names)} configs, {users} users x {rounds} "
+          f"rounds, {runs} runs, {dtype} ==", flush=True)
+    rows: list[dict[str, Any]] = []
+    results: dict[str, Any] = {}
+    cpu: dict[str, Counter[tuple[str, str]]] = {}
+    started = time.perf_counter()
+    running = start_all(names, available, model, work, dtype)
+    try:
+        for run in range(runs):
+            trace = chat(users=users, rounds=rounds, system=256, context=768, seed=run + 1)
+            order = list(names[run % len(names):]) + list(names[: run % len(names)])
+            for name in order:
+                waited = settle(running)
+                began = time.perf_counter()
+                replies, delta, used = measure(running[name], trace, model, max_tokens)
+                cpu.setdefault(name, Counter()).update(used)
+                rows.append(row_for(run + 1, name, replies, delta))
+                results[f"{run + 1}/{name}"] = [asdict(r) for r in replies]
+                print(f"  run {run + 1}/{runs} {name}: later rounds {rows[-1]['later_s']:.1f} s "
+                      f"({time.perf_counter() - began:.0f} s, after {waited:.0f} s for the servers to idle)", flush=True)
+        if profile is not None:  # one more chat per profiled configuration, not measured
+            trace = chat(users=users, rounds=rounds, system=256, context=768, seed=runs + 1)
+            for name in profile_configs:
+                spies = profile_start(profile, running[name], 600)
+                measure(running[name], trace, model, max_tokens)
+                for spy in spies:
+                    spy.send_signal(2)  # SIGINT: py-spy writes what it has
+                    spy.wait(timeout=60)
+    finally:
+        stop_all(running)
+        Path(pool).unlink(missing_ok=True)
+    add_ratios(rows)
+    if "tierkv-shm" in names and not all(row["tierkv_loaded_tok"] for row in rows if row["config"] == "tierkv-shm"):
+        raise RuntimeError(f"tierkv-shm loaded nothing in some run: see {work}/tierkv-shm-*.log")
+    shutil.rmtree(work, ignore_errors=True)
+    report = {"rows": rows, "verdicts": verdicts(rows), "requests": results, "runs": runs, "dtype": dtype,
+              "cpu_s": {name: {f"{p}/{t}": v for (p, t), v in per.items()} for name, per in cpu.items()},
+              "seconds": round(time.perf_counter() - started)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replicas.json").write_text(json.dumps(report, indent=1))
+    report["cpu"] = cpu
+    return report
+
+
+def print_replicas(report: dict[str, Any]) -> None:
+    print_table(report["rows"], COLUMNS)
+    print_cpu(report["cpu"], report["runs"])
+    if any(row["tierkv_loaded_tok"] for row in report["rows"] if row["config"] == "tierkv-private"):
+        print("note: tierkv-private loaded tokens: this trace was meant to have no hit on a private tier")
+    for verdict in report["verdicts"]:
+        print(f"{verdict['config']} {verdict['metric']} vs vllm: median {verdict['median_vs_vllm']:.3f}x of "
+              f"{verdict['runs']} (<= {verdict['target']}x) {'met' if verdict['met'] else 'MISSED'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", default="vllm,tierkv-private,tierkv-shm",
+                        help="comma-separated, vllm first; NAME@PLACE runs NAME with transfer_cpus PLACE (spare, own)")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--dtype", choices=CHOICES, default="auto",
+                        help="the model's dtype (auto: bf16 where the CPU computes it natively, else float32)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/replicas"))
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles of --profile-configs here")
+    parser.add_argument("--profile-configs", default="vllm,tierkv-private")
+    args = parser.parse_args()
+    report = run_replicas(args.configs.split(","), args.runs, args.users, args.rounds, args.max_tokens, args.out,
+                          args.profile, args.profile_configs.split(","), args.dtype)
+    print_replicas(report)
+    if args.profile is not None:
+        for path in sorted(args.profile.glob("*.txt")):
+            summarize_profile(path)
+    print(f"results in {args.out}/replicas.json ({report['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
