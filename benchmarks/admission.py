@@ -107,7 +107,7 @@ def object_store(wanted: bool) -> Iterator[dict[str, Any] | None]:
     from tierkv.testing.s3server import S3Server
 
     with S3Server() as server:
-        yield server.new_bucket("tierkv-admission")
+        yield server.new_bucket("tierkv-admission", inline=False)
 
 
 def run_admission(tiers: tuple[str, ...] = ("lmdb", "fs", "s3")) -> list[dict[str, Any]]:

@@ -247,7 +247,7 @@ def _s3(stack: ExitStack) -> tuple[dict[str, Any], Callable[[], None]] | str:
             if objects:
                 client.delete_objects(Bucket="bench-cluster", Delete={"Objects": objects})
 
-    return {"backend": "s3", "bucket": "bench-cluster", **server.client_options()}, clear
+    return {"backend": "s3", "bucket": "bench-cluster", **server.client_options(inline=False)}, clear
 
 
 def run_cluster(prompts: int = 2, tokens: int = 1024, repeats: int = 3, s3: bool = True) -> list[dict[str, Any]]:

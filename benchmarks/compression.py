@@ -175,7 +175,7 @@ def object_store() -> Iterator[dict[str, Any]]:
     from tierkv.testing.s3server import S3Server
 
     with S3Server() as server:
-        yield server.new_bucket("tierkv-codec")
+        yield server.new_bucket("tierkv-codec", inline=False)
 
 
 def tier_spec(kind: str, workdir: Path, s3: dict[str, Any] | None, proxy: Any, codec: str) -> dict[str, Any]:

@@ -249,7 +249,7 @@ def object_store() -> Iterator[dict[str, Any]]:
     from tierkv.testing.s3server import S3Server
 
     with S3Server() as server:
-        yield {**server.new_bucket("tierkv-cost"), "prefix": "cost"}
+        yield {**server.new_bucket("tierkv-cost", inline=False), "prefix": "cost"}
 
 
 def run_cost(lengths: list[int], bandwidths_mbps: list[float], latencies_ms: list[float], tiers: list[str],

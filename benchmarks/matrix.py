@@ -164,7 +164,7 @@ def s3_setup(cell: Cell, chunks: list[torch.Tensor], workdir: Path, server: Any 
 
     prefix = f"bench/{uuid.uuid4().hex[:8]}"
     backend = S3Backend("shared", bucket=bucket, prefix=f"{prefix}/ours", max_concurrency=cell.concurrency,
-                        **server.client_options())
+                        **server.client_options(inline=False))
     client = server.boto3_client(max_pool_connections=2 * cell.concurrency, retries={"total_max_attempts": 1},
                                  request_checksum_calculation="when_required",
                                  response_checksum_validation="when_required")

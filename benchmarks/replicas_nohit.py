@@ -7,7 +7,9 @@ Configurations, each two replicas (the baseline of every ratio is the first):
 - ``tierkv-private``: each replica with its own ``cpu`` tier. A round's prefix was computed on
   the other replica, so nothing can hit: tierkv only saves, and what it costs is overhead;
 - ``tierkv-shm``: both replicas on one node cache (the ``shm`` tier): the other replica's
-  prefixes hit.
+  prefixes hit;
+- ``vllm-control`` (not run by default): a second pair of vLLM alone, whose ratio to the first
+  is the spread of the benchmark itself (an A/A test).
 
 Each replica's vLLM compute thread is bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``),
 as vLLM's CPU build is deployed (one instance per socket or NUMA node). All servers start once
@@ -64,6 +66,8 @@ COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loa
 def configurations(pool: str) -> dict[str, Config]:
     return {
         "vllm": Config("vllm", None, servers=2),
+        # a second pair of vLLM alone: its ratio to the first is the benchmark's own noise (an A/A test)
+        "vllm-control": Config("vllm-control", None, servers=2),
         "tierkv-private": Config("tierkv-private", [{"name": "host", "backend": "cpu", "capacity": "1GiB"}], servers=2),
         "tierkv-shm": Config("tierkv-shm", [{"name": "node", "backend": "shm", "path": pool, "capacity": "1GiB"}],
                              servers=2),

@@ -43,7 +43,7 @@ def config(proxy: FaultProxy, server: S3Server, bucket: str, prefix: str) -> dic
     return {"model": "s3-stalls", "chunk_size": CHUNK, "cost_aware": False,
             "health": {"failure_threshold": 1000},
             "tiers": [{"name": "shared", "backend": "s3", "bucket": bucket, "prefix": prefix,
-                       **{**server.client_options(), "endpoint_url": proxy.url},
+                       **{**server.client_options(inline=False), "endpoint_url": proxy.url},
                        "max_concurrency": 4, "timeout_s": 2.0, "failure_threshold": 1000}]}
 
 

@@ -152,6 +152,31 @@ def test_right_credentials_never_appear_in_repr_stats_errors_or_logs(strict_serv
 
 
 # -- objects written by someone else ------------------------------------------------------------
+def test_credentials_given_as_env_references_work_and_are_not_inline(strict_server: S3Server,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The benchmarks' S3 configs (``client_options(inline=False)``): credentials named as
+    ``{env: NAME}``, read from the environment; the config holds no secret and the
+    inline-credential warning is not given."""
+    from tierkv.testing.s3server import CREDENTIAL_ENV
+
+    for name in CREDENTIAL_ENV:
+        monkeypatch.delenv(name, raising=False)  # client_options sets them: this undoes it after the test
+    options = strict_server.client_options(inline=False)
+    assert options["access_key_id"] == {"env": CREDENTIAL_ENV[0]}
+    assert options["secret_access_key"] == {"env": CREDENTIAL_ENV[1]}
+    assert strict_server.secret_access_key not in repr(options)
+    caplog.set_level(logging.WARNING, logger="tierkv")
+    config = {"model": "env-creds", "chunk_size": CHUNK, "tiers": [{
+        "name": "shared", "backend": "s3", "bucket": "env-creds", "create_bucket": True, **options}]}
+    with Engine(config) as engine:
+        tokens = torch.arange(CHUNK)
+        kv = torch.randn(2, 2, CHUNK, 2, 8, dtype=torch.bfloat16)
+        engine.store(tokens, kv)
+        assert engine.lookup(tokens) == CHUNK, "the strict server took the credentials from the environment"
+    assert "credential is written into a config given inline" not in caplog.text
+
+
 def test_garbage_object_from_another_writer_is_a_miss_deleted_and_counted(s3_server: S3Server, s3_bucket: str) -> None:
     async def body() -> None:
         backend = make_s3(s3_server, s3_bucket, "garbage")

@@ -29,10 +29,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 _LOOPBACK = "127.0.0.1"
 _GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on port + 10000 for master, volume and filer
 _DEFAULT_KEY = "tierkv-test"
+CREDENTIAL_ENV = ("TIERKV_BENCH_S3_KEY_ID", "TIERKV_BENCH_S3_SECRET")
+"""Where ``S3Server.client_options(inline=False)`` puts the credentials it references."""
 _DEFAULT_SECRET = "tierkv-test-secret"  # noqa: S105 - a throwaway credential for a loopback test server
 _READY_BUCKET = "tierkv-ready-probe"  # where a restarted server is asked to take a write
 
@@ -165,16 +168,26 @@ class S3Server:
         self.cleanup()
 
     # -- clients --------------------------------------------------------------------------------
-    def client_options(self) -> dict[str, str]:
-        """Options for the ``s3`` tier (endpoint, region, credentials) pointing at this server."""
-        return {"endpoint_url": self.endpoint_url, "region": "us-east-1",
-                "access_key_id": self.access_key_id, "secret_access_key": self.secret_access_key}
+    def client_options(self, inline: bool = True) -> dict[str, Any]:
+        """Options for the ``s3`` tier (endpoint, region, credentials) pointing at this server.
 
-    def new_bucket(self, prefix: str = "tierkv") -> dict[str, str]:
-        """Create a bucket named ``<prefix>-<random>``; the ``s3`` tier's options for it."""
+        ``inline=False``: the credentials as ``{env: NAME}`` references, exported into this
+        process's environment (``CREDENTIAL_ENV``, inherited by the processes it starts), as a
+        config users copy should hold them: no secret in a config a serving engine logs."""
+        if inline:
+            return {"endpoint_url": self.endpoint_url, "region": "us-east-1",
+                    "access_key_id": self.access_key_id, "secret_access_key": self.secret_access_key}
+        key_env, secret_env = CREDENTIAL_ENV
+        os.environ[key_env], os.environ[secret_env] = self.access_key_id, self.secret_access_key
+        return {"endpoint_url": self.endpoint_url, "region": "us-east-1",
+                "access_key_id": {"env": key_env}, "secret_access_key": {"env": secret_env}}
+
+    def new_bucket(self, prefix: str = "tierkv", inline: bool = True) -> dict[str, Any]:
+        """Create a bucket named ``<prefix>-<random>``; the ``s3`` tier's options for it
+        (``inline``: as ``client_options``)."""
         bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
         self.boto3_client().create_bucket(Bucket=bucket)
-        return {"bucket": bucket, **self.client_options()}
+        return {"bucket": bucket, **self.client_options(inline)}
 
     def boto3_client(self, **config: object):  # type: ignore[no-untyped-def]
         """A raw boto3 client for this server (baselines, garbage writers)."""

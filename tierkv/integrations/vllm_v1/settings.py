@@ -12,8 +12,9 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
   ``TIERKV_CONFIG`` names a file);
 - ``load_async``: ``"auto"`` (default: asynchronous when part of a prefix comes from a tier
   below memory), ``"always"`` / ``true``, ``"never"`` / ``false``;
-- ``load_timeout_s``: how long a synchronous load may take before its blocks are
-  recomputed (default 30; ``null`` for no limit);
+- ``load_timeout_s``: how long a load (synchronous, asynchronous or a hybrid model's) may
+  take before it is abandoned and its blocks are recomputed (default 30; ``null`` for no
+  limit);
 - ``load_failure_policy``: ``"recompute"`` (default: a failed load is recomputed, as a cache
   miss should be) or ``"fail"`` (vLLM's own default: the request fails);
 - ``stats_file``: a path where each worker keeps a JSON summary of its loads and saves;
