@@ -19,7 +19,9 @@ from tierkv.errors import TierKVError
 
 def _cmd_backends(args: argparse.Namespace) -> int:
     """List the backends; each is imported first (``ok`` means it loads; ``--load`` is kept as
-    an alias), so a plugin that cannot be imported is BROKEN and the exit status is 1."""
+    an alias), so a plugin that cannot be imported is BROKEN and the exit status is 1. A
+    built-in backend whose optional dependencies are not installed (its extra, such as
+    ``mooncake``) is ``not installed`` and says how to install them; it is not an error."""
     table = registry.installed()
     if not table:
         print("no backends installed (entry-point group 'tierkv.backends' is empty)")
@@ -32,8 +34,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             try:
                 registry.load(info.qualified_name if len(table[name]) > 1 else name)
             except Exception as exc:  # report every broken plugin, keep listing
-                status = f"BROKEN: {one_line(exc)}"
-                broken += 1
+                if info.distribution == DISTRIBUTION and isinstance(exc.__cause__, ImportError):
+                    status = f"not installed: {one_line(exc.__cause__)}"  # a built-in whose extra is not installed
+                else:
+                    status = f"BROKEN: {one_line(exc)}"
+                    broken += 1
             print(f"{name:<{width}}  {info.distribution} {info.version}  {info.target}  {status}")
     return 1 if broken else 0  # usable as a CI check: --load fails when a plugin cannot be imported
 

@@ -75,3 +75,18 @@ def test_a_pin_of_the_former_distribution_name_means_this_one(tmp_path: Path) ->
     tier = {"name": "t", "backend": "tierkv:lmdb", "path": str(tmp_path / "db"), "capacity": "16MiB"}
     with Engine({"model": "m", "tiers": [tier]}) as engine:
         assert type(engine.tiers[0]).__module__ == "tierkv_backends.lmdb"
+
+
+def test_a_built_in_backend_without_its_extra_is_not_installed_not_broken(tmp_path: Path) -> None:
+    """A new user's first check after `pip install '.[s3,compress]'`: the mooncake backend's
+    extra is not installed. It says so, and how to install it, and the check passes."""
+    blocker = tmp_path / "no_mooncake"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text('import sys\nsys.modules["mooncake"] = None\n'
+                                              'sys.modules["mooncake.store"] = None\n')
+    result = subprocess.run([sys.executable, "-m", "tierkv.cli", "backends"], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(blocker), "PATH": "/usr/bin:/bin"}, timeout=120)
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    assert "not installed: the mooncake tier needs Mooncake Store: pip install '.[mooncake]'" in rows["mooncake"]
+    assert "BROKEN" not in result.stdout and rows["lmdb"].rstrip().endswith("ok")
+    assert result.returncode == 0, result.stdout + result.stderr
