@@ -20,8 +20,8 @@ import torch
 
 # seconds each part took on the reference machine, in `tox -e bench`'s main job
 REFERENCE_S: dict[str, float] = {
-    "core": 10, "prompt": 150, "policy": 5, "admission": 30, "compression": 100, "kernels": 5, "node": 40,
-    "replicas": 310, "serving": 420, "cost": 120, "matrix": 40,
+    "core": 10, "prompt": 150, "policy": 5, "admission": 25, "compression": 135, "kernels": 5, "node": 35,
+    "replicas": 270, "serving": 420, "cost": 170, "matrix": 40,
 }
 REFERENCE_COPY_GBPS = 22.6  # the reference machine's copy of 256 MiB
 
