@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_dtype import CHOICES, model_dtype  # noqa: E402
 from replicas_profile import summarize_profile, thread_times  # noqa: E402
-from serving import Config, percentile, start_server, stop_server, wait_ready  # noqa: E402
+from serving import Config, percentile, route_for, start_server, stop_server, wait_ready  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Trace, chat  # noqa: E402
 from tables import print_table  # noqa: E402
@@ -125,11 +125,6 @@ def stop_all(running: dict[str, Servers]) -> None:
             stop_server(process)
 
 
-def other_replica(index: int, request: Any) -> int:
-    """A chat's rounds alternate between the replicas (trace order is user by user, round by round)."""
-    return index % 2
-
-
 def later_rounds(results: list[Result]) -> list[Result]:
     return [r for r in results if r.group != "round 0"]
 
@@ -141,7 +136,8 @@ def measure(servers: Servers, trace: Trace, model: Path, max_tokens: int
     before = asyncio.run(counters(servers.urls))
     cpu_before = sum((thread_times(process.pid) for process in servers.processes), Counter())
     began = time.perf_counter()
-    results = asyncio.run(replay(trace, servers.urls, str(model), max_tokens, other_replica))
+    # a chat's rounds alternate between the replicas (trace order: user by user, round by round)
+    results = asyncio.run(replay(trace, servers.urls, str(model), max_tokens, route_for(servers.config)))
     wall = time.perf_counter() - began
     cpu = sum((thread_times(process.pid) for process in servers.processes), Counter())
     cpu.subtract(cpu_before)

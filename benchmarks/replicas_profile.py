@@ -25,6 +25,8 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from tierkv.testing.processes import group_members
+
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^():]*):?\d*\)$")
 
 
@@ -48,19 +50,6 @@ def _process_label(head: str) -> str:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp
-                pids.append(int(entry))
-    return pids
-
-
 def _thread_name(name: str) -> str:
     """Kernel thread names with their numbers dropped: ``tierkv-io-1`` -> ``tierkv-io``."""
     return re.sub(r"[-_]?\d+$", "", name) or name
@@ -69,7 +58,7 @@ def _thread_name(name: str) -> str:
 def thread_times(pgid: int) -> Counter[tuple[str, str]]:
     """CPU seconds per (process name, thread name) of every process in group ``pgid`` so far."""
     times: Counter[tuple[str, str]] = Counter()
-    for pid in _group_pids(pgid):
+    for pid in group_members(pgid) or {}:
         try:
             process = Path(f"/proc/{pid}/comm").read_text().strip()
             tasks = os.listdir(f"/proc/{pid}/task")

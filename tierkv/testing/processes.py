@@ -46,9 +46,9 @@ def group_alive(process: subprocess.Popen[Any]) -> bool:
     """Whether a live process of ``process``'s group still exists (the leader, or a child of it
     that outlived it). A zombie (dead, waiting for a parent that may never reap it: in a
     container, PID 1 often does not) is not live; where /proc cannot tell, any member counts."""
-    members = _members(process.pid)
+    members = group_members(process.pid)
     if members is not None:
-        return any(state not in ("Z", "X") for state in members)
+        return any(state not in ("Z", "X") for state in members.values())
     try:
         os.killpg(process.pid, 0)
     except ProcessLookupError:
@@ -58,12 +58,13 @@ def group_alive(process: subprocess.Popen[Any]) -> bool:
     return True
 
 
-def _members(group: int) -> list[str] | None:
-    """The state letter of each process in process group ``group``, from /proc (None: no /proc)."""
+def group_members(group: int) -> dict[int, str] | None:
+    """The processes of process group ``group`` and each one's state letter, from /proc (None:
+    no /proc)."""
     proc = Path("/proc")
     if not (proc / "self" / "stat").exists():
         return None
-    states = []
+    states = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -72,7 +73,7 @@ def _members(group: int) -> list[str] | None:
         except (OSError, IndexError):
             continue  # ended meanwhile
         if len(fields) > 2 and fields[2] == str(group):  # state, ppid, pgrp after the command's ")"
-            states.append(fields[0])
+            states[int(entry.name)] = fields[0]
     return states
 
 

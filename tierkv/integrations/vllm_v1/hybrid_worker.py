@@ -79,6 +79,10 @@ def _group_slots(part: GroupPart, block_size: int, limit: int) -> np.ndarray:
     return slots
 
 
+GroupRead = tuple[np.ndarray, Any, torch.Tensor, RequestIdentity, GroupPart]
+"""One group's part of a load: its tokens, its guarded sink, its mask, its identity, the part."""
+
+
 class HybridTransfers:
     """Loads, saves and the joint lookup of one worker over a hybrid model's groups."""
 
@@ -126,17 +130,22 @@ class HybridTransfers:
             with self._lock:
                 self._refused.add(load.req_id)
             return
+        # every group's sink exists before the read starts: whoever abandons the load (finished,
+        # from vLLM's thread) revokes all of them, however far the read on the loop has got
         sinks: list[Any] = []
         try:
-            future = self.engine.submit(self._load_all(load, sinks))
-        except Exception as exc:
+            reads = self._group_reads(load)
+            sinks = [read[1] for read in reads]
+            future = self.engine.submit(self._load_all(reads))
+        except Exception as exc:  # a load that cannot start is a failed one: vLLM recomputes it
             future = concurrent.futures.Future()
             future.set_exception(exc)
         deadline = time.monotonic() + self.load_timeout_s if self.load_timeout_s is not None else math.inf
         with self._lock:
             self._loads[load.req_id] = (load, future, sinks, deadline)
 
-    async def _load_all(self, load: HybridLoad, sinks: list[Any]) -> bool:
+    def _group_reads(self, load: HybridLoad) -> list[GroupRead]:
+        """Per group with a part in ``load``: its tokens, its guarded sink, its mask, its identity."""
         parts = {part.group: part for part in load.parts}
         reads = []
         for bound in self.groups:
@@ -144,19 +153,19 @@ class HybridTransfers:
             if part is None:
                 continue
             limit = part.end
-            tokens = load.token_ids[:limit]
             kwargs: dict[str, Any] = {"kvcaches": bound.connector.views}
             if bound.group.kind == "mamba":
                 kwargs["state_blocks"] = dict(part.state_blocks)
             else:
                 kwargs["slot_mapping"] = _group_slots(part, self.block_size, limit)
-            sink = self._guarded_sink(bound.connector, kwargs, part.start)
-            sinks.append(sink)
             mask = torch.zeros(limit, dtype=torch.bool)
             mask[part.start:] = True
-            reads.append(self._read_part(tokens, sink, mask, bound.group.identity(load.identity), part))
-        got = await asyncio.gather(*reads)
-        return all(got)
+            reads.append((load.token_ids[:limit], self._guarded_sink(bound.connector, kwargs, part.start), mask,
+                          bound.group.identity(load.identity), part))
+        return reads
+
+    async def _load_all(self, reads: list[GroupRead]) -> bool:
+        return all(await asyncio.gather(*(self._read_part(*read) for read in reads)))
 
     async def _read_part(self, tokens: np.ndarray, sink: Any, mask: torch.Tensor, identity: RequestIdentity,
                          part: GroupPart) -> bool:
