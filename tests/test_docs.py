@@ -123,6 +123,12 @@ def cli_main():
     return getattr(importlib.import_module(match.group(1)), match.group(2))
 
 
+def subcommands(help_text: str) -> set[str]:
+    """The subcommands a command's help lists (``{status,drop}`` in its usage line)."""
+    usage = help_text.split("\n\n", 1)[0]
+    return {name for group in re.findall(r"\{([\w,-]+)\}", usage) for name in group.split(",")}
+
+
 def cli_help(argv: list[str]) -> str | None:
     """The help text `tierkv ARGV --help` prints, or None when argparse refuses ARGV."""
     out, err = io.StringIO(), io.StringIO()
@@ -225,12 +231,19 @@ def test_tierkv_commands_exist(page: Path) -> None:
     for code in code_texts(read(page)):
         for match in TIERKV_CLI.finditer(code):
             pre_flags, command = match.group(1).split(), match.group(2)
-            post_flags = [word.split("=")[0] for word in match.group(3).split() if word.startswith("-")]
+            words = match.group(3).split()
+            post_flags = [word.split("=")[0] for word in words if word.startswith("-")]
             top = cli_help([])
             sub = cli_help([command])
             if sub is None:
                 wrong.append(f"tierkv {command}: no such subcommand")
                 continue
+            if words and words[0] in subcommands(sub):
+                action = cli_help([command, words[0]])  # a command's own subcommand: tierkv pool drop
+                if action is None:
+                    wrong.append(f"tierkv {command} {words[0]}: no such subcommand")
+                    continue
+                command, sub = f"{command} {words[0]}", action
             wrong += [f"tierkv {flag}: no such option" for flag in pre_flags if flag not in (top or "")]
             wrong += [f"tierkv {command} {flag}: no such option" for flag in post_flags if flag not in sub]
     assert not wrong, f"{page_id(page)}: {wrong}"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from tierkv.backend import registry
 from tierkv.backend.registry import DISTRIBUTION
 from tierkv.errors import TierKVError
+from tierkv.pool_cli import add_pool_command
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -97,6 +98,7 @@ def _cmd_pool_size(args: argparse.Namespace) -> int:
     print(f"  index         {format_size(size['index_bytes'])} ({size['max_chunks']} chunks, max_chunks)")
     print(f"  hold rows     {format_size(size['hold_rows_bytes'])} ({size['max_processes']} processes x "
           f"{size['holds_per_process']} holds: max_processes, holds_per_process)")
+    print(f"  journal       {format_size(size['journal_bytes'])} (journal_bytes)")
     print(f"  header        {format_size(size['header_and_alignment_bytes'])} (with the data's 2 MiB alignment)")
     if size["free_bytes"] is None:
         print(f"  its file system: not found ({size['path']}'s directory does not exist yet)")
@@ -145,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool_size.add_argument("--max-processes", type=int, default=64, help="as the tier's max_processes")
     pool_size.add_argument("--holds-per-process", type=int, default=16384, help="as the tier's holds_per_process")
     pool_size.set_defaults(func=_cmd_pool_size)
+    add_pool_command(commands)
     demo = commands.add_parser("demo", help="prefix reuse and CacheBlend on a small random-weight Llama (CPU)")
     _add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)

@@ -33,6 +33,7 @@ import torch
 
 from tierkv.chunks.memory import huge_pages
 from tierkv.errors import ConfigError
+from tierkv_backends.shm.journal import Journal
 from tierkv_backends.shm.layout import (
     EMPTY,
     ENTRY_FIELDS,
@@ -251,6 +252,7 @@ class PoolFile:
         words[Word.MAX_CHUNKS] = geometry.max_chunks
         words[Word.MAX_PROCESSES] = geometry.max_processes
         words[Word.HOLDS_PER_PROCESS] = geometry.holds_per_process
+        words[Word.JOURNAL_BYTES] = geometry.journal_bytes
         words[Word.DATA_OFFSET] = self.layout.data
         words[Word.GEOMETRY_DIGEST] = geometry.digest()
         words[Word.CREATED_NS] = time.time_ns()
@@ -274,6 +276,8 @@ class PoolFile:
                       for name, kind, _ in PROCESS_FIELDS}
         self.holds = np.frombuffer(buffer, dtype=np.int32, count=geometry.max_processes * geometry.holds_per_process,
                                    offset=layout.holds).reshape(geometry.max_processes, geometry.holds_per_process)
+        self.journal = Journal(self.words, np.frombuffer(buffer, dtype=np.uint8, count=geometry.journal_bytes,
+                                                         offset=layout.journal))
         if data:
             self.data = torch.frombuffer(buffer, dtype=torch.uint8, count=geometry.capacity, offset=layout.data)
             # plain memoryviews for the lookup path: indexing one gives a Python int in tens of ns,
@@ -293,7 +297,7 @@ class PoolFile:
                     part.release()
             else:
                 view.release()
-        for name in ("words", "tables", "entries", "free", "procs", "holds", "data"):
+        for name in ("words", "tables", "entries", "free", "procs", "holds", "journal", "data"):
             self.__dict__.pop(name, None)
 
     def _close_files(self) -> None:

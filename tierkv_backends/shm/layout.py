@@ -3,7 +3,7 @@ check that a file some process created is one this tierkv can read.
 
 One file on a memory file system, mapped by every process that names it::
 
-    [header 4 KiB][table A][table B][entries][free extents][processes][holds][... data, 2 MiB aligned]
+    [header 4 KiB][table A][table B][entries][free extents][processes][holds][journal][... data, 2 MiB aligned]
 
 - header: int64 words (``Word``): magic, layout version, geometry, the lock holder, counters;
 - tables A and B: the open-addressing hash table, int32 entry ids (-1 empty, -2 deleted); the
@@ -16,9 +16,12 @@ One file on a memory file system, mapped by every process that names it::
   file's end), so whether a slot's process lives is a question the kernel answers;
 - holds: per process slot, the entry ids it holds (-1 free), so a dead process's holds can be
   given back;
+- journal: a ring of records of what entered and left the pool, written under the lock and
+  read by every attached process without it (``tierkv_backends.shm.journal``): how engines
+  announce each other's chunks (vLLM KV events) and how a late reader learns the contents;
 - data: ``capacity`` bytes of chunk payloads.
 
-Everything but the entries and the data is derived: after a crash inside the lock the next holder
+Everything but the entries, the journal and the data is derived: after a crash inside the lock the next holder
 rebuilds tables, free extents and reader counts from the entries and the live processes' holds
 (``tierkv_backends.shm.pool``).
 """
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = int.from_bytes(b"TKVSHM\x00\x01", "little")
-VERSION = 2  # 2: liveness by a kernel lock per process slot (pool.py), leases revoke holds only
+VERSION = 3  # 2: liveness by a kernel lock per process slot (pool.py), leases revoke holds only; 3: the journal
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 SHAPE_DIMS = 8
@@ -79,6 +82,12 @@ class Word(enum.IntEnum):
     NEXT_ENTRY = 19  # where the search for a free entry starts
     EVICTED_BYTES = 20
     EXPIRED_LEASES = 21  # holds taken back from live processes whose heartbeat stopped (stopped, frozen)
+    JOURNAL_BYTES = 22  # the journal ring's size
+    JOURNAL_HEAD = 23  # bytes ever written to the journal: its next record starts at HEAD % JOURNAL_BYTES
+    JOURNAL_TAIL = 24  # where its oldest whole record starts (<= HEAD; moved before a record is overwritten)
+    JOURNAL_SEQ = 25  # records ever written
+    READS = 26  # chunks held for a read, every process's (hits)
+    DROPS = 27  # chunks dropped on request (``drop_scopes``: tierkv pool drop)
 
 
 ENTRY_FIELDS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -113,6 +122,14 @@ class Geometry:
     max_chunks: int
     max_processes: int
     holds_per_process: int
+    journal_bytes: int = 0  # 0: default_journal_bytes(max_chunks)
+
+    def __post_init__(self) -> None:
+        if not self.journal_bytes:
+            object.__setattr__(self, "journal_bytes", default_journal_bytes(self.max_chunks))
+        if self.journal_bytes % 8 or self.journal_bytes < MIN_JOURNAL_BYTES:
+            raise ValueError(f"journal_bytes: expected a multiple of 8 of at least {MIN_JOURNAL_BYTES}, got "
+                             f"{self.journal_bytes}")
 
     @property
     def table_size(self) -> int:
@@ -121,14 +138,23 @@ class Geometry:
 
     def digest(self) -> int:
         """One number for the geometry and the layout version, stored in the header."""
-        packed = struct.pack("<6q", VERSION, self.capacity, self.max_chunks, self.max_processes,
-                             self.holds_per_process, SHAPE_DIMS)
+        packed = struct.pack("<7q", VERSION, self.capacity, self.max_chunks, self.max_processes,
+                             self.holds_per_process, SHAPE_DIMS, self.journal_bytes)
         return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
 
 
 def default_max_chunks(capacity: int) -> int:
     """Chunks a pool indexes unless told: one per 256 KiB of capacity, at least 4096, at most 1M."""
     return max(4096, min(1 << 20, capacity // (256 << 10)))
+
+
+MIN_JOURNAL_BYTES = 64 << 10
+
+
+def default_journal_bytes(max_chunks: int) -> int:
+    """The journal's ring unless told: 2 KiB per indexed chunk (a 256-token chunk's description,
+    its tokens and vLLM block hashes, takes about 1.6 KiB), at least 16 MiB, at most 256 MiB."""
+    return max(16 << 20, min(256 << 20, max_chunks * 2048))
 
 
 def _aligned(offset: int, align: int = 64) -> int:
@@ -145,6 +171,7 @@ class Layout:
     free: int
     processes: dict[str, int]
     holds: int
+    journal: int
     data: int
 
     @property
@@ -170,7 +197,10 @@ class Layout:
             offset = _aligned(offset + np.dtype(kind).itemsize * geometry.max_processes)
         holds = offset
         offset = _aligned(offset + 4 * geometry.max_processes * geometry.holds_per_process)
-        return cls(geometry, (tables[0], tables[1]), entries, free, processes, holds, _aligned(offset, DATA_ALIGN))
+        journal = offset
+        offset = _aligned(offset + geometry.journal_bytes)
+        return cls(geometry, (tables[0], tables[1]), entries, free, processes, holds, journal,
+                   _aligned(offset, DATA_ALIGN))
 
 
 def header_problem(words: np.ndarray, geometry: Geometry) -> str | None:
@@ -179,16 +209,24 @@ def header_problem(words: np.ndarray, geometry: Geometry) -> str | None:
         return "it is not a tierkv pool (or an older tierkv's, whose format this one cannot read)"
     if int(words[Word.VERSION]) != VERSION:
         return f"it is a pool of layout version {int(words[Word.VERSION])}; this tierkv reads version {VERSION}"
-    theirs = Geometry(int(words[Word.CAPACITY]), int(words[Word.MAX_CHUNKS]), int(words[Word.MAX_PROCESSES]),
-                      int(words[Word.HOLDS_PER_PROCESS]))
+    try:
+        theirs = geometry_of(words)
+    except ValueError:
+        return "its header does not match its geometry (a damaged or foreign file)"
     if theirs.capacity != geometry.capacity:
         return (f"its capacity is {theirs.capacity} bytes and this config asks for {geometry.capacity}: every "
                 "process sharing a pool gives it the same capacity")
     if theirs != geometry:
         return (f"it was created with max_chunks={theirs.max_chunks}, max_processes={theirs.max_processes}, "
-                f"holds_per_process={theirs.holds_per_process}; this config asks for max_chunks="
-                f"{geometry.max_chunks}, max_processes={geometry.max_processes}, holds_per_process="
-                f"{geometry.holds_per_process}")
+                f"holds_per_process={theirs.holds_per_process}, journal_bytes={theirs.journal_bytes}; this config "
+                f"asks for max_chunks={geometry.max_chunks}, max_processes={geometry.max_processes}, "
+                f"holds_per_process={geometry.holds_per_process}, journal_bytes={geometry.journal_bytes}")
     if int(words[Word.GEOMETRY_DIGEST]) != geometry.digest():
         return "its header does not match its geometry (a damaged or foreign file)"
     return None
+
+
+def geometry_of(words: np.ndarray) -> Geometry:
+    """The geometry a pool's header (of this layout version) records."""
+    return Geometry(int(words[Word.CAPACITY]), int(words[Word.MAX_CHUNKS]), int(words[Word.MAX_PROCESSES]),
+                    int(words[Word.HOLDS_PER_PROCESS]), int(words[Word.JOURNAL_BYTES]))

@@ -1,7 +1,7 @@
 """``shm`` tier: one host cache per node, in a pool file every serving process maps.
 
-One module of about 410 lines, by choice: the tier's calls share one attached pool, its lock
-deadline and its counters; the pool, its file, lock and processes already stand apart.
+One module of about 450 lines, by choice: the tier's calls share one attached pool, its lock
+deadline and its counters; the pool, its file, lock, processes and journal already stand apart.
 
 Data-parallel replicas, one vLLM per NUMA socket, an SGLang beside a vLLM, a restarted engine
 beside a live one: every process whose config names the same ``path`` shares one pool of
@@ -44,8 +44,16 @@ from tierkv.chunks.memory import cuda_available, empty_host
 from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.routing import offload
 from tierkv_backends.shm.file import MEMORY_FILE_SYSTEMS, file_system_type
-from tierkv_backends.shm.layout import HEADER_BYTES, SHAPE_DIMS, Geometry, Layout, default_max_chunks
+from tierkv_backends.shm.layout import (
+    HEADER_BYTES,
+    MIN_JOURNAL_BYTES,
+    SHAPE_DIMS,
+    Geometry,
+    Layout,
+    default_max_chunks,
+)
 from tierkv_backends.shm.lock import PoolBusyError
+from tierkv_backends.shm.operations import PoolOperations, default_path
 from tierkv_backends.shm.pool import Held, PoolBrokenError, SharedPool, digest
 
 logger = logging.getLogger("tierkv_backends.shm")
@@ -72,16 +80,21 @@ def _mode(value: Any) -> int:
     return mode
 
 
-def _default_path() -> str:
-    return f"/dev/shm/tierkv-{os.getuid()}.pool"
-
-
 def _scope_id(scope: str) -> int:
     """The 64-bit number a key's scope is counted under (its 16 hex digits)."""
     try:
         return int(scope, 16) & 0xFFFFFFFFFFFFFFFF if scope else 0
     except ValueError:
         return digest(scope.encode())[0]
+
+
+def _journal_size(size: int | None) -> int:
+    """The journal's bytes as the pool's geometry takes them (0: its default), a multiple of 8."""
+    if size is None:
+        return 0
+    if size < MIN_JOURNAL_BYTES:
+        raise ValueError(f"journal_bytes: expected at least {format_size(MIN_JOURNAL_BYTES)}, got {size} bytes")
+    return size // 8 * 8
 
 
 class PoolHold:
@@ -101,7 +114,7 @@ class PoolHold:
         return backend._release([self._held])[0] if backend is not None else True
 
 
-class SharedMemoryBackend(StorageBackend):
+class SharedMemoryBackend(PoolOperations, StorageBackend):
     """A tier whose chunks live in a pool file shared by every process on the node."""
 
     speed_seed: ClassVar[SpeedSeed] = HOST_MEMORY_SEED
@@ -125,41 +138,48 @@ class SharedMemoryBackend(StorageBackend):
                                                                   "before it gives up (a store goes to the next "
                                                                   "tier, a read misses) and, until the lock is free "
                                                                   "again, stops waiting for it"),
+        "journal_bytes": Option("size", None, doc="the pool's journal (what every process stored and what "
+                                                  "left: how engines announce each other's chunks as KV events); "
+                                                  "default 2 KiB per indexed chunk, 16 MiB to 256 MiB"),
         "pinned": Option("bool", None, doc="register the pool as pinned memory for CUDA copies (default: when "
                                            "CUDA is available)"),
     }
 
     def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int | str = 0o600,
                  max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int = 16384,
-                 lease_s: float = 30.0, lock_timeout_s: float = 1.0, pinned: bool | None = None) -> None:
+                 lease_s: float = 30.0, lock_timeout_s: float = 1.0, journal_bytes: int | None = None,
+                 pinned: bool | None = None) -> None:
         super().__init__(name, capacity)
         assert self.capacity is not None  # requires_capacity guarantees it
-        self.path = path or _default_path()
+        self.path = path or default_path()
         kind = file_system_type(self.path)
         if kind and kind not in MEMORY_FILE_SYSTEMS:
             logger.warning("tier %r: %s is on a %s file system, not in memory (tmpfs such as /dev/shm, or "
                            "hugetlbfs): the kernel writes the pool's pages back to disk, and a half-written pool "
                            "may survive a reboot", name, self.path, kind)
         geometry = Geometry(self.capacity, max_chunks or default_max_chunks(self.capacity), max_processes,
-                            holds_per_process)
+                            holds_per_process, _journal_size(journal_bytes))
         self.pool = SharedPool(self.path, geometry, _mode(mode), lease_s, where=f"tier {name!r}",
                                lock_timeout_s=lock_timeout_s)
         self._digests: dict[CacheKey, tuple[int, int]] = {}
+        self._named: dict[int, int] = {}  # scope id -> the journal's head when this process last named it
         self._pinned: list[int] = []
         if pinned if pinned is not None else cuda_available():
             self._pin()
         self.device = torch.device("cpu")
-        self.counters.update({"stale_reads": 0, "skipped_stores": 0, "busy_misses": 0})
+        self.counters.update({"stale_reads": 0, "skipped_stores": 0, "busy_misses": 0, "journal_busy": 0})
 
     @classmethod
     def file_size(cls, capacity: int, path: str | None = None, max_chunks: int | None = None,
-                  max_processes: int = 64, holds_per_process: int = 16384) -> dict[str, Any]:
+                  max_processes: int = 64, holds_per_process: int = 16384,
+                  journal_bytes: int | None = None) -> dict[str, Any]:
         """What a pool of ``capacity`` costs in its file system (``tierkv pool-size``): the file's
         bytes, where they go, and the room the file system at ``path`` has for it."""
-        geometry = Geometry(capacity, max_chunks or default_max_chunks(capacity), max_processes, holds_per_process)
+        geometry = Geometry(capacity, max_chunks or default_max_chunks(capacity), max_processes, holds_per_process,
+                            _journal_size(journal_bytes))
         layout = Layout.of(geometry)
         holds = 4 * max_processes * holds_per_process
-        path = path or _default_path()
+        path = path or default_path()
         directory = os.path.dirname(os.path.abspath(path)) or "."
         try:
             stats = os.statvfs(directory)
@@ -168,7 +188,8 @@ class SharedMemoryBackend(StorageBackend):
             free = None
         return {"path": path, "capacity": capacity, "file_bytes": layout.file_bytes,
                 "index_bytes": layout.holds - HEADER_BYTES, "hold_rows_bytes": holds,
-                "header_and_alignment_bytes": HEADER_BYTES + layout.data - layout.holds - holds,
+                "journal_bytes": geometry.journal_bytes,
+                "header_and_alignment_bytes": HEADER_BYTES + layout.data - layout.holds - holds - geometry.journal_bytes,
                 "max_chunks": geometry.max_chunks, "max_processes": max_processes,
                 "holds_per_process": holds_per_process, "file_system": file_system_type(directory) or None,
                 "free_bytes": free, "fits": None if free is None else free >= layout.file_bytes}
@@ -244,6 +265,7 @@ class SharedMemoryBackend(StorageBackend):
                 entries = self.pool.reserve([self._digest(key) for key in batch],
                                             [_scope_id(key.scope) for key in batch], [latest[key] for key in batch])
                 self._count_evictions()
+                self._name_scopes(batch)
         except (PoolBusyError, PoolBrokenError):
             self.counters["skipped_stores"] += len(batch)
             raise
@@ -377,6 +399,18 @@ class SharedMemoryBackend(StorageBackend):
         d0, d1 = self._digest(key)
         async with self.pool.alock():
             return self.pool.delete(d0, d1)
+
+    def _name_scopes(self, keys: Sequence[CacheKey]) -> None:
+        """Journal the model name of each scope this process stores into: the first time, and
+        again once half the ring was written since (so the ring always holds it while this process
+        stores there). Under the lock."""
+        journal = self.pool.journal
+        for key in keys:
+            scope = _scope_id(key.scope)
+            named_at = self._named.get(scope)
+            if named_at is None or journal.newest() - named_at > journal.size // 2:
+                journal.named(scope, key.model_name)
+                self._named[scope] = journal.newest()
 
     # -- reporting ---------------------------------------------------------------------------------
     @property

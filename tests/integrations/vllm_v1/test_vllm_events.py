@@ -9,12 +9,10 @@ that tier evicts a prompt's chunks (a small cpu tier, three prompts), BlockRemov
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from typing import Any
 
 import pytest
+from vllm_events import Subscriber, free_port
 from vllm_marks import VLLM_PROCESSES
 from vllm_truth import SAME_CORES, tokens
 
@@ -23,47 +21,6 @@ from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_
 pytestmark = VLLM_PROCESSES
 
 BLOCK, CHUNK, PROMPT = 128, 256, 600
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class Subscriber:
-    """Collects every event vLLM publishes on ``endpoint`` (a thread with a ZMQ SUB socket)."""
-
-    def __init__(self, endpoint: str) -> None:
-        import zmq
-
-        self.events: list[Any] = []
-        self._stop = threading.Event()
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"kv")
-        self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.connect(endpoint)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        while not self._stop.is_set():
-            try:
-                _, _, payload = self._socket.recv_multipart()
-            except zmq.Again:
-                continue
-            self.events.extend(decoder.decode(payload).events)
-
-    def close(self) -> None:
-        time.sleep(1.0)  # the publisher's thread sends what vLLM queued last
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close(0)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +34,8 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list
     # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB, and
     # a 1 MiB cpu tier holds four: the third prompt's chunks evict the first's
     host = {"name": "host", "backend": "cpu", "capacity": "1MiB"}
-    spec = {"model": str(model), "prompts": prompts + [prompts[2]], "max_tokens": 2, "prefix_caching": True,
+    repeat = {"ids": prompts[2], "wait_for": ["requests_saved", 3]}  # once the saves landed (not a timing)
+    spec = {"model": str(model), "prompts": [*prompts, repeat], "max_tokens": 2, "prefix_caching": True,
             "kv_events": f"tcp://*:{port}",
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
                        "stats_file": str(workdir / "stats.json")}}
@@ -106,6 +64,7 @@ def test_tierkv_announces_the_blocks_vllm_hashes(published: tuple[list[Any], lis
     first = [e for e in ours if e.parent_block_hash is None]
     assert sorted(e.token_ids for e in first) == sorted(p[: full * BLOCK] for p in prompts)
     assert all(e.block_size == BLOCK for e in ours)
+    # the repeat waited for the saves to land (wait_for): a lookup does not see a save in flight
     assert loaded_per_prompt(results)[-1] > 0, "the repeat of the last prompt is a tierkv hit"
 
 

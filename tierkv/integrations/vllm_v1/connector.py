@@ -220,7 +220,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             if _kv_events_enabled(vllm_config):
-                self._transfers.record_events(self._block_size)
+                self._transfers.record_events(self._block_size, str(getattr(
+                    vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))
             self._stats_file = StatsFile(self._settings.stats_file, worker_id)
             self._transfers.on_saved = self._write_stats  # a save that lands shows in the file at once
             if worker_id == 0:

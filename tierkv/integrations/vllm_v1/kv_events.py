@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -64,12 +64,14 @@ class KVEventLog:
     """A worker's events since vLLM last took them, and which of vLLM's block hashes each of
     the first tier's chunks announced (bounded: the oldest announcements are forgotten)."""
 
+    locality: str | None = None  # LOCAL or REMOTE to the publisher, where the tier says (None: unspecified)
+
     def __init__(self, medium: str, block_size: int, remembered_chunks: int = 1_000_000) -> None:
         self.medium = medium
         self.block_size = block_size
         self._lock = threading.Lock()
         self._events: list[KVCacheEvent] = []
-        self._by_chunk: OrderedDict[CacheKey, tuple[Any, ...]] = OrderedDict()
+        self._by_chunk: OrderedDict[Hashable, tuple[Any, ...]] = OrderedDict()  # a chunk's key (or digest)
         self._announced: dict[Any, int] = {}  # block hash -> chunks of the first tier holding it
         self._limit = remembered_chunks
 
@@ -103,7 +105,7 @@ class KVEventLog:
                         token_ids=[int(t) for t in token_ids[run[0] * self.block_size:(run[-1] + 1) * self.block_size]],
                         block_size=self.block_size, lora_id=None, medium=self.medium, lora_name=lora_name))
 
-    def removed(self, key: CacheKey) -> None:
+    def removed(self, key: Hashable) -> None:
         """The first tier no longer holds ``key`` (evicted, dropped under pressure, deleted)."""
         with self._lock:
             hashes = self._by_chunk.pop(key, None)
@@ -111,7 +113,7 @@ class KVEventLog:
                 return
             gone = self._forget(hashes)
             if gone:
-                self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium))
+                self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium, locality=self.locality))
 
     def _forget(self, hashes: tuple[Any, ...]) -> list[Any]:
         gone = []

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,13 @@ from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
+from tierkv.integrations.vllm_v1.pool_events import (
+    JournaledTier,
+    PoolEventLog,
+    hash_fingerprint,
+    journaled,
+    namespace_tag,
+)
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
 from tierkv.routing.locate import FILL_QUEUE
 
@@ -330,10 +337,19 @@ class WorkerTransfers:
         return cleared
 
     # -- vLLM KV events --------------------------------------------------------------------------
-    def record_events(self, block_size: int) -> None:
+    def record_events(self, block_size: int, hash_algorithm: str = "sha256") -> None:
         """Record vLLM KV events (vLLM's ``enable_kv_cache_events``): stores into the first tier
-        and what that tier drops (a memory tier says when; other first tiers report stores only)."""
+        and what that tier drops (a memory tier says when; other first tiers report stores only).
+        A node pool as the first tier: every engine on it announces every engine's chunks, and
+        every removal (``pool_events``)."""
         first = self.engine.tiers[0]
+        if journaled(first):
+            meta = self.engine.core.metadata
+            namespace = namespace_tag(meta.fmt, meta.model_name, meta.world_size, meta.worker_id,
+                                      meta.identity_parts())
+            self.events = PoolEventLog(cast(JournaledTier, first), block_size, namespace,
+                                       hash_fingerprint(hash_algorithm))
+            return
         self.events = KVEventLog(first.name, block_size)
         if hasattr(first, "removal_listener"):
             first.removal_listener = self.events.removed
