@@ -13,6 +13,7 @@ from tierkv.errors import (
     CapacityError,
     ChunkFormatError,
     ConfigError,
+    RetentionRefusedError,
     TierKVError,
     TierUnavailableError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "EngineMetadata",
     "MediaSpan",
     "RequestIdentity",
+    "RetentionRefusedError",
     "StorageBackend",
     "TierConfig",
     "TierKVError",

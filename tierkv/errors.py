@@ -47,3 +47,8 @@ class TierFullError(CapacityError):
     The message names the tier and the path; the tier stops admitting until space returns,
     and what it stored before stays readable.
     """
+
+
+class RetentionRefusedError(CapacityError):
+    """A retention (a lease that keeps chunks through evictions) that would take more of a tier
+    than its cap for retained chunks (``retain_share``): nothing was retained."""

@@ -34,6 +34,7 @@ from tierkv.chunks.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_toke
 from tierkv.chunks.kvlayout import KVCache, nbytes_of
 from tierkv.config.loader import EngineConfig, load_config
 from tierkv.engine.chunk_layout import ChunkLayout
+from tierkv.engine.hints import HintCounts, retain_keys
 from tierkv.engine.metadata import EngineMetadata, KVShape, check_capacities
 from tierkv.engine.prefix_plans import PrefixPlans
 from tierkv.errors import ConfigError
@@ -115,6 +116,7 @@ class AsyncEngine:
         self._hit_tokens = 0
         self._miss_tokens = 0
         self.unidentified_requests = 0  # requests an integration neither stored nor loaded (see note_unidentified)
+        self.hint_counts = HintCounts()  # what retain / drop / prefetch did (tierkv.engine.hints)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], metadata: EngineMetadata | None = None) -> AsyncEngine:
@@ -811,7 +813,7 @@ class AsyncEngine:
         """
         return await self.locate_keys(self.keys_for(as_token_array(tokens), identity))
 
-    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
+    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
         """Start moving the cached prefix of ``tokens`` up to the top tier.
 
         Returns once the moves have started; a later retrieve of the same tokens waits only
@@ -821,15 +823,75 @@ class AsyncEngine:
             tokens: The prompt's token ids.
             identity: The request's identity, as given to ``store``.
 
+        Returns:
+            The tokens of the cached prefix (already in the top tier, or moving there).
+
         Raises:
             ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
             BackendClosedError: if the engine is closed.
         """
-        self.router.ensure_open()
-        keys = self.keys_for(as_token_array(tokens), identity)
+        token_array, keys = self._prompt_keys(tokens, identity)
         levels = await self.router.levels(keys)
         held = policy.first_missing([level is not None for level in levels])
         await self.router.prefetch(keys[:held], levels[:held])
+        prefix = min(len(token_array), held * self.chunk_size)
+        self.hint_counts.prefetched_tokens += prefix
+        return prefix
+
+    def _prompt_keys(self, tokens: TokenIds, identity: RequestIdentity) -> tuple[np.ndarray, list[CacheKey]]:
+        """A hint's prompt as a token array, and its chunks' keys (the engine must be open)."""
+        self.router.ensure_open()
+        token_array = as_token_array(tokens)
+        return token_array, self.keys_for(token_array, identity)
+
+    async def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
+        """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
+
+        A lease in every tier that keeps leases (the node pool, ``shm``): its chunks are evicted
+        after every other chunk, so under pressure it is a bias, never a deadlock, and each such
+        tier caps the share of its capacity retained chunks may take (``retain_share``).
+
+        Args:
+            tokens: The prompt's token ids.
+            seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The tokens of the leading chunks retained (0 where no tier keeps leases or holds
+                the prefix).
+
+        Raises:
+            RetentionRefusedError: if the lease would pass a tier's cap (nothing was retained).
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, or ``seconds`` is
+                negative.
+            BackendClosedError: if the engine is closed.
+        """
+        token_array, keys = self._prompt_keys(tokens, identity)
+        return retain_keys(self.tiers, keys, seconds, self.chunk_size, len(token_array), self.hint_counts)
+
+    async def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
+        """Remove the cached chunks of ``tokens`` from every tier (a session that ended).
+
+        A chunk being read keeps its bytes until its reader is done.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The tokens of the chunks some tier held.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
+        token_array, keys = self._prompt_keys(tokens, identity)
+        levels = await self.router.levels(keys)
+        held = [index for index, level in enumerate(levels) if level is not None]
+        await self.router.batched_delete([keys[index] for index in held])
+        dropped = sum(min(self.chunk_size, len(token_array) - index * self.chunk_size) for index in held)
+        self.hint_counts.dropped_tokens += dropped
+        return dropped
 
     def stats(self) -> dict[str, Any]:
         """Hit rate, the fill queue, memory pressure, and per-tier counters and occupancy.
@@ -859,6 +921,7 @@ class AsyncEngine:
             "copies": router["copies"],
             "tiers": router["tiers"],
             "identity": self.identity_stats(),
+            "hints": self.hint_counts.as_dict(),
         }
 
     def occupancy(self) -> dict[str, Any]:

@@ -416,7 +416,7 @@ class Engine:
         names = self._core.locate_prefix_nowait(tokens, identity)
         return names if names is not None else self._run(self._core.locate_prefix(tokens, identity))
 
-    def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> None:
+    def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
         """Start moving the cached prefix of ``tokens`` up to the first tier.
 
         Returns once the moves have started; a later ``retrieve`` of the same tokens waits only
@@ -426,11 +426,53 @@ class Engine:
             tokens: The prompt's token ids.
             identity: The request's identity, as given to ``store``.
 
+        Returns:
+            The tokens of the cached prefix (already in the first tier, or moving there).
+
         Raises:
             ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
             BackendClosedError: if the engine is closed.
         """
-        self._run(self._core.prefetch(tokens, identity))
+        return int(self._run(self._core.prefetch(tokens, identity)))
+
+    def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
+        """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
+
+        A lease in every tier that keeps leases (the node pool, ``shm``): retained chunks are
+        evicted after every other, so under pressure a lease is a bias, never a deadlock; each
+        such tier caps the share of its capacity retained chunks take (``retain_share``).
+
+        Args:
+            tokens: The prompt's token ids.
+            seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The tokens of the leading chunks retained.
+
+        Raises:
+            RetentionRefusedError: if the lease would pass a tier's cap (nothing was retained).
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, or ``seconds`` is
+                negative.
+            BackendClosedError: if the engine is closed.
+        """
+        return int(self._run(self._core.retain(tokens, seconds, identity)))
+
+    def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
+        """Remove the cached chunks of ``tokens`` from every tier (a session that ended).
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The tokens of the chunks some tier held.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
+        return int(self._run(self._core.drop(tokens, identity)))
 
     def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
         """Where each chunk of ``tokens`` is cached.

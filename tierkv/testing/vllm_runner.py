@@ -207,7 +207,11 @@ def main(spec_path: str) -> int:
         if described.get("cache_salt"):
             request["cache_salt"] = described["cache_salt"]
         lora = lora_requests[described["lora"]] if described.get("lora") else None
-        output = llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
+        prompt_params = params
+        if described.get("kv_transfer_params"):  # e.g. tierkv's hints: {"tierkv": {"retain_s": 600}}
+            prompt_params = params.clone()
+            prompt_params.extra_args = {"kv_transfer_params": described["kv_transfer_params"]}
+        output = llm.generate([request], prompt_params, use_tqdm=False, lora_request=lora)[0]
         seconds = time.perf_counter() - started
         stats = None
         if stats_file and os.path.exists(stats_file):

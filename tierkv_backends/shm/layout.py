@@ -9,7 +9,7 @@ One file on a memory file system, mapped by every process that names it::
 - tables A and B: the open-addressing hash table, int32 entry ids (-1 empty, -2 deleted); the
   header says which is live, so a rebuild writes the other one whole and then flips one word;
 - entries: struct-of-arrays, one slot per chunk (``ENTRY_FIELDS``): digest, state, owner,
-  readers, extent, layout, last use, scope;
+  readers, extent, layout, last use, retention, scope;
 - free extents: (start, length) pairs of the data area, sorted by start, coalesced;
 - processes: a slot per attached process (pid, start time, pid namespace, heartbeat, token); the
   process also holds a kernel lock on one byte per slot (``LIVENESS_BASE``, far past the
@@ -88,6 +88,7 @@ class Word(enum.IntEnum):
     JOURNAL_SEQ = 25  # records ever written
     READS = 26  # chunks held for a read, every process's (hits)
     DROPS = 27  # chunks dropped on request (``drop_scopes``: tierkv pool drop)
+    RETAINED_EVICTIONS = 28  # retained chunks evicted because nothing else was left to evict
 
 
 ENTRY_FIELDS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -97,6 +98,7 @@ ENTRY_FIELDS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("alloc", "i8", ()),  # bytes reserved
     ("nbytes", "i8", ()),  # bytes of the chunk
     ("tick", "i8", ()),  # last use, CLOCK_MONOTONIC ns (one clock for every process)
+    ("retain", "i8", ()),  # retained until (CLOCK_MONOTONIC ns; 0: not retained): evicted after the rest
     ("shape", "i8", (SHAPE_DIMS,)),
     ("state", "i4", ()),
     ("owner", "i4", ()),  # process slot of a WRITING entry's writer

@@ -15,6 +15,7 @@ import numpy as np
 
 from tierkv.chunks.keys import CacheKey
 from tierkv.errors import ConfigError
+from tierkv_backends.shm.file import now_ns
 from tierkv_backends.shm.journal import Kind, Reading
 from tierkv_backends.shm.layout import HEADER_BYTES, MAGIC, VERSION, Word, geometry_of
 from tierkv_backends.shm.lock import PoolBusyError
@@ -37,6 +38,7 @@ class PoolOperations:
 
     pool: SharedPool
     counters: dict[str, int]
+    retain_share: float
     _closed: bool
 
     if TYPE_CHECKING:  # the tier's own
@@ -87,6 +89,28 @@ class PoolOperations:
         except PoolBrokenError:
             return [False] * len(digests)
         return self.pool.contains(digests)
+
+    # -- retention: a lease that keeps chunks through evictions -------------------------------------
+    def retain(self, keys: Sequence[CacheKey], seconds: float) -> list[bool]:
+        """Keep each chunk of ``keys`` through evictions for ``seconds`` from now (a longer
+        retention it has is kept; 0 releases it); whether the pool holds each. Retained chunks
+        are evicted after every other chunk without readers, so under pressure retention is a
+        bias, never a deadlock; the retained bytes of the whole pool are capped at
+        ``retain_share`` of its capacity.
+
+        Raises:
+            RetentionRefusedError: if the retention would pass the cap (nothing was retained).
+            ValueError: if ``seconds`` is negative or not finite.
+        """
+        self._ensure_open()
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"retain: expected a number of seconds >= 0, got {seconds!r}")
+        if not keys:
+            return []
+        until = now_ns() + int(seconds * 1e9) if seconds else 0
+        digests = np.array([self._digest(key) for key in keys], dtype=np.uint64).reshape(-1, 2)
+        with self.pool.lock():
+            return self.pool.retain(digests, until, int(self.retain_share * self.pool.geometry.capacity))
 
     # -- operating the pool (tierkv pool) ------------------------------------------------------------
     @classmethod

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from tierkv.chunks import serde
-from tierkv.errors import CapacityError, TierKVError, TierUnavailableError
+from tierkv.errors import CapacityError, RetentionRefusedError, TierKVError, TierUnavailableError
 from tierkv_backends.shm import liveness
 from tierkv_backends.shm.file import now_ns
 from tierkv_backends.shm.index import REHASH_FRACTION
@@ -97,7 +97,8 @@ class Held:
     token: int
 
 
-_ATTACH_WAIT_S = 10.0  # the lock at attach: longer than a call's wait, still bounded
+_ATTACH_WAIT_S = 10.0
+_RETAINED_LAST = 1 << 62  # added to a retained entry's last use when victims are ordered (ns ticks are far below)  # the lock at attach: longer than a call's wait, still bounded
 
 
 class SharedPool(PoolProcesses):
@@ -330,6 +331,8 @@ class SharedPool(PoolProcesses):
                                             f"{self.geometry.capacity} bytes is being read or written")
                     if int(self.entries["state"][victim]) == State.COMMITTED and not self.entries["readers"][victim]:
                         freed = int(self.entries["alloc"][victim])
+                        if int(self.entries["retain"][victim]) > now_ns():
+                            self.words[Word.RETAINED_EVICTIONS] += 1
                         self._drop(victim)
                         self.words[Word.EVICTIONS] += 1
                         self.words[Word.EVICTED_BYTES] += freed
@@ -354,6 +357,7 @@ class SharedPool(PoolProcesses):
                 fields["readers"][entry] = 0
                 fields["owner"][entry] = self.slot
                 fields["tick"][entry] = now_ns()
+                fields["retain"][entry] = 0
                 fields["state"][entry] = State.WRITING  # last: the entry is now this process's
                 self.words[Word.USED_BYTES] += size
                 taken.append(entry)
@@ -364,10 +368,12 @@ class SharedPool(PoolProcesses):
         return taken
 
     def _victims(self) -> Iterator[int]:
-        """Committed entries without readers, least recently used first (batches of the oldest)."""
+        """Committed entries without readers, least recently used first (batches of the oldest),
+        retained ones after every other: retention is a bias, never a deadlock."""
         fields = self.entries
         candidates = np.flatnonzero((fields["state"] == State.COMMITTED) & (fields["readers"] == 0))
         ticks = fields["tick"][candidates]
+        ticks = np.where(fields["retain"][candidates] > now_ns(), ticks + _RETAINED_LAST, ticks)
         step = 64
         for begin in range(0, len(candidates), step):
             upto = min(len(candidates), begin + step)
@@ -388,7 +394,9 @@ class SharedPool(PoolProcesses):
             self.entries["state"][entry] = State.COMMITTED
             replaced = self._publish(entry)
             self.words[Word.COMMITTED_CHUNKS] += 1
-            if replaced >= 0:
+            if replaced >= 0:  # a newer copy keeps the old one's retention
+                self.entries["retain"][entry] = max(int(self.entries["retain"][entry]),
+                                                    int(self.entries["retain"][replaced]))
                 self._drop(replaced, replaced=True)
 
     def abort(self, entries: Sequence[int]) -> None:
@@ -479,6 +487,33 @@ class SharedPool(PoolProcesses):
                 written += self.journal.described(chunk, payload)
         return written
 
+    def retained_bytes(self) -> int:
+        """Bytes of committed entries retained now. Under the lock (or a snapshot without it)."""
+        fields = self.entries
+        live = (fields["state"] == State.COMMITTED) & (fields["retain"] > now_ns())
+        return int(fields["alloc"][live].sum())
+
+    def retain(self, digests: np.ndarray, until_ns: int, cap_bytes: int) -> list[bool]:
+        """Retain the committed entry of each digest until ``until_ns`` (CLOCK_MONOTONIC; a
+        retention already longer is kept; 0 releases them); whether each was found. Refused
+        whole (``RetentionRefusedError``) when the retained bytes would pass ``cap_bytes``.
+        Under the lock."""
+        found = self.find(digests)
+        entries = np.unique(found[found >= 0])
+        fields = self.entries
+        if until_ns:
+            now = now_ns()
+            adding = int(fields["alloc"][entries[fields["retain"][entries] <= now]].sum())
+            retained = self.retained_bytes()
+            if retained + adding > cap_bytes:
+                raise RetentionRefusedError(
+                    f"{self.where}: retaining {adding} more bytes would retain {retained + adding} of the pool's "
+                    f"{self.geometry.capacity}, past its cap of {cap_bytes} (retain_share): nothing was retained")
+            fields["retain"][entries] = np.maximum(fields["retain"][entries], until_ns)
+        else:
+            fields["retain"][entries] = 0
+        return (found >= 0).tolist()
+
     def drop_scopes(self, scopes: set[int] | None) -> tuple[int, int]:
         """Drop every committed chunk of ``scopes`` (None: every chunk); (chunks, bytes). A chunk
         being read stays RETIRED until its last reader lets go, as any replaced chunk does.
@@ -513,6 +548,8 @@ class SharedPool(PoolProcesses):
         words = self.words
         return {"pool_chunks": int(words[Word.COMMITTED_CHUNKS]), "pool_evictions": int(words[Word.EVICTIONS]),
                 "pool_reads": int(words[Word.READS]), "pool_drops": int(words[Word.DROPS]),
+                "pool_retained_bytes": self.retained_bytes(),
+                "pool_retained_evictions": int(words[Word.RETAINED_EVICTIONS]),
                 "pool_evicted_bytes": int(words[Word.EVICTED_BYTES]), "recoveries": int(words[Word.RECOVERIES]),
                 "reaped_processes": int(words[Word.REAPED_PROCESSES]), "expired_leases": int(words[Word.EXPIRED_LEASES]),
                 "processes": int((self.procs["pid"] != 0).sum()), "free_extents": int(words[Word.FREE_COUNT]), **mine}

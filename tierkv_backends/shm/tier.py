@@ -141,6 +141,10 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
         "journal_bytes": Option("size", None, doc="the pool's journal (what every process stored and what "
                                                   "left: how engines announce each other's chunks as KV events); "
                                                   "default 2 KiB per indexed chunk, 16 MiB to 256 MiB"),
+        "retain_share": Option("float", 0.5, minimum=0.0,
+                               doc="the share of the pool's capacity that retained chunks (hints that keep a "
+                                   "prefix through evictions: Engine.retain, a request's retain_s) may take, "
+                                   "every process's together, 0 to 1; give every process the same"),
         "pinned": Option("bool", None, doc="register the pool as pinned memory for CUDA copies (default: when "
                                            "CUDA is available)"),
     }
@@ -148,7 +152,7 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
     def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int | str = 0o600,
                  max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int = 16384,
                  lease_s: float = 30.0, lock_timeout_s: float = 1.0, journal_bytes: int | None = None,
-                 pinned: bool | None = None) -> None:
+                 retain_share: float = 0.5, pinned: bool | None = None) -> None:
         super().__init__(name, capacity)
         assert self.capacity is not None  # requires_capacity guarantees it
         self.path = path or default_path()
@@ -161,6 +165,9 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
                             holds_per_process, _journal_size(journal_bytes))
         self.pool = SharedPool(self.path, geometry, _mode(mode), lease_s, where=f"tier {name!r}",
                                lock_timeout_s=lock_timeout_s)
+        if not 0.0 <= retain_share <= 1.0:
+            raise ValueError(f"retain_share: expected a share of the capacity from 0 to 1, got {retain_share!r}")
+        self.retain_share = float(retain_share)
         self._digests: dict[CacheKey, tuple[int, int]] = {}
         self._named: dict[int, int] = {}  # scope id -> the journal's head when this process last named it
         self._pinned: list[int] = []

@@ -51,7 +51,8 @@ from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
 from tierkv.integrations.vllm_v1.placement import place_engine_threads
-from tierkv.integrations.vllm_v1.scheduler import LoadSpec, SaveSpec, SchedulerPlanner
+from tierkv.integrations.vllm_v1.request_hints import request_hints
+from tierkv.integrations.vllm_v1.scheduler import DropSpec, LoadSpec, PrefetchSpec, SaveSpec, SchedulerPlanner
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
 from tierkv.integrations.vllm_v1.stats_file import StatsFile
 from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
@@ -87,6 +88,8 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     unidentified: int = 0
     hybrid_loads: list[HybridLoad] = field(default_factory=list)  # a hybrid model's (kv_groups.py)
     hybrid_saves: list[HybridSave] = field(default_factory=list)
+    drops: list[DropSpec] = field(default_factory=list)  # requests' hints (request_hints.py)
+    prefetches: list[PrefetchSpec] = field(default_factory=list)
 
 
 def _ranks() -> tuple[int, int]:
@@ -360,6 +363,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self._metadata()
         if metadata.unidentified:
             worker.note_unidentified(metadata.unidentified)
+        for prefetch in metadata.prefetches:
+            worker.prefetch(prefetch)
         for hybrid_load in metadata.hybrid_loads:
             hybrid_of(worker).start_load(hybrid_load)
         for load in metadata.loads:
@@ -380,6 +385,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self._metadata()
         for save in metadata.saves:
             worker.save(save)
+        for drop in metadata.drops:
+            worker.drop(drop)
         for hybrid_save in metadata.hybrid_saves:
             hybrid_of(worker).save(hybrid_save)
         self._write_stats()
@@ -449,7 +456,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         lora = getattr(request, "lora_request", None)
         return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens,
                                                 identity, getattr(request, "block_hashes", ()),
-                                                getattr(lora, "lora_name", None))
+                                                getattr(lora, "lora_name", None), request_hints(request))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._hybrid_planner is not None:
@@ -489,7 +496,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return TierKVConnectorMetadata(unidentified=hybrid.unidentified, hybrid_loads=hybrid.loads,
                                            hybrid_saves=hybrid.saves)
         plan = self._scheduler().build(scheduler_output)
-        return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted, plan.unidentified)
+        return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted, plan.unidentified,
+                                       drops=plan.drops, prefetches=plan.prefetches)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._hybrid_planner is not None:

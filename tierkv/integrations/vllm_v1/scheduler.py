@@ -17,7 +17,10 @@ Rules:
 - every lookup, load and save carries the request's identity (LoRA adapter, cache salt,
   media: ``tierkv.chunks.identity.RequestIdentity``), recorded when vLLM first asks about the
   request; a request without one (prompt embeddings, an adapter tierkv cannot read) is
-  neither loaded nor saved, and counted.
+  neither loaded nor saved, and counted;
+- a request's hints (``request_hints``) ride along: its save carries ``retain_s``; a request
+  that asks to be dropped is not saved, and its prompt's chunks are dropped in the step that
+  completes its prefill; a prefetch is planned once, in the next step after vLLM first asks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from tierkv.chunks.identity import PLAIN, RequestIdentity
 from tierkv.chunks.keys import as_token_array
+from tierkv.integrations.vllm_v1.request_hints import NO_HINTS, RequestHints
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,25 @@ class SaveSpec:
     identity: RequestIdentity = PLAIN
     block_hashes: tuple[Any, ...] = ()  # vLLM's hashes of the prompt's full blocks (for KV events)
     lora_name: str | None = None
+    retain_s: float = 0.0  # a hint: keep the prompt through evictions this long once saved
+
+
+@dataclass(frozen=True)
+class DropSpec:
+    """A hint: remove the chunks of ``token_ids`` from every tier (a session's last turn)."""
+
+    req_id: str
+    token_ids: np.ndarray
+    identity: RequestIdentity = PLAIN
+
+
+@dataclass(frozen=True)
+class PrefetchSpec:
+    """A hint: move the cached prefix of ``token_ids`` up from the lower tiers now."""
+
+    req_id: str
+    token_ids: np.ndarray
+    identity: RequestIdentity = PLAIN
 
 
 @dataclass
@@ -66,6 +89,8 @@ class StepPlan:
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
     unidentified: int = 0
+    drops: list[DropSpec] = field(default_factory=list)
+    prefetches: list[PrefetchSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +101,8 @@ class _Request:
     identity: RequestIdentity | None = PLAIN
     block_hashes: Sequence[Any] = ()  # vLLM's own list (it grows in place as blocks fill)
     lora_name: str | None = None
+    hints: RequestHints = NO_HINTS
+    prefetch_planned: bool = False
 
 
 @dataclass
@@ -118,6 +145,7 @@ class SchedulerPlanner:
         self._requests: dict[str, _Request] = {}
         self._matches: dict[str, _Match] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._pending_prefetches: list[PrefetchSpec] = []
         self._saving: set[str] = set()
         self._loading: dict[str, tuple[int, ...]] = {}  # blocks of each load not yet known to have landed
         self._no_load: set[str] = set()  # requests whose load failed: vLLM recomputes, tierkv does not retry
@@ -131,7 +159,7 @@ class SchedulerPlanner:
     # -- vLLM: get_num_new_matched_tokens -------------------------------------------------
     def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int,
                        identity: RequestIdentity | None = PLAIN, block_hashes: Sequence[Any] = (),
-                       lora_name: str | None = None) -> tuple[int, bool]:
+                       lora_name: str | None = None, hints: RequestHints = NO_HINTS) -> tuple[int, bool]:
         """Tokens tierkv can load beyond ``num_computed_tokens``, and whether asynchronously.
 
         ``identity``: what else the request's KV depends on (None: tierkv cannot tell, and
@@ -146,7 +174,11 @@ class SchedulerPlanner:
             return 0, False
         request = self._request(req_id, prompt_token_ids)
         request.identity = identity
-        request.block_hashes, request.lora_name = block_hashes, lora_name
+        request.block_hashes, request.lora_name, request.hints = block_hashes, lora_name, hints
+        if hints.prefetch is not None and identity is not None and not request.prefetch_planned:
+            request.prefetch_planned = True
+            tokens = as_token_array(np.asarray(hints.prefetch, dtype=np.int64)) if hints.prefetch else request.tokens
+            self._pending_prefetches.append(PrefetchSpec(req_id, tokens, identity))
         if not self.load or identity is None or req_id in self._no_load or len(request.tokens) <= 1:
             return 0, False
         result = self._lookup(request.tokens, identity)
@@ -190,7 +222,9 @@ class SchedulerPlanner:
     def build(self, scheduler_output: Any) -> StepPlan:
         """The step's loads (every load planned since the last step) and saves (requests whose
         prefill this step completes)."""
-        plan = StepPlan(loads=list(self._pending_loads.values()), unidentified=self._unidentified_unreported)
+        plan = StepPlan(loads=list(self._pending_loads.values()), unidentified=self._unidentified_unreported,
+                        prefetches=self._pending_prefetches)
+        self._pending_prefetches = []
         self._unidentified_unreported = 0
         self._pending_loads.clear()
         self._loading.update((load.req_id, load.block_ids) for load in plan.loads)
@@ -219,14 +253,20 @@ class SchedulerPlanner:
         return plan
 
     def _plan_save(self, plan: StepPlan, req_id: str, request: _Request, computed_after_step: int) -> None:
-        if (not self.save or request.save_planned or request.identity is None
-                or computed_after_step < len(request.tokens)):
+        if request.save_planned or request.identity is None or computed_after_step < len(request.tokens):
+            return
+        if request.hints.drop:  # the session's last turn: its prompt leaves the tiers, nothing is saved
+            request.save_planned = True
+            plan.drops.append(DropSpec(req_id, request.tokens, request.identity))
+            return
+        if not self.save:
             return
         request.save_planned = True
         self._saving.add(req_id)
         full_blocks = len(request.tokens) // self.block_size if self.block_size else 0
         plan.saves.append(SaveSpec(req_id, request.tokens, tuple(request.block_ids), request.identity,
-                                   tuple(request.block_hashes[:full_blocks]), request.lora_name))
+                                   tuple(request.block_hashes[:full_blocks]), request.lora_name,
+                                   request.hints.retain_s))
         self.tokens_planned_to_save += len(request.tokens)
 
     # -- vLLM: update_connector_output -------------------------------------------------------------

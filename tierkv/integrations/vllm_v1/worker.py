@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -36,6 +36,7 @@ from tierkv.chunks.identity import RequestIdentity
 from tierkv.chunks.ownership import WriteGrant
 from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine.blocking import Engine
+from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers
@@ -49,7 +50,7 @@ from tierkv.integrations.vllm_v1.pool_events import (
     journaled,
     namespace_tag,
 )
-from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
+from tierkv.integrations.vllm_v1.scheduler import DropSpec, LoadSpec, LookupResult, PrefetchSpec, SaveSpec
 from tierkv.routing.locate import FILL_QUEUE
 
 logger = logging.getLogger(__name__)
@@ -274,9 +275,9 @@ class WorkerTransfers:
         connector = self._connector()
         slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
         try:
-            future = self.engine.submit(store_with_connector(
+            future = self.engine.submit(self._store(spec, store_with_connector(
                 self.engine.core, connector, spec.token_ids, identity=spec.identity, kvcaches=connector.views,
-                slot_mapping=slots))
+                slot_mapping=slots)))
         except Exception as exc:
             self.stats["save_failures"] += 1
             logger.warning("tierkv: save of request %s not started: %s: %s", spec.req_id, type(exc).__name__, exc)
@@ -284,6 +285,42 @@ class WorkerTransfers:
         future.add_done_callback(functools.partial(self._save_done, spec, len(spec.token_ids)))
         with self._lock:
             futures.append(future)
+
+    async def _store(self, spec: SaveSpec, storing: Awaitable[int]) -> int:
+        """The save, then its retention hint (``retain_s``) once the chunks are in."""
+        chunks = await storing
+        if spec.retain_s:
+            try:
+                self.stats["hint_retained_tokens"] += await self.engine.core.retain(spec.token_ids, spec.retain_s,
+                                                                                    spec.identity)
+            except RetentionRefusedError as exc:
+                self.stats["hint_retain_refused"] += 1
+                logger.warning("tierkv: request %s: retention refused: %s", spec.req_id, exc)
+        return chunks
+
+    def drop(self, spec: DropSpec) -> None:
+        """A hint: drop the prompt's chunks from every tier (in the background)."""
+        self._hint(spec.req_id, "dropped", self.engine.core.drop(spec.token_ids, spec.identity))
+
+    def prefetch(self, spec: PrefetchSpec) -> None:
+        """A hint: move a prompt's cached prefix up from the lower tiers (in the background)."""
+        self._hint(spec.req_id, "prefetched", self.engine.core.prefetch(spec.token_ids, spec.identity))
+
+    def _hint(self, req_id: str, what: str, work: Coroutine[Any, Any, int]) -> None:
+        if self.disabled is not None:
+            work.close()
+            return
+
+        def done(future: concurrent.futures.Future[int]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                self.stats["hint_failures"] += 1
+                logger.warning("tierkv: request %s: %s hint failed: %r", req_id, what,
+                               None if future.cancelled() else future.exception())
+            else:
+                self.stats[f"hint_{what}_tokens"] += future.result()
+            if self.on_saved is not None:  # the stats file shows the outcome at once
+                self.on_saved()
+        self.engine.submit(work).add_done_callback(done)
 
     def _save_done(self, spec: SaveSpec, num_tokens: int, future: concurrent.futures.Future[int]) -> None:
         if future.cancelled() or future.exception() is not None:

