@@ -2,7 +2,7 @@
 
 ``status`` says what the pool holds per model and per scope (one scope per model identity x
 adapter x tenant x media: a tenant's salt is hashed into it, never stored), how full it is,
-who is attached, and its reads, evictions and drops; ``drop`` removes one model's chunks, some
+who is attached, what leases retain, and its reads, evictions and drops; ``drop`` removes one model's chunks, some
 scopes' or all, safely beside live engines (a chunk being read is freed after its last reader;
 engines with KV events announce the removal). Both join the pool as any process does, with the
 geometry its header records, so they need no engine config.
@@ -51,6 +51,8 @@ def pool_status(tier: Any) -> dict[str, Any]:
             "reads": stats.get("pool_reads", 0), "evictions": stats.get("pool_evictions", 0),
             "evicted_bytes": stats.get("pool_evicted_bytes", 0), "drops": stats.get("pool_drops", 0),
             "recoveries": stats.get("recoveries", 0), "reaped_processes": stats.get("reaped_processes", 0),
+            "retained_bytes": stats.get("pool_retained_bytes", 0),
+            "retained_evictions": stats.get("pool_retained_evictions", 0),
             "models": models, "scopes": scopes}
 
 
@@ -62,6 +64,8 @@ def _print_status(status: dict[str, Any]) -> None:
     print(f"attached: {len(pids)} process(es)" + (f" (pids {', '.join(map(str, pids))})" if pids else ""))
     print(f"reads {status['reads']}, evictions {status['evictions']} ({format_size(status['evicted_bytes'])}), "
           f"drops {status['drops']}, recoveries {status['recoveries']}, reaped processes {status['reaped_processes']}")
+    print(f"retained (leases from hints): {format_size(status['retained_bytes'])}, retained chunks evicted under "
+          f"pressure {status['retained_evictions']}")
     if not status["scopes"]:
         print("it holds nothing")
         return

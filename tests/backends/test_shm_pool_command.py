@@ -47,16 +47,19 @@ def test_status_says_what_the_pool_holds_per_model_and_scope(engine, pool_path: 
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     import os
 
-    tier, _ = engine
+    tier, keys = engine
     report = status(pool_path, capsys)
     assert report["chunks"] == 5 and report["used_bytes"] == tier.used_bytes
     assert report["models"]["model-x"]["scopes"] == 2 and report["models"]["model-x"]["chunks"] == 3
     assert report["models"]["model-y"]["chunks"] == 2
     assert {row["scope"]: row["chunks"] for row in report["scopes"]} == {TENANT_A: 2, TENANT_B: 1, "c" * 16: 2}
     assert os.getpid() in report["attached_pids"], "the engine's process (this test's) is attached"
+    assert report["retained_bytes"] == 0
+    tier.retain(keys[:2], 600)
+    assert status(pool_path, capsys)["retained_bytes"] == 2 * tier.pool.entries["alloc"].max()
     assert main(["pool", "status", "--path", str(pool_path)]) == 0
     text = capsys.readouterr().out
-    assert "model-x" in text and "5 chunks" in text
+    assert "model-x" in text and "5 chunks" in text and "retained" in text
 
 
 def test_drop_by_scope_leaves_the_other_tenants_chunks(engine, pool_path: Path,  # type: ignore[no-untyped-def]
