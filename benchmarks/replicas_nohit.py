@@ -82,6 +82,15 @@ def replica_cores() -> list[int]:
     return cores[:2]
 
 
+def replica_model(work: Path) -> Path:
+    """The replicas' model, saved under ``work``: a random Llama, 8 layers x 1024, context-dependent
+    (``initializer_range`` 0.15, as in the tests), 16 KiB of KV per token in bf16."""
+    from tierkv.testing.vllm_runner import save_random_llama
+
+    return save_random_llama(work / "model", num_layers=8, hidden_size=1024, num_heads=8, num_kv_heads=4,
+                             initializer_range=0.15)
+
+
 @dataclass
 class Servers:
     """One configuration's running replicas."""
@@ -232,10 +241,7 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
     if not names or names[0] != "vllm" or any(name.partition("@")[0] not in available for name in names):
         raise ValueError(f"configs: expected 'vllm' first, then any of {list(available)[1:]}; got {list(names)}")
     work = Path(tempfile.mkdtemp(prefix="tierkv-replicas-"))
-    from tierkv.testing.vllm_runner import save_random_llama
-
-    model = save_random_llama(work / "model", num_layers=8, hidden_size=1024, num_heads=8, num_kv_heads=4,
-                              initializer_range=0.15)
+    model = replica_model(work)
     print(f"== the price of a miss: 2 replicas, one core each, x {len(names)} configs, {users} users x {rounds} "
           f"rounds, {runs} runs, {dtype} ==", flush=True)
     rows: list[dict[str, Any]] = []

@@ -88,16 +88,22 @@ def model_kv_bytes_per_token(model: Path) -> int:
 
 def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_bytes: int | None = None,
                  env_extra: dict[str, str] | None = None,
-                 connector_extra: dict[str, Any] | None = None, dtype: str = "bfloat16") -> subprocess.Popen[bytes]:
+                 connector_extra: dict[str, Any] | None = None, dtype: str = "bfloat16",
+                 kv_events_port: int | None = None) -> subprocess.Popen[bytes]:
     """``vllm serve`` (its OpenAI API server module: the ``vllm`` script needs a dist named vllm).
     ``kv_cache_bytes``: vLLM's own KV space (default: ``KV_TOKENS`` tokens); ``env_extra``: more
     environment (a core to bind its compute thread to, ``VLLM_CPU_OMP_THREADS_BIND``);
-    ``connector_extra``: more ``kv_connector_extra_config`` keys; ``dtype``: the model's."""
+    ``connector_extra``: more ``kv_connector_extra_config`` keys; ``dtype``: the model's;
+    ``kv_events_port``: publish vLLM's KV events (ZMQ) on this port (bound: a wildcard endpoint is
+    what vLLM binds; any other it connects to)."""
     kv_cache_bytes = kv_cache_bytes or KV_TOKENS * model_kv_bytes_per_token(model)
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
             "--skip-tokenizer-init", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", dtype,
             "--enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
+    if kv_events_port is not None:
+        args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                   "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv"})]
     if config.tiers is not None:
         extra = {"config": {"chunk_size": CHUNK, "tiers": config.tiers}, **(connector_extra or {})}
         args += ["--kv-transfer-config", json.dumps({

@@ -74,9 +74,11 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, request: Re
 
 async def replay(trace: Trace, urls: Sequence[str], model: str, max_tokens: int = 8,
                  route: Callable[[int, Request], int] | None = None,
-                 progress: Callable[[], None] | None = None) -> list[Result]:
+                 progress: Callable[[], None] | None = None,
+                 answered: Callable[[int], None] | None = None) -> list[Result]:
     """Every request of ``trace`` against ``urls`` (``route(index, request)`` picks the server,
-    the first by default); the results in trace order."""
+    the first by default; ``answered(server)`` is told when its request answered); the results
+    in trace order."""
     route = route or (lambda index, request: 0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -93,7 +95,12 @@ async def replay(trace: Trace, urls: Sequence[str], model: str, max_tokens: int 
                     await done[request.after].wait()
                 async with slots:
                     server = route(index, request)
-                    results[index] = await _one(session, urls[server], model, request, max_tokens, started, server)
+                    try:
+                        results[index] = await _one(session, urls[server], model, request, max_tokens, started,
+                                                    server)
+                    finally:
+                        if answered is not None:
+                            answered(server)
                 if progress is not None:
                     progress()
             finally:

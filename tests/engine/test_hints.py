@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierkv import Engine, RetentionRefusedError
+from tierkv import Engine, RequestIdentity, RetentionRefusedError
 from tierkv_backends.shm import SharedMemoryBackend
 
 CHUNK = 16
@@ -132,3 +132,18 @@ def test_bad_seconds_are_refused_by_name(pool_path: Path) -> None:
         for seconds in (-1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="seconds"):
                 engine.retain(prompt(0), seconds)
+
+
+def test_a_dropped_tenants_prompts_miss_while_anothers_hit(pool_path: Path) -> None:
+    cfg = config(pool_path)
+    cfg["tiers"].insert(0, {"name": "host", "backend": "cpu", "capacity": 4 * CHUNK_BYTES})  # a memory tier too
+    tenant_a, tenant_b = RequestIdentity(salt="tenant-a"), RequestIdentity(salt="tenant-b")
+    with Engine(cfg) as engine:
+        for index, identity in ((0, tenant_a), (1, tenant_a), (0, tenant_b)):
+            engine.store(prompt(index), kv_of(prompt(index)), identity=identity)
+        engine.flush()
+        assert engine.lookup(prompt(0), tenant_a) == engine.lookup(prompt(0), tenant_b) == 4 * CHUNK
+        assert engine.drop_identity(tenant_a) >= 8, "both of tenant A's prompts, from every tier holding them"
+        assert engine.lookup(prompt(0), tenant_a) == engine.lookup(prompt(1), tenant_a) == 0
+        assert engine.lookup(prompt(0), tenant_b) == 4 * CHUNK, "the other tenant's prompt still hits"
+        assert engine.stats()["hints"]["dropped_scope_chunks"] >= 8

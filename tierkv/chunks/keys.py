@@ -304,6 +304,10 @@ class KeyMaker:
             self.scope_labels.setdefault(scope.name, identity.describe())
         return known
 
+    def scope_name(self, identity: RequestIdentity = PLAIN) -> str:
+        """The scope (16 hex digits) of every key of ``identity``'s requests."""
+        return self._scope(identity)[0].name
+
     def iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
         """Keys of a validated token array (``as_token_array``) of a request of ``identity``,
         made as they are needed."""

@@ -34,7 +34,7 @@ from tierkv.chunks.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_toke
 from tierkv.chunks.kvlayout import KVCache, nbytes_of
 from tierkv.config.loader import EngineConfig, load_config
 from tierkv.engine.chunk_layout import ChunkLayout
-from tierkv.engine.hints import HintCounts, retain_keys
+from tierkv.engine.hints import HintCounts, drop_scope, retain_keys
 from tierkv.engine.metadata import EngineMetadata, KVShape, check_capacities
 from tierkv.engine.prefix_plans import PrefixPlans
 from tierkv.errors import ConfigError
@@ -891,6 +891,27 @@ class AsyncEngine:
         await self.router.batched_delete([keys[index] for index in held])
         dropped = sum(min(self.chunk_size, len(token_array) - index * self.chunk_size) for index in held)
         self.hint_counts.dropped_tokens += dropped
+        return dropped
+
+    async def drop_identity(self, identity: RequestIdentity) -> int:
+        """Remove every chunk of ``identity``'s requests (a tenant's salt, an adapter: one key
+        scope) from the tiers that can list their chunks by scope: the node pool (``shm``,
+        every process's chunks) and the memory tiers. Disk and object tiers keep them until
+        they are evicted there.
+
+        Args:
+            identity: The requests' identity, as given to ``store``.
+
+        Returns:
+            The chunks dropped.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
+        self.router.ensure_open()
+        await self.router.flush()  # fills in flight land first, so none writes a dropped chunk back
+        dropped = await drop_scope(self.tiers, self.metadata.model_name, self.key_maker.scope_name(identity))
+        self.hint_counts.dropped_scope_chunks += dropped
         return dropped
 
     def stats(self) -> dict[str, Any]:

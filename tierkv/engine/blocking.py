@@ -474,6 +474,21 @@ class Engine:
         """
         return int(self._run(self._core.drop(tokens, identity)))
 
+    def drop_identity(self, identity: RequestIdentity) -> int:
+        """Remove every chunk of ``identity``'s requests (a tenant, an adapter: one key scope)
+        from the tiers that can list their chunks by scope: the node pool and the memory tiers.
+
+        Args:
+            identity: The requests' identity, as given to ``store``.
+
+        Returns:
+            The chunks dropped.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+        """
+        return int(self._run(self._core.drop_identity(identity)))
+
     def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
         """Where each chunk of ``tokens`` is cached.
 

@@ -8,7 +8,10 @@ eviction policy, with a bounded budget:
   node pool) stay through evictions for ``seconds``; retained chunks are evicted after every
   other, so under pressure a lease is a bias, never a deadlock, and a tier caps what may be
   retained (``retain_share``), refusing a lease past it whole;
-- **drop**: the prefix's chunks leave every tier (readers in flight keep their bytes);
+- **drop**: the prefix's chunks leave every tier (readers in flight keep their bytes); or every
+  chunk of a request identity (a tenant's salt, an adapter: one scope) leaves every tier that
+  can list its chunks by scope (the node pool and the memory tiers; disk and object tiers keep
+  them until evicted);
 - **prefetch** (``AsyncEngine.prefetch``): the prefix moves up from the lower tiers ahead of the
   request.
 
@@ -33,12 +36,14 @@ class HintCounts:
     released_tokens: int = 0
     retain_refused: int = 0
     dropped_tokens: int = 0
+    dropped_scope_chunks: int = 0
     prefetched_tokens: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)  # tokens retained per tier
 
     def as_dict(self) -> dict[str, Any]:
         return {"retained_tokens": self.retained_tokens, "released_tokens": self.released_tokens,
                 "retain_refused": self.retain_refused, "dropped_tokens": self.dropped_tokens,
+                "dropped_scope_chunks": self.dropped_scope_chunks,
                 "prefetched_tokens": self.prefetched_tokens, "retained_by_tier": dict(self.by_tier)}
 
 
@@ -74,3 +79,17 @@ def retain_keys(tiers: Sequence[Any], keys: Sequence[CacheKey], seconds: float, 
     if refused is not None and not best:
         raise refused
     return best
+
+
+async def drop_scope(tiers: Sequence[Any], model_name: str, scope: str) -> int:
+    """Drop every chunk of ``scope`` of model ``model_name`` from the tiers that can list their
+    chunks by scope (``drop_scopes``: the node pool; ``resident_keys``: memory tiers); how many."""
+    dropped = 0
+    for tier in tiers:
+        if callable(getattr(tier, "drop_scopes", None)):
+            dropped += tier.drop_scopes([scope])[0]
+        elif callable(getattr(tier, "resident_keys", None)):
+            for key in tier.resident_keys():
+                if key.scope == scope and key.model_name == model_name:
+                    dropped += bool(await tier.delete(key))
+    return dropped

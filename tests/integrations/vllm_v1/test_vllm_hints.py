@@ -63,3 +63,31 @@ def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path) -> None
     assert stats["hint_retained_tokens"] == PROMPT
     assert stats["hint_dropped_tokens"] == PROMPT
     assert stats["hint_prefetched_tokens"] == PROMPT, "the last flood prompt is in the pool: all of it counts"
+
+
+def test_a_dropped_tenants_prompts_miss_while_anothers_hit(tmp_path: Path, pool_path: Path) -> None:
+    model = save_random_llama(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                              initializer_range=0.15)
+    first, second = tokens(81, PROMPT), tokens(82, PROMPT)
+
+    def of(salt: str, ids: list[int], **extra: object) -> dict[str, object]:
+        return {"ids": ids, "cache_salt": salt, **extra}
+
+    prompts = [
+        of("tenant-a", first), of("tenant-a", second), of("tenant-b", first),
+        of("tenant-a", tokens(83, 200), wait_for=["requests_saved", 3],
+           kv_transfer_params={"tierkv": {"drop_tenant": True}}),  # tenant A leaves
+        of("tenant-a", first, wait_for=["hint_dropped_scope_chunks", 1]),
+        of("tenant-a", second),
+        of("tenant-b", first),
+    ]
+    spec = {"model": str(model), "prompts": prompts, "max_tokens": 2, "prefix_caching": False,
+            "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False,
+                                  "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path),
+                                             "capacity": "16MiB"}]},
+                       "stats_file": str(tmp_path / "stats.json")}}
+    results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    loaded = loaded_per_prompt(results)
+    assert loaded[:3] == [0, 0, 0], "tenants never share a chunk: B's first prompt is a miss too"
+    assert loaded[4:] == [0, 0, PROMPT - 1], f"tenant A's prompts miss, tenant B's hits: {loaded}"
+    assert results[-1]["stats"]["hint_dropped_scope_chunks"] == 6, "tenant A's two prompts, 3 chunks each"

@@ -7,6 +7,8 @@ Two ways in, both per request:
   OpenAI server's ``kv_transfer_params`` field): ``{"tierkv": {"retain_s": 600}}`` keeps the
   request's prompt through evictions for 600 s once its save lands; ``{"tierkv": {"drop": true}}``
   drops the prompt's chunks instead of saving them (the session's last turn);
+  ``{"tierkv": {"drop_tenant": true}}`` drops every chunk of the request's identity (its
+  tenant's ``cache_salt``, its adapter) from the node pool and the memory tiers;
   ``{"tierkv": {"prefetch_token_ids": [...]}}`` moves that prompt's cached prefix up from the
   lower tiers now (a tool call's pause before the next turn);
 - vLLM's typed hints (``request.kv_hints``, a ``KvHintsEnvelope`` an orchestrator attaches
@@ -41,9 +43,10 @@ class RequestHints:
     retain_s: float = 0.0
     drop: bool = False
     prefetch: tuple[int, ...] | None = None  # token ids of a prompt to come; () : this request's own
+    drop_tenant: bool = False  # every chunk of the request's identity, not only its prompt's
 
     def __bool__(self) -> bool:
-        return bool(self.retain_s or self.drop or self.prefetch is not None)
+        return bool(self.retain_s or self.drop or self.prefetch is not None or self.drop_tenant)
 
 
 NO_HINTS = RequestHints()
@@ -51,7 +54,7 @@ NO_HINTS = RequestHints()
 
 def request_hints(request: Any) -> RequestHints:
     """The hints of a vLLM ``Request`` (``NO_HINTS`` when it carries none or only bad ones)."""
-    retain_s, drop, prefetch = 0.0, False, None
+    retain_s, drop, prefetch, drop_tenant = 0.0, False, None, False
     try:
         params = getattr(request, "kv_transfer_params", None)
         ours = params.get("tierkv") if isinstance(params, Mapping) else None
@@ -61,6 +64,7 @@ def request_hints(request: Any) -> RequestHints:
             if "retain_s" in ours:
                 retain_s = _seconds(ours["retain_s"], "retain_s")
             drop = _flag(ours.get("drop", False), "drop")
+            drop_tenant = _flag(ours.get("drop_tenant", False), "drop_tenant")
             if "prefetch_token_ids" in ours:
                 prefetch = _token_ids(ours["prefetch_token_ids"], "prefetch_token_ids")
         envelope = getattr(request, "kv_hints", None)
@@ -79,7 +83,7 @@ def request_hints(request: Any) -> RequestHints:
     except (ValueError, TypeError, KeyError) as exc:
         logger.warning("tierkv: request %s: its KV hints are ignored: %s", getattr(request, "request_id", "?"), exc)
         return NO_HINTS
-    return RequestHints(retain_s, drop, prefetch)
+    return RequestHints(retain_s, drop or drop_tenant, prefetch, drop_tenant)
 
 
 def _seconds(value: Any, name: str) -> float:

@@ -64,11 +64,13 @@ class SaveSpec:
 
 @dataclass(frozen=True)
 class DropSpec:
-    """A hint: remove the chunks of ``token_ids`` from every tier (a session's last turn)."""
+    """A hint: remove the chunks of ``token_ids`` from every tier (a session's last turn), or
+    (``whole_identity``) every chunk of the request's identity (its tenant, its adapter)."""
 
     req_id: str
     token_ids: np.ndarray
     identity: RequestIdentity = PLAIN
+    whole_identity: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,7 @@ class SchedulerPlanner:
             return
         if request.hints.drop:  # the session's last turn: its prompt leaves the tiers, nothing is saved
             request.save_planned = True
-            plan.drops.append(DropSpec(req_id, request.tokens, request.identity))
+            plan.drops.append(DropSpec(req_id, request.tokens, request.identity, request.hints.drop_tenant))
             return
         if not self.save:
             return

@@ -299,14 +299,18 @@ class WorkerTransfers:
         return chunks
 
     def drop(self, spec: DropSpec) -> None:
-        """A hint: drop the prompt's chunks from every tier (in the background)."""
-        self._hint(spec.req_id, "dropped", self.engine.core.drop(spec.token_ids, spec.identity))
+        """A hint: drop the prompt's chunks from every tier, or every chunk of its identity (in
+        the background)."""
+        if spec.whole_identity:
+            self._hint(spec.req_id, "dropped_scope", self.engine.core.drop_identity(spec.identity), "chunks")
+        else:
+            self._hint(spec.req_id, "dropped", self.engine.core.drop(spec.token_ids, spec.identity))
 
     def prefetch(self, spec: PrefetchSpec) -> None:
         """A hint: move a prompt's cached prefix up from the lower tiers (in the background)."""
         self._hint(spec.req_id, "prefetched", self.engine.core.prefetch(spec.token_ids, spec.identity))
 
-    def _hint(self, req_id: str, what: str, work: Coroutine[Any, Any, int]) -> None:
+    def _hint(self, req_id: str, what: str, work: Coroutine[Any, Any, int], unit: str = "tokens") -> None:
         if self.disabled is not None:
             work.close()
             return
@@ -317,7 +321,7 @@ class WorkerTransfers:
                 logger.warning("tierkv: request %s: %s hint failed: %r", req_id, what,
                                None if future.cancelled() else future.exception())
             else:
-                self.stats[f"hint_{what}_tokens"] += future.result()
+                self.stats[f"hint_{what}_{unit}"] += future.result()
             if self.on_saved is not None:  # the stats file shows the outcome at once
                 self.on_saved()
         self.engine.submit(work).add_done_callback(done)
