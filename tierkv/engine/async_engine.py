@@ -813,15 +813,17 @@ class AsyncEngine:
         """
         return await self.locate_keys(self.keys_for(as_token_array(tokens), identity))
 
-    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
+    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN, wait: bool = False) -> int:
         """Start moving the cached prefix of ``tokens`` up to the top tier.
 
-        Returns once the moves have started; a later retrieve of the same tokens waits only
-        for the chunks still in flight.
+        Returns once the moves have started (``wait``: once they and the engine's other
+        background work have landed); a later retrieve of the same tokens waits only for the
+        chunks still in flight.
 
         Args:
             tokens: The prompt's token ids.
             identity: The request's identity, as given to ``store``.
+            wait: Return only when the prefix is in the top tier.
 
         Returns:
             The tokens of the cached prefix (already in the top tier, or moving there).
@@ -834,6 +836,9 @@ class AsyncEngine:
         levels = await self.router.levels(keys)
         held = policy.first_missing([level is not None for level in levels])
         await self.router.prefetch(keys[:held], levels[:held])
+        if wait:
+            await self.router.wait_inflight(keys[:held])
+            await self.router.flush()  # the promotions' writes into the top tier
         prefix = min(len(token_array), held * self.chunk_size)
         self.hint_counts.prefetched_tokens += prefix
         return prefix

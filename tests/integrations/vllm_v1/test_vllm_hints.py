@@ -23,19 +23,23 @@ pytestmark = VLLM_PROCESSES
 CHUNK, PROMPT = 256, 600
 
 
+def after(saved: int, ids: list[int], **params: object) -> dict[str, object]:
+    """A prompt sent once ``saved`` requests' saves landed (not a timing), with tierkv's params."""
+    prompt: dict[str, object] = {"ids": ids, "wait_for": ["requests_saved", saved]}
+    if params:
+        prompt["kv_transfer_params"] = {"tierkv": params}
+    return prompt
+
+
+def small_llama(tmp_path: Path) -> Path:
+    return save_random_llama(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                             initializer_range=0.15)
+
+
 def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path) -> None:
-    model = save_random_llama(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                              initializer_range=0.15)
+    model = small_llama(tmp_path)
     kept, plain = tokens(51, PROMPT), tokens(52, PROMPT)
     flood = [tokens(60 + i, PROMPT) for i in range(4)]
-
-    def after(saved: int, ids: list[int], **params: object) -> dict[str, object]:
-        """A prompt sent once ``saved`` requests' saves landed (not a timing), with tierkv's params."""
-        prompt: dict[str, object] = {"ids": ids, "wait_for": ["requests_saved", saved]}
-        if params:
-            prompt["kv_transfer_params"] = {"tierkv": params}
-        return prompt
-
     prompts = [
         {"ids": kept, "kv_transfer_params": {"tierkv": {"retain_s": 600}}},
         after(1, plain),
@@ -66,8 +70,7 @@ def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path) -> None
 
 
 def test_a_dropped_tenants_prompts_miss_while_anothers_hit(tmp_path: Path, pool_path: Path) -> None:
-    model = save_random_llama(tmp_path / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                              initializer_range=0.15)
+    model = small_llama(tmp_path)
     first, second = tokens(81, PROMPT), tokens(82, PROMPT)
 
     def of(salt: str, ids: list[int], **extra: object) -> dict[str, object]:
@@ -91,3 +94,33 @@ def test_a_dropped_tenants_prompts_miss_while_anothers_hit(tmp_path: Path, pool_
     assert loaded[:3] == [0, 0, 0], "tenants never share a chunk: B's first prompt is a miss too"
     assert loaded[4:] == [0, 0, PROMPT - 1], f"tenant A's prompts miss, tenant B's hits: {loaded}"
     assert results[-1]["stats"]["hint_dropped_scope_chunks"] == 6, "tenant A's two prompts, 3 chunks each"
+
+
+def test_a_prefetch_makes_the_next_request_a_hit_from_the_pool(tmp_path: Path, pool_path: Path) -> None:
+    """The pool (2 MiB) over lmdb, write-through: a flood pushes two prompts out of the pool (lmdb
+    keeps them); a request's prefetch hint for one of them during the pause brings it back, so
+    its next request loads from the pool (vLLM's per-source count: host), the other from disk."""
+    model = small_llama(tmp_path)
+    fetched, other = tokens(91, PROMPT), tokens(92, PROMPT)
+    flood = [tokens(100 + i, PROMPT) for i in range(4)]
+    prompts = [
+        {"ids": fetched}, after(1, other), *[after(2 + i, ids) for i, ids in enumerate(flood)],
+        after(6, tokens(99, 100), prefetch_token_ids=fetched),  # a tool call's pause before the next turn
+        {"ids": fetched, "wait_for": ["hint_prefetched_tokens", PROMPT]},  # once the moves landed
+        {"ids": other},
+    ]
+    spec = {"model": str(model), "prompts": prompts, "max_tokens": 2, "prefix_caching": False, "metrics": True,
+            "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "write_policy": "write_through",
+                                  "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path),
+                                             "capacity": "2MiB"},
+                                            {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"),
+                                             "capacity": "64MiB"}]},
+                       "stats_file": str(tmp_path / "stats.json")}}
+    results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    assert loaded_per_prompt(results)[-2:] == [PROMPT - 1, PROMPT - 1], "both hit in tierkv"
+
+    def grown(index: int, source: str) -> float:
+        key = f"vllm:prompt_tokens_cached_by_source:{source}"
+        return (results[index]["metrics"] or {}).get(key, 0) - (results[index - 1]["metrics"] or {}).get(key, 0)
+    assert (grown(-2, "host"), grown(-2, "disk")) == (PROMPT - 1, 0), "the prefetched prompt came from the pool"
+    assert (grown(-1, "host"), grown(-1, "disk")) == (0, PROMPT - 1), "the other one from disk: the flood did evict"

@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MEMORY_BACKENDS = frozenset({"cpu", "gpu"})
+_MEMORY_BACKENDS = frozenset({"cpu", "gpu", "shm"})  # the node pool is host memory too
 _LOCAL_DISK_BACKENDS = frozenset({"lmdb", "fs"})
 
 

@@ -307,8 +307,9 @@ class WorkerTransfers:
             self._hint(spec.req_id, "dropped", self.engine.core.drop(spec.token_ids, spec.identity))
 
     def prefetch(self, spec: PrefetchSpec) -> None:
-        """A hint: move a prompt's cached prefix up from the lower tiers (in the background)."""
-        self._hint(spec.req_id, "prefetched", self.engine.core.prefetch(spec.token_ids, spec.identity))
+        """A hint: move a prompt's cached prefix up from the lower tiers (in the background; its
+        outcome counted once the moves landed)."""
+        self._hint(spec.req_id, "prefetched", self.engine.core.prefetch(spec.token_ids, spec.identity, wait=True))
 
     def _hint(self, req_id: str, what: str, work: Coroutine[Any, Any, int], unit: str = "tokens") -> None:
         if self.disabled is not None:
