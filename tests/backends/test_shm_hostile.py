@@ -64,6 +64,7 @@ def test_a_process_stopped_inside_the_lock_stops_no_other(pool_path: Path, tmp_p
             for name, call in (("store", lambda: engine.store(hostile.prompt(1), hostile.kv_of(hostile.prompt(1)))),
                                ("lookup", lambda: engine.locate(hostile.prompt(0))),
                                ("retrieve", lambda: engine.retrieve(hostile.prompt(0), return_tuple=False)),
+                               ("retain", lambda: engine.retain(hostile.prompt(0), 60)),
                                ("store again", lambda: engine.store(hostile.prompt(3),
                                                                     hostile.kv_of(hostile.prompt(3))))):
                 started = time.monotonic()
@@ -86,8 +87,9 @@ def test_a_process_stopped_inside_the_lock_stops_no_other(pool_path: Path, tmp_p
         assert outcome["store"] == 4 and outcome["where"] == ["disk"] * 4, "the store went to the tier below"
         kv, mask = outcome["retrieve"]
         assert int(mask.sum()) == 64 and bool((kv == hostile.kv_of(hostile.prompt(0))).all()), "served from disk"
+        assert outcome["retain"] == 0, "a hint never waits on a stuck lock: nothing retained"
         node = engine.stats()["tiers"]["node"]
-        assert node["lock_timeouts"] >= 1 and node["skipped_stores"] >= 4
+        assert node["lock_timeouts"] >= 1 and node["skipped_stores"] >= 4 and node["busy_hints"] == 1
         # once it runs again, the pool is the pool again
         assert engine.store(hostile.prompt(2), hostile.kv_of(hostile.prompt(2))) == 4
         assert engine.locate(hostile.prompt(2)) == ["node"] * 4

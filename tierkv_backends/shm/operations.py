@@ -98,6 +98,9 @@ class PoolOperations:
         bias, never a deadlock; the retained bytes of the whole pool are capped at
         ``retain_share`` of its capacity.
 
+        A lock that stays busy (a stopped process holds it) retains nothing and is counted
+        (``busy_hints``), after one wait of ``lock_timeout_s`` at most.
+
         Raises:
             RetentionRefusedError: if the retention would pass the cap (nothing was retained).
             ValueError: if ``seconds`` is negative or not finite.
@@ -109,8 +112,12 @@ class PoolOperations:
             return []
         until = now_ns() + int(seconds * 1e9) if seconds else 0
         digests = np.array([self._digest(key) for key in keys], dtype=np.uint64).reshape(-1, 2)
-        with self.pool.lock():
-            return self.pool.retain(digests, until, int(self.retain_share * self.pool.geometry.capacity))
+        try:
+            with self.pool.lock():
+                return self.pool.retain(digests, until, int(self.retain_share * self.pool.geometry.capacity))
+        except (PoolBusyError, PoolBrokenError):  # a hint is never worth a wait: nothing retained, counted
+            self.counters["busy_hints"] += 1
+            return [False] * len(keys)
 
     # -- operating the pool (tierkv pool) ------------------------------------------------------------
     @classmethod

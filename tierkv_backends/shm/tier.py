@@ -174,7 +174,8 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
         if pinned if pinned is not None else cuda_available():
             self._pin()
         self.device = torch.device("cpu")
-        self.counters.update({"stale_reads": 0, "skipped_stores": 0, "busy_misses": 0, "journal_busy": 0})
+        self.counters.update({"stale_reads": 0, "skipped_stores": 0, "busy_misses": 0, "journal_busy": 0,
+                              "busy_hints": 0})
 
     @classmethod
     def file_size(cls, capacity: int, path: str | None = None, max_chunks: int | None = None,
