@@ -126,3 +126,35 @@ def die_holding_and_writing(path: str, capacity: int, ready: Any) -> None:
             await asyncio.sleep(600)
         await tier.put_with([key_of(1)], [(tuple(chunk_of(1).shape), torch.float32)], never)
     asyncio.run(main())
+
+
+def description_of(index: int, round_: int) -> bytes:
+    """A journal payload that says which chunk and round it belongs to, so a reader can check
+    every byte of it (sizes vary: 8 bytes to a few KiB)."""
+    body = bytes((index * 31 + round_ * 7 + i) % 251 for i in range((index * 97 + round_ * 13) % 3000))
+    return index.to_bytes(4, "little") + round_.to_bytes(4, "little") + body
+
+
+def journal_writer(path: str, capacity: int, journal_bytes: int, seed: int, keyspace: int, seconds: float,
+                   written: Any) -> None:
+    """Store, describe and delete chunks at random for ``seconds`` (every write under the pool's
+    lock, as engines make them), counting the descriptions written."""
+    async def main() -> None:
+        tier = backend(path, capacity, journal_bytes=journal_bytes)
+        rng = random.Random(seed)
+        end = time.monotonic() + seconds
+        round_ = 0
+        try:
+            while time.monotonic() < end:
+                index = rng.randrange(keyspace)
+                round_ += 1
+                if rng.random() < 0.2:
+                    await tier.delete(key_of(index))
+                    continue
+                await tier.batched_put([key_of(index)], [chunk_of(index)])
+                count = tier.describe([(key_of(index), description_of(index, round_))])
+                with written.get_lock():
+                    written.value += count
+        finally:
+            await tier.close()
+    asyncio.run(main())
