@@ -36,6 +36,20 @@ def test_yaml_file_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert load_config().chunk_size == 64
 
 
+def test_a_credential_a_tier_names_is_not_an_unknown_override(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """``TIERKV_*`` variables the config does not know are warned about (a misspelt override),
+    except one a tier reads as ``{env: NAME}``: a user's own credential, named as they like."""
+    monkeypatch.setenv("TIERKV_S3_SECRET_TEST", "s3cr3t")
+    monkeypatch.setenv("TIERKV_CHUNK_SIZ_TEST", "64")
+    config = {"model": "m", "tiers": [{"name": "shared", "backend": "s3", "bucket": "bucket", "endpoint_url": "http://x",
+                                       "access_key_id": "id", "secret_access_key": {"env": "TIERKV_S3_SECRET_TEST"}}]}
+    caplog.set_level("WARNING", logger="tierkv")
+    load_config(config)
+    assert "TIERKV_CHUNK_SIZ_TEST" in caplog.text, "a misspelt override is still named"
+    assert "TIERKV_S3_SECRET_TEST" not in caplog.text and "s3cr3t" not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -162,10 +162,22 @@ def _int(value: Any, path: str, minimum: int) -> int:
     return value
 
 
+def _referenced_env(value: Any) -> set[str]:
+    """The environment variables a config names as ``{env: NAME}`` (credentials), anywhere in it."""
+    if isinstance(value, dict):
+        if set(value) == {"env"} and isinstance(value["env"], str):
+            return {value["env"]}
+        return set().union(*(_referenced_env(item) for item in value.values()))
+    if isinstance(value, list | tuple):
+        return set().union(*(_referenced_env(item) for item in value))
+    return set()
+
+
 def _env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
     merged = dict(raw)
+    referenced = _referenced_env(raw)  # a credential a tier reads: not a misspelt override
     for name, value in os.environ.items():
-        if not name.startswith("TIERKV_"):
+        if not name.startswith("TIERKV_") or name in referenced:
             continue
         if name not in _ENV_KNOWN:
             if name not in _warned_env:

@@ -34,7 +34,7 @@ from typing import Any
 _LOOPBACK = "127.0.0.1"
 _GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on port + 10000 for master, volume and filer
 _DEFAULT_KEY = "tierkv-test"
-CREDENTIAL_ENV = ("TIERKV_BENCH_S3_KEY_ID", "TIERKV_BENCH_S3_SECRET")
+CREDENTIAL_ENV = ("BENCH_S3_ACCESS_KEY_ID", "BENCH_S3_SECRET_ACCESS_KEY")
 """Where ``S3Server.client_options(inline=False)`` puts the credentials it references."""
 _DEFAULT_SECRET = "tierkv-test-secret"  # noqa: S105 - a throwaway credential for a loopback test server
 _READY_BUCKET = "tierkv-ready-probe"  # where a restarted server is asked to take a write
