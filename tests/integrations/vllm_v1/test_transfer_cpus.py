@@ -82,15 +82,23 @@ def test_transfer_cpus_is_a_checked_setting() -> None:
         settings_from({"config": CPU_TIER, "transfer_cpus": "all"}, "kv_both", "m", 1)
 
 
-def test_the_engine_s_threads_are_named_placed_and_bounded(two_cpus: tuple[int, int]) -> None:
+@pytest.mark.parametrize("setting", ["spare", "own"])
+def test_the_engine_s_threads_are_named_placed_and_bounded(two_cpus: tuple[int, int], setting: str) -> None:
+    """Both placements name and bound the threads; only on the worker's own cores (``own``) do
+    they yield to the forward pass (nice ``TRANSFER_NICE``): on vLLM's reserved cores they keep
+    the worker's priority, since the forward pass waits for the loads they run there."""
     compute, other = two_cpus
     engine = in_thread_pinned_to({compute}, lambda: Engine({**CPU_TIER, "model": "m"}))
     try:
-        placed = in_thread_pinned_to({compute}, lambda: place_engine_threads(engine, "spare"))
-        assert other in placed and compute not in placed
+        placed = in_thread_pinned_to({compute}, lambda: place_engine_threads(engine, setting))
+        if setting == "spare":
+            assert other in placed and compute not in placed
+        else:
+            assert placed == {compute}
 
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        nice = TRANSFER_NICE if base <= TRANSFER_NICE or os.geteuid() == 0 else base  # only root raises priority
+        lowered = TRANSFER_NICE if base <= TRANSFER_NICE or os.geteuid() == 0 else base  # only root raises priority
+        nice = lowered if setting == "own" else base
 
         def niceness() -> int:
             return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
