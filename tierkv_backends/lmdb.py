@@ -43,7 +43,7 @@ import torch
 from tierkv.backend import FULL_DISK_ERRNOS, StorageBackend, check_batch, check_destinations, full_disk_error
 from tierkv.backend.options import Option, format_size
 from tierkv.chunks import copies, ownership, serde
-from tierkv.chunks.keys import KV_FORMATS, CacheKey, count_by_scope
+from tierkv.chunks.keys import KV_FORMATS, CacheKey, count_by_scope, in_scope
 from tierkv.chunks.memory import copy_into, direct_target
 from tierkv.errors import CapacityError, ChunkFormatError, ConfigError, TierUnavailableError
 from tierkv.policy.planner import SpeedSeed
@@ -307,6 +307,26 @@ class LMDBBackend(StorageBackend):
                 removed += bool(txn.delete(kb, db=self._meta))
                 txn.delete(kb, db=self._data)
         return removed
+
+    async def drop_scope(self, model_name: str, scope: str) -> int:
+        """Every chunk of ``scope`` in the environment leaves it, whichever process wrote it (the
+        keys are read from the file, not this process's index); a reader's open transaction
+        keeps its bytes."""
+        self._ensure_open()
+        async with self._lock():
+            dropped = await self._in_thread(self._delete_in_scope, model_name, scope)
+            for kb in dropped:
+                self._index.remove(kb)
+        return len(dropped)
+
+    def _delete_in_scope(self, model_name: str, scope: str) -> list[bytes]:
+        with self._env.begin(write=True) as txn:
+            matching = [key for key in txn.cursor(db=self._meta).iternext(keys=True, values=False)
+                        if in_scope(key, model_name, scope)]
+            for kb in matching:
+                txn.delete(kb, db=self._meta)
+                txn.delete(kb, db=self._data)
+        return matching
 
     # -- reads ---------------------------------------------------------------------------------
     async def get(self, key: CacheKey) -> torch.Tensor | None:

@@ -134,8 +134,8 @@ def test_bad_seconds_are_refused_by_name(pool_path: Path) -> None:
                 engine.retain(prompt(0), seconds)
 
 
-def test_a_dropped_tenants_prompts_miss_while_anothers_hit(pool_path: Path) -> None:
-    cfg = config(pool_path)
+def test_a_dropped_tenants_prompts_miss_while_anothers_hit(pool_path: Path, tmp_path: Path) -> None:
+    cfg = config(pool_path, disk=tmp_path / "disk")  # written through to lmdb as well
     cfg["tiers"].insert(0, {"name": "host", "backend": "cpu", "capacity": 4 * CHUNK_BYTES})  # a memory tier too
     tenant_a, tenant_b = RequestIdentity(salt="tenant-a"), RequestIdentity(salt="tenant-b")
     with Engine(cfg) as engine:
@@ -143,7 +143,12 @@ def test_a_dropped_tenants_prompts_miss_while_anothers_hit(pool_path: Path) -> N
             engine.store(prompt(index), kv_of(prompt(index)), identity=identity)
         engine.flush()
         assert engine.lookup(prompt(0), tenant_a) == engine.lookup(prompt(0), tenant_b) == 4 * CHUNK
-        assert engine.drop_identity(tenant_a) >= 8, "both of tenant A's prompts, from every tier holding them"
+        assert engine.drop_identity(tenant_a) >= 16, "both of tenant A's prompts, from the pool and from lmdb"
         assert engine.lookup(prompt(0), tenant_a) == engine.lookup(prompt(1), tenant_a) == 0
         assert engine.lookup(prompt(0), tenant_b) == 4 * CHUNK, "the other tenant's prompt still hits"
-        assert engine.stats()["hints"]["dropped_scope_chunks"] >= 8
+        assert engine.stats()["hints"]["dropped_scope_chunks"] >= 16
+    disk_only = {"model": "hints", "chunk_size": CHUNK,
+                 "tiers": [{"name": "disk", "backend": "lmdb", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}
+    with Engine(disk_only) as reopened:  # what lmdb itself kept: B's prompt, none of A's
+        assert reopened.lookup(prompt(0), tenant_a) == reopened.lookup(prompt(1), tenant_a) == 0
+        assert reopened.lookup(prompt(0), tenant_b) == 4 * CHUNK

@@ -392,6 +392,10 @@ class CodedBackend(StorageBackend):
     def scope_usage(self) -> dict[str, dict[str, int]] | None:
         return self.inner.scope_usage()
 
+    async def drop_scope(self, model_name: str, scope: str) -> int | None:
+        self._ensure_open()
+        return await self.inner.drop_scope(model_name, scope)  # coded keys keep model and scope
+
     def stats(self) -> dict[str, Any]:
         entry = self.inner.stats()
         written, stored = self.coding["bytes_before_coding"], self.coding["bytes_stored"]

@@ -313,6 +313,28 @@ class StorageBackend(abc.ABC):
         """
         return None
 
+    async def drop_scope(self, model_name: str, scope: str) -> int | None:
+        """Remove every chunk of one scope of one model: a tenant's or an adapter's chunks,
+        dropped when its sessions end (``AsyncEngine.drop_identity``).
+
+        A tier whose store another process shares drops what that store holds, whoever wrote
+        it; a reader already holding a chunk's bytes keeps them.
+
+        Args:
+            model_name: The ``model_name`` field of the keys to drop. A tier whose entries
+                carry only the scope may match on the scope alone: a scope's digest binds the
+                model's revision.
+            scope: Their ``scope`` field (``CacheKey.scope``: the identity's digest).
+
+        Returns:
+            How many chunks left, or None when the tier cannot find its chunks by scope (the
+                default: it keeps them until its own eviction takes them).
+
+        Raises:
+            BackendClosedError: if the backend is closed.
+        """
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters and occupancy, safe to print (no credentials).
 

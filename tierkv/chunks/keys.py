@@ -176,6 +176,16 @@ def scope_of(key: str | bytes | CacheKey) -> str:
     return unquote(parts[4]) if len(parts) == 6 else ""
 
 
+def in_scope(key: str | bytes | CacheKey, model_name: str, scope: str) -> bool:
+    """Whether a key (or its string form) belongs to model ``model_name``'s ``scope``: what a
+    tenant's or an adapter's drop removes. A string that is not a key is in no scope."""
+    if isinstance(key, CacheKey):
+        return key.scope == scope and key.model_name == model_name
+    text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    parts = text.split("@")
+    return len(parts) == 6 and unquote(parts[4]) == scope and unquote(parts[1]) == model_name
+
+
 def count_by_scope(sized_keys: Iterable[tuple[str | bytes | CacheKey, int]]) -> dict[str, dict[str, int]]:
     """``{scope: {"chunks": n, "bytes": b}}`` of (key, size) pairs."""
     usage: dict[str, dict[str, int]] = {}

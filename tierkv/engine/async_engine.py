@@ -900,9 +900,10 @@ class AsyncEngine:
 
     async def drop_identity(self, identity: RequestIdentity) -> int:
         """Remove every chunk of ``identity``'s requests (a tenant's salt, an adapter: one key
-        scope) from the tiers that can list their chunks by scope: the node pool (``shm``,
-        every process's chunks) and the memory tiers. Disk and object tiers keep them until
-        they are evicted there.
+        scope) from the tiers that can find their chunks by scope (``StorageBackend.drop_scope``):
+        the node pool (``shm``), the memory tiers, ``lmdb`` and ``s3``, every process's chunks
+        in a shared one. ``fs`` keeps them until they are evicted there (its files are named by
+        a digest of their key).
 
         Args:
             identity: The requests' identity, as given to ``store``.

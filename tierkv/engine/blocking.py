@@ -476,7 +476,8 @@ class Engine:
 
     def drop_identity(self, identity: RequestIdentity) -> int:
         """Remove every chunk of ``identity``'s requests (a tenant, an adapter: one key scope)
-        from the tiers that can list their chunks by scope: the node pool and the memory tiers.
+        from the tiers that can find their chunks by scope: the node pool, the memory tiers,
+        ``lmdb`` and ``s3`` (``fs`` keeps them until evicted).
 
         Args:
             identity: The requests' identity, as given to ``store``.

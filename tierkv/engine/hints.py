@@ -10,8 +10,8 @@ eviction policy, with a bounded budget:
   retained (``retain_share``), refusing a lease past it whole;
 - **drop**: the prefix's chunks leave every tier (readers in flight keep their bytes); or every
   chunk of a request identity (a tenant's salt, an adapter: one scope) leaves every tier that
-  can list its chunks by scope (the node pool and the memory tiers; disk and object tiers keep
-  them until evicted);
+  can find its chunks by scope (the node pool, the memory tiers, lmdb, s3; ``fs`` names its
+  files by a digest of their key and keeps them until evicted);
 - **prefetch** (``AsyncEngine.prefetch``): the prefix moves up from the lower tiers ahead of the
   request.
 
@@ -82,14 +82,13 @@ def retain_keys(tiers: Sequence[Any], keys: Sequence[CacheKey], seconds: float, 
 
 
 async def drop_scope(tiers: Sequence[Any], model_name: str, scope: str) -> int:
-    """Drop every chunk of ``scope`` of model ``model_name`` from the tiers that can list their
-    chunks by scope (``drop_scopes``: the node pool; ``resident_keys``: memory tiers); how many."""
+    """Drop every chunk of ``scope`` of model ``model_name`` from every tier that can find its
+    chunks by scope (``StorageBackend.drop_scope``: the node pool, the memory tiers, lmdb, s3);
+    how many. The others (``fs``: files named by a digest of their key) keep them until their
+    eviction takes them."""
     dropped = 0
     for tier in tiers:
-        if callable(getattr(tier, "drop_scopes", None)):
-            dropped += tier.drop_scopes([scope])[0]
-        elif callable(getattr(tier, "resident_keys", None)):
-            for key in tier.resident_keys():
-                if key.scope == scope and key.model_name == model_name:
-                    dropped += bool(await tier.delete(key))
+        drop = getattr(tier, "drop_scope", None)
+        if callable(drop):
+            dropped += await drop(model_name, scope) or 0
     return dropped

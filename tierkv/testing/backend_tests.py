@@ -211,6 +211,32 @@ class BackendTests:
             assert await backend.get(make_key(2)) is None
         self.with_backend(tmp_path, body)
 
+    def test_drop_scope_removes_one_scope_and_keeps_the_rest(self, tmp_path: Path) -> None:
+        """``drop_scope`` removes every chunk of one scope (a tenant's) and nothing else; a
+        backend that cannot find its chunks by scope (it returns None) keeps every chunk.
+
+        Args:
+            tmp_path: pytest's per-test directory, given to ``make_backend``.
+        """
+        def scoped(index: int, scope: str) -> CacheKey:
+            return CacheKey("vllm", "conformance", 1, 0, f"{index:032x}", scope)
+
+        async def body(backend: StorageBackend) -> None:
+            doomed = [scoped(index, "a" * 16) for index in range(3)]  # 16 hex digits, as an engine's scopes
+            kept = [scoped(index, "b" * 16) for index in range(3)] + [make_key(7)]
+            for seed, key in enumerate(doomed + kept):
+                await backend.put(key, make_chunk(seed))
+            dropped = await backend.drop_scope("conformance", "a" * 16)
+            if dropped is None:
+                assert all(await backend.batched_contains(doomed + kept)), "None: nothing was dropped"
+            else:
+                assert dropped == len(doomed)
+                assert not any(await backend.batched_contains(doomed))
+                assert [await backend.get(key) for key in doomed] == [None] * len(doomed)
+            for seed, key in enumerate(kept, start=len(doomed)):
+                assert same_bytes(await backend.get(key), make_chunk(seed)), f"{key} of another scope was lost"
+        self.with_backend(tmp_path, body)
+
     def test_overwrite_replaces_value(self, tmp_path: Path) -> None:
         """A second ``put`` under one key replaces the first value.
 

@@ -71,6 +71,10 @@ class FaultyBackend(StorageBackend):
         await self._maybe_fail("delete")
         return await self.inner.delete(key)
 
+    async def drop_scope(self, model_name: str, scope: str) -> int | None:
+        await self._maybe_fail("drop_scope")
+        return await self.inner.drop_scope(model_name, scope)
+
     async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
         await self._maybe_fail("batched_put")
         self._maybe_full()

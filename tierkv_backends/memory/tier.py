@@ -35,7 +35,7 @@ import torch
 
 from tierkv.backend import DemoteSink, StorageBackend, check_batch, check_destinations, fits_destination
 from tierkv.backend.options import Option, format_size
-from tierkv.chunks.keys import CacheKey, count_by_scope
+from tierkv.chunks.keys import CacheKey, count_by_scope, in_scope
 from tierkv.chunks.kvlayout import nbytes_of
 from tierkv.chunks.memory import can_pin_memory, empty_host, size_class
 from tierkv.errors import CapacityError, ConfigError
@@ -460,6 +460,14 @@ class MemoryTier(StorageBackend):
     def resident_keys(self) -> list[CacheKey]:
         """Keys held now, first to be evicted first."""
         return list(self._index.keys())
+
+    async def drop_scope(self, model_name: str, scope: str) -> int:
+        self._ensure_open()
+        dropped = 0
+        for key in self.resident_keys():
+            if in_scope(key, model_name, scope):
+                dropped += bool(await self.delete(key))
+        return dropped
 
     async def close(self) -> None:
         self._resident.clear()

@@ -17,6 +17,7 @@ where one connection is slower than several (AWS S3 serves ~100 MB/s per connect
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import random
 import time
@@ -249,6 +250,31 @@ class S3Objects:
                 return False
             raise
         return True
+
+    def remove_matching(self, match: Callable[[str], bool], request_timeout_s: float) -> list[str]:
+        """Delete every object under the prefix whose name (the key string) ``match`` accepts,
+        a listed page at a time (1,000 names per request each way); the names deleted. Each
+        request has ``request_timeout_s`` of its own: a bucket of millions takes many pages."""
+        start = f"{self.prefix}/" if self.prefix else ""
+        removed: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": start}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.request(functools.partial(self.client.list_objects_v2, **kwargs),
+                                time.monotonic() + request_timeout_s)
+            names = [item["Key"][len(start):] for item in page.get("Contents", ())]
+            doomed = [name for name in names if match(name)]
+            if doomed:
+                batch = {"Objects": [{"Key": self.object_key(name)} for name in doomed], "Quiet": True}
+                answer = self.request(functools.partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch),
+                                      time.monotonic() + request_timeout_s)
+                failed = {error.get("Key") for error in answer.get("Errors", ())}
+                removed.extend(name for name in doomed if self.object_key(name) not in failed)
+            if not page.get("IsTruncated"):
+                return removed
+            token = page.get("NextContinuationToken")
 
     def remove(self, name: str, deadline: float) -> bool:
         existed = self.head(name, deadline)

@@ -66,7 +66,7 @@ import torch
 from tierkv.backend import BlobBackend, check_batch, check_destinations
 from tierkv.backend.options import Option, parse_options
 from tierkv.chunks import serde
-from tierkv.chunks.keys import KV_FORMATS, CacheKey
+from tierkv.chunks.keys import KV_FORMATS, CacheKey, in_scope
 from tierkv.chunks.memory import copy_into, direct_target
 from tierkv.chunks.ownership import WriteGrant
 from tierkv.errors import ChunkFormatError, ConfigError, TierUnavailableError
@@ -153,7 +153,7 @@ class S3Backend(BlobBackend):
         self._count_lock = threading.Lock()
         self.counters.update({"requests": 0, "retries": 0, "get_errors": 0, "put_errors": 0, "timeouts": 0,
                               "bytes_read": 0, "bytes_written": 0, "multipart_puts": 0, "ranged_gets": 0,
-                              "incomplete_bodies": 0, "abandoned_copies": 0})
+                              "incomplete_bodies": 0, "abandoned_copies": 0, "scope_deletes": 0})
         self._objects = S3Objects(
             name, self._client, self.bucket, self.prefix, self.endpoint_url, self.region,
             part_size=settings["part_size"], multipart_threshold=max(settings["multipart_threshold"], MIN_PART),
@@ -425,6 +425,22 @@ class S3Backend(BlobBackend):
     async def delete(self, key: CacheKey) -> bool:
         self._known.record([key], False)
         return await self.delete_bytes(key.to_string())
+
+    async def drop_scope(self, model_name: str, scope: str) -> int:
+        """Every object of ``scope`` under the tier's prefix leaves the bucket, whoever wrote it
+        (one listing of the prefix: an operator's action, not a per-request one)."""
+        self._ensure_open()
+        self.health.check()
+        loop = asyncio.get_running_loop()
+        try:
+            names = await loop.run_in_executor(
+                self._threads, self._objects.remove_matching,
+                lambda name: in_scope(name, model_name, scope), self.timeout_s)
+        except Exception as exc:
+            raise TierUnavailableError(f"tier {self.name!r}: dropping a scope failed: {self._redact(exc)}") from exc
+        self._known.record([CacheKey.from_string(name) for name in names], False)
+        self._count("scope_deletes", len(names))
+        return len(names)
 
     # -- BlobBackend byte API (single objects, same plumbing) -------------------------------------
     async def _one(self, op: str, call: Callable[[float], T]) -> T:

@@ -432,6 +432,14 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
         usage = self.pool.scope_usage()
         return {f"{scope:016x}": {"chunks": chunks, "bytes": nbytes} for scope, (chunks, nbytes) in usage.items()}
 
+    async def drop_scope(self, model_name: str, scope: str) -> int:
+        """Every process's chunks of ``scope`` leave the pool (entries carry the scope, not the
+        model: a scope's digest already binds the model's revision); how many."""
+        self._ensure_open()
+        if len(scope) != 16 or any(c not in "0123456789abcdefABCDEF" for c in scope):
+            return 0  # not a scope the pool indexes (keys made by hand): none of its entries
+        return (await asyncio.to_thread(self.drop_scopes, [scope]))[0]
+
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **self.pool.counters(), "path": self.path, "pinned": self.pinned,
                 "process_slot": self.pool.slot}
