@@ -28,6 +28,7 @@ from tierkv.integrations.vllm_v1.kv_groups import (  # noqa: E402
     hybrid_chunk_size,
     joint_hit,
 )
+from tierkv.integrations.vllm_v1.request_hints import RequestHints  # noqa: E402
 from tierkv.integrations.vllm_v1.scheduler import LookupResult  # noqa: E402
 from tierkv.integrations.vllm_v1.worker import _GuardedSink  # noqa: E402
 
@@ -165,6 +166,47 @@ def test_each_group_is_saved_in_the_step_that_computed_it_and_loaded_into_other_
             assert not target[name][34, 176:].any(), "the page's padding is not the state's"
         assert loader.stats["tokens_loaded"] == 64
         assert [loader.stats[f"tokens_loaded_group{g}"] for g in range(3)] == [64, 32, 32]
+
+
+def test_hints_apply_to_every_groups_chunks(tmp_path: Path, pool_path: Path) -> None:
+    """A retained prompt's chunks are leased in every group (its saves carry ``retain_s``, each
+    job retains the prompt so far); a dropping request saves nothing and plans one drop once its
+    prompt is computed; a prefetch is planned once however often vLLM asks."""
+    source = caches(seed=1)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    tables = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15])
+    config = {"model": "hybrid-test", "chunk_size": CHUNK,
+              "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path), "capacity": "16MiB"}]}
+    with Engine(config) as engine:
+        planner = HybridPlanner(GROUPS, lambda tokens, identity: LookupResult(0, 0), chunk=CHUNK, block_size=BLOCK)
+        worker = transfers(engine, source)
+        assert planner.matched_tokens("a", tokens.tolist(), 0, PLAIN, RequestHints(retain_s=600)) == (0, False)
+        computed = 0
+        for count in (32, 32, 16):
+            plan = planner.build(step("a", computed, count, tables, new=computed == 0))
+            computed += count
+            assert all(save.retain_s == 600 for save in plan.saves)
+            for save in plan.saves:
+                worker.save(save)
+            worker.wait_for_saves(30)
+        assert worker.stats["hint_retained_tokens"] == 64, "the prompt's two whole chunks, counted once"
+        core = engine.core
+        for identity in worker.identities(PLAIN):  # every group's two chunks are in the pool
+            keys = engine.keys_for(tokens[:64], identity)
+            assert [name for name in engine.run(core.locate_keys(keys))] == ["node", "node"]
+        pool = engine.stats()["tiers"]["node"]
+        assert pool["pool_retained_bytes"] == pool["used_bytes"] > 0, "and every one of them is leased"
+
+        hints = RequestHints(drop=True, drop_tenant=True, prefetch=(5, 6, 7))
+        for _ in range(2):  # vLLM may ask twice before it schedules the request
+            planner.matched_tokens("c", tokens.tolist(), 0, PLAIN, hints)
+        plan = planner.build(step("c", 0, 48, tables, new=True))
+        assert plan.saves == [] and plan.drops == [], "nothing saved; the prompt is not computed yet"
+        assert [(p.req_id, p.token_ids.tolist()) for p in plan.prefetches] == [("c", [5, 6, 7])]
+        plan = planner.build(step("c", 48, 32, tables, new=False))
+        assert plan.saves == [] and plan.prefetches == []
+        assert [(d.req_id, d.whole_identity, len(d.token_ids)) for d in plan.drops] == [("c", True, 80)]
+        assert planner.build(step("c", 80, 1, tables, new=False)).drops == [], "one drop per request"
 
 
 def test_a_load_from_a_hung_tier_is_abandoned_at_its_deadline_and_writes_nothing(tmp_path: Path) -> None:

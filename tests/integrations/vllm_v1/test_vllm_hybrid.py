@@ -188,3 +188,45 @@ def test_two_replicas_share_a_hybrid_models_chunks_through_one_pool(pool_path: P
     for index, (ours, want) in enumerate(zip(b, truth)):
         assert_same_generation(f"replica B prompt {index}", ours["tokens"], ours["logprobs"], want["tokens"],
                                want["logprobs"], MAX_TOKENS, TOLERANCE)
+
+
+def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Path) -> None:
+    """Nemotron-H (Mamba2 + attention) on one shm pool. Process A stores four prompts, one with
+    ``retain_s`` (each group's chunks leased: counted in tokens), then sends one of them again
+    with ``drop`` and a tenant's request with ``drop_tenant``; process B, new (nothing in vLLM's
+    own cache), finds the retained prompt and the other tenant's, and neither dropped one."""
+    family = "nemotron_h"
+    model = save_hybrid_model(family, tmp_path / "model")
+    kept, dropped, tenant_a, tenant_b = (tokens(seed, 600) for seed in (41, 42, 43, 44))
+    pool = [{"name": "node", "backend": "shm", "path": str(pool_path), "capacity": "256MiB"}]
+    saved = chunk_tokens(600)
+
+    def hinted(ids: list[int], wait_for: list[Any], salt: str | None = None, **hints: object) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"ids": ids, "wait_for": wait_for}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        if hints:
+            prompt["kv_transfer_params"] = {"tierkv": hints}
+        return prompt
+
+    a_prompts = [
+        {"ids": kept, "kv_transfer_params": {"tierkv": {"retain_s": 600}}},
+        hinted(dropped, ["hybrid_tokens_saved", saved]),
+        hinted(tenant_a, ["hybrid_tokens_saved", 2 * saved], salt="tenant-a"),
+        hinted(tenant_b, ["hybrid_tokens_saved", 3 * saved], salt="tenant-b"),
+        hinted(dropped, ["hybrid_tokens_saved", 4 * saved], drop=True),  # the session's last turn
+        hinted(tokens(45, 100), ["hint_dropped_tokens", saved], salt="tenant-a", drop_tenant=True),
+        hinted(tokens(46, 100), ["hint_dropped_scope_chunks", 1], prefetch_token_ids=kept),
+        hinted(tokens(47, 100), ["hint_prefetched_tokens", saved]),
+    ]
+    a = run_vllm(run_spec(model, family, a_prompts, tiers_extra(pool, tmp_path / "a.json")), tmp_path / "a",
+                 env=SAME_CORES)
+    stats = a[-1]["stats"]
+    assert stats["hint_retained_tokens"] == saved, "the retained prompt's whole chunks, in every group"
+    assert stats["hint_dropped_tokens"] == saved
+    assert stats["hint_dropped_scope_chunks"] >= 2 * (saved // CHUNK), "tenant A's chunks of both groups"
+    assert stats["hint_prefetched_tokens"] == saved
+    b_prompts = [kept, dropped, {"ids": tenant_a, "cache_salt": "tenant-a"}, {"ids": tenant_b, "cache_salt": "tenant-b"}]
+    b = run_vllm(run_spec(model, family, b_prompts, tiers_extra(pool, tmp_path / "b.json")), tmp_path / "b",
+                 env=SAME_CORES)
+    assert loaded_per_prompt(b) == [saved, 0, 0, saved], "the dropped prompt and tenant miss; the others hit"

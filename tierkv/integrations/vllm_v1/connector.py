@@ -452,7 +452,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         identity = request_identity(request, self._identity_hook)  # adapters' digests are remembered per path
         if self._hybrid_planner is not None:
             return self._hybrid_planner.matched_tokens(request.request_id, request.prompt_token_ids,
-                                                       num_computed_tokens, identity)
+                                                       num_computed_tokens, identity, request_hints(request))
         lora = getattr(request, "lora_request", None)
         return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens,
                                                 identity, getattr(request, "block_hashes", ()),
@@ -494,7 +494,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._hybrid_planner is not None:
             hybrid = self._hybrid_planner.build(scheduler_output)
             return TierKVConnectorMetadata(unidentified=hybrid.unidentified, hybrid_loads=hybrid.loads,
-                                           hybrid_saves=hybrid.saves)
+                                           hybrid_saves=hybrid.saves, drops=hybrid.drops,
+                                           prefetches=hybrid.prefetches)
         plan = self._scheduler().build(scheduler_output)
         return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted, plan.unidentified,
                                        drops=plan.drops, prefetches=plan.prefetches)

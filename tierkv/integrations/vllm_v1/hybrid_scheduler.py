@@ -18,7 +18,10 @@ Pure bookkeeping, no vLLM import, tested with stand-ins for vLLM's objects. Rule
   Mamba state when the step ends exactly on the chunk's end (only then does a block hold it);
 - the blocks a save reads are pinned (one reference in vLLM's block pool) from the step that
   plans it until every worker says it landed, so no request reuses them meanwhile; the request
-  itself never waits for its saves.
+  itself never waits for its saves;
+- a request's hints (``.request_hints``) apply to every group's chunks: its saves carry
+  ``retain_s``; a request with ``drop`` saves nothing and, once its prompt is computed, drops
+  the prompt (or its whole identity) from every group; a prefetch is planned once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import numpy as np
 from tierkv.chunks.identity import PLAIN, RequestIdentity
 from tierkv.chunks.keys import as_token_array
 from tierkv.integrations.vllm_v1.kv_groups import KVGroup
-from tierkv.integrations.vllm_v1.scheduler import LookupResult
+from tierkv.integrations.vllm_v1.request_hints import NO_HINTS, RequestHints
+from tierkv.integrations.vllm_v1.scheduler import DropSpec, LookupResult, PrefetchSpec
 
 NULL_BLOCK = 0
 
@@ -74,15 +78,19 @@ class HybridSave:
     end: int
     parts: tuple[GroupPart, ...]
     identity: RequestIdentity = PLAIN
+    retain_s: float = 0.0  # a hint: keep the chunks through evictions this long once saved
 
 
 @dataclass
 class HybridStepPlan:
-    """One step's hybrid loads and saves."""
+    """One step's hybrid loads, saves and hints (the hints as the one-group path's: the
+    worker applies them to every group's identity)."""
 
     loads: list[HybridLoad] = field(default_factory=list)
     saves: list[HybridSave] = field(default_factory=list)
     unidentified: int = 0
+    drops: list[DropSpec] = field(default_factory=list)
+    prefetches: list[PrefetchSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +98,9 @@ class _Request:
     tokens: np.ndarray
     identity: RequestIdentity | None
     saved_to: int = 0  # chunks below this token were saved (or skipped) already
+    hints: RequestHints = NO_HINTS
+    prefetch_planned: bool = False
+    drop_planned: bool = False
 
 
 BlockPins = Callable[[Sequence[int]], None]
@@ -119,6 +130,7 @@ class HybridPlanner:
         self._requests: dict[str, _Request] = {}
         self._matches: dict[str, tuple[int, int]] = {}  # req -> (computed, hit)
         self._pending_loads: list[HybridLoad] = []
+        self._pending_prefetches: list[PrefetchSpec] = []
         self._no_load: set[str] = set()
         self._pinned: dict[int, tuple[list[int], int]] = {}  # save job -> (blocks, workers yet to finish it)
         self._next_job = 0
@@ -129,9 +141,9 @@ class HybridPlanner:
 
     # -- vLLM: get_num_new_matched_tokens -----------------------------------------------------------
     def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int,
-                       identity: RequestIdentity | None = PLAIN) -> tuple[int, bool]:
+                       identity: RequestIdentity | None = PLAIN, hints: RequestHints = NO_HINTS) -> tuple[int, bool]:
         """Tokens tierkv loads beyond ``num_computed_tokens`` (always asynchronously: see the
-        module docstring)."""
+        module docstring). ``hints``: the request's (a prefetch is planned here, once)."""
         if identity is None and req_id not in self._unidentified:
             self._unidentified.add(req_id)
             self._unidentified_unreported += 1
@@ -141,7 +153,11 @@ class HybridPlanner:
         if request is None or len(request.tokens) != len(prompt_token_ids):
             request = self._requests[req_id] = _Request(as_token_array(np.asarray(prompt_token_ids, dtype=np.int64)),
                                                         identity)
-        request.identity = identity
+        request.identity, request.hints = identity, hints
+        if hints.prefetch is not None and identity is not None and not request.prefetch_planned:
+            request.prefetch_planned = True
+            tokens = as_token_array(np.asarray(hints.prefetch, dtype=np.int64)) if hints.prefetch else request.tokens
+            self._pending_prefetches.append(PrefetchSpec(req_id, tokens, identity))
         if not self.load or identity is None or req_id in self._no_load or len(request.tokens) <= 1:
             return 0, False
         result = self._lookup(request.tokens, identity)
@@ -186,16 +202,22 @@ class HybridPlanner:
     # -- vLLM: build_connector_meta ---------------------------------------------------------------------
     def build(self, scheduler_output: Any) -> HybridStepPlan:
         """The step's loads and the saves of the chunks its requests complete."""
-        plan = HybridStepPlan(loads=self._pending_loads, unidentified=self._unidentified_unreported)
-        self._pending_loads, self._unidentified_unreported = [], 0
+        plan = HybridStepPlan(loads=self._pending_loads, unidentified=self._unidentified_unreported,
+                              prefetches=self._pending_prefetches)
+        self._pending_loads, self._unidentified_unreported, self._pending_prefetches = [], 0, []
         self.tokens_planned_to_load += sum(load.hit - load.computed for load in plan.loads)
-        if not self.save:
-            return plan
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         computed = _computed_before_step(scheduler_output)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
-            if request is None or request.identity is None or req_id not in computed or block_state is None:
+            if request is None or request.identity is None or req_id not in computed:
+                continue
+            if request.hints.drop:  # the session's last turn: nothing saved, the prompt dropped once computed
+                if not request.drop_planned and computed[req_id] + scheduled >= len(request.tokens):
+                    request.drop_planned = True
+                    plan.drops.append(DropSpec(req_id, request.tokens, request.identity, request.hints.drop_tenant))
+                continue
+            if not self.save or block_state is None:
                 continue
             tables = block_state.get_block_ids(req_id)
             if tables is None:
@@ -228,7 +250,8 @@ class HybridPlanner:
             self._pin(pinned)
             self._pinned[job] = (pinned, self.num_workers)
         self.tokens_planned_to_save += end - start
-        return HybridSave(job, req_id, request.tokens[:end], start, end, tuple(parts), request.identity or PLAIN)
+        return HybridSave(job, req_id, request.tokens[:end], start, end, tuple(parts), request.identity or PLAIN,
+                          request.hints.retain_s)
 
     def _save_part(self, group: KVGroup, table: tuple[int, ...], start: int, end: int, after: int
                    ) -> GroupPart | None:

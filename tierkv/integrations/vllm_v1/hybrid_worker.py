@@ -35,6 +35,7 @@ import torch
 from tierkv.chunks.identity import RequestIdentity
 from tierkv.connectors.engine_io import ConnectorSource
 from tierkv.engine.blocking import Engine
+from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.hybrid_scheduler import NULL_BLOCK, GroupPart, HybridLoad, HybridSave
 from tierkv.integrations.vllm_v1.kv_groups import KVGroup, joint_hit
@@ -103,6 +104,11 @@ class HybridTransfers:
         self._done_jobs: list[int] = []
         self.on_saved = on_saved  # told after each save job ends (the stats file)
         self._refused: set[str] = set()  # loads met with no groups bound (tierkv off): reported failed
+
+    def identities(self, base: RequestIdentity) -> list[RequestIdentity]:
+        """The identity of each group's chunks for a request of identity ``base`` (what a hint
+        applies to: every group's chunks of the prompt)."""
+        return [bound.group.identity(base) for bound in self.groups]
 
     # -- the scheduler's lookup --------------------------------------------------------------------
     def lookup(self, tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
@@ -201,7 +207,22 @@ class HybridTransfers:
             if part is None:
                 continue
             written += await self._save_part(save, bound, part)
+        if save.retain_s:
+            await self._retain(save)
         return written
+
+    async def _retain(self, save: HybridSave) -> None:
+        """The request's retention hint, once the job's chunks are in: every group's chunks of
+        the prompt so far (a later job of the same request extends it to its own chunks)."""
+        retained = []
+        for identity in self.identities(save.identity):
+            try:
+                retained.append(await self.engine.core.retain(save.token_ids, save.retain_s, identity))
+            except RetentionRefusedError as exc:
+                self.stats["hint_retain_refused"] += 1
+                logger.warning("tierkv: request %s: retention refused: %s", save.req_id, exc)
+        covered = max(retained, default=0)  # the longest prefix some group's tiers retained
+        self.stats["hint_retained_tokens"] += max(0, min(covered, save.end) - save.start)  # this job's own chunks
 
     async def _save_part(self, save: HybridSave, bound: BoundGroup, part: GroupPart) -> int:
         identity = bound.group.identity(save.identity)

@@ -8,7 +8,8 @@ Two ways in, both per request:
   request's prompt through evictions for 600 s once its save lands; ``{"tierkv": {"drop": true}}``
   drops the prompt's chunks instead of saving them (the session's last turn);
   ``{"tierkv": {"drop_tenant": true}}`` drops every chunk of the request's identity (its
-  tenant's ``cache_salt``, its adapter) from the node pool and the memory tiers;
+  tenant's ``cache_salt``, its adapter) from every tier that can find chunks by scope
+  (``StorageBackend.drop_scope``);
   ``{"tierkv": {"prefetch_token_ids": [...]}}`` moves that prompt's cached prefix up from the
   lower tiers now (a tool call's pause before the next turn);
 - vLLM's typed hints (``request.kv_hints``, a ``KvHintsEnvelope`` an orchestrator attaches

@@ -298,18 +298,28 @@ class WorkerTransfers:
                 logger.warning("tierkv: request %s: retention refused: %s", spec.req_id, exc)
         return chunks
 
+    def _identities(self, identity: RequestIdentity) -> list[RequestIdentity]:
+        """The identities a request's chunks are keyed under: its own, or for a hybrid model one
+        per KV cache group (each group's chunks have keys of their own)."""
+        return self.hybrid.identities(identity) if self.hybrid is not None else [identity]
+
     def drop(self, spec: DropSpec) -> None:
         """A hint: drop the prompt's chunks from every tier, or every chunk of its identity (in
-        the background)."""
+        the background; a hybrid model's, every group's)."""
+        core, identities = self.engine.core, self._identities(spec.identity)
         if spec.whole_identity:
-            self._hint(spec.req_id, "dropped_scope", self.engine.core.drop_identity(spec.identity), "chunks")
+            self._hint(spec.req_id, "dropped_scope", _over(identities, core.drop_identity, sum), "chunks")
         else:
-            self._hint(spec.req_id, "dropped", self.engine.core.drop(spec.token_ids, spec.identity))
+            self._hint(spec.req_id, "dropped",
+                       _over(identities, lambda identity: core.drop(spec.token_ids, identity), _longest))
 
     def prefetch(self, spec: PrefetchSpec) -> None:
         """A hint: move a prompt's cached prefix up from the lower tiers (in the background; its
-        outcome counted once the moves landed)."""
-        self._hint(spec.req_id, "prefetched", self.engine.core.prefetch(spec.token_ids, spec.identity, wait=True))
+        outcome counted once the moves landed; a hybrid model's, every group's)."""
+        core = self.engine.core
+        self._hint(spec.req_id, "prefetched",
+                   _over(self._identities(spec.identity),
+                         lambda identity: core.prefetch(spec.token_ids, identity, wait=True), _longest))
 
     def _hint(self, req_id: str, what: str, work: Coroutine[Any, Any, int], unit: str = "tokens") -> None:
         if self.disabled is not None:
@@ -468,3 +478,14 @@ class WorkerTransfers:
         if self.hybrid is not None:
             pending += self.hybrid.pending_saves()
         concurrent.futures.wait(pending, timeout=self.load_timeout_s)
+
+
+async def _over(identities: Sequence[RequestIdentity], work: Callable[[RequestIdentity], Awaitable[int]],
+                combine: Callable[[list[int]], int]) -> int:
+    """``work`` for each identity, one after another on the engine's loop; their counts combined."""
+    return combine([await work(identity) for identity in identities])
+
+
+def _longest(counts: list[int]) -> int:
+    """A hybrid model's groups each cover the prompt: the prompt's tokens, not a sum over groups."""
+    return max(counts, default=0)
