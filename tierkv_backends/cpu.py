@@ -13,7 +13,13 @@ from typing import ClassVar
 import torch
 
 from tierkv.backend.options import Option
-from tierkv_backends.memory.tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier, pinned_default
+from tierkv_backends.memory.tier import (
+    EVICTION_OPTION,
+    PREALLOCATE_OPTION,
+    RETAIN_SHARE_OPTION,
+    MemoryTier,
+    pinned_default,
+)
 
 
 class CPUBackend(MemoryTier):
@@ -23,8 +29,10 @@ class CPUBackend(MemoryTier):
         "pinned": Option("bool", None, doc="pin host memory (default: when CUDA is available)"),
         "eviction": EVICTION_OPTION,
         "preallocate": PREALLOCATE_OPTION,
+        "retain_share": RETAIN_SHARE_OPTION,
     }
 
     def __init__(self, name: str, capacity: int | None = None, pinned: bool | None = None,
-                 eviction: str = "lru", preallocate: bool = True) -> None:
-        super().__init__(name, capacity, torch.device("cpu"), pinned_default(pinned, name), eviction, preallocate)
+                 eviction: str = "lru", preallocate: bool = True, retain_share: float = 0.5) -> None:
+        super().__init__(name, capacity, torch.device("cpu"), pinned_default(pinned, name), eviction, preallocate,
+                         retain_share)

@@ -22,7 +22,7 @@ from tierkv.backend.options import Option
 from tierkv.chunks import copies, ownership
 from tierkv.chunks.memory import copy_into, cuda_available, empty_host
 from tierkv.errors import ConfigError
-from tierkv_backends.memory.tier import EVICTION_OPTION, PREALLOCATE_OPTION, MemoryTier
+from tierkv_backends.memory.tier import EVICTION_OPTION, PREALLOCATE_OPTION, RETAIN_SHARE_OPTION, MemoryTier
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,11 @@ class GPUBackend(MemoryTier):
         "device": Option(parse_device, "cuda:0", doc="device of the pool: cuda:N, or cpu for tests"),
         "eviction": EVICTION_OPTION,
         "preallocate": PREALLOCATE_OPTION,
+        "retain_share": RETAIN_SHARE_OPTION,
     }
 
     def __init__(self, name: str, capacity: int | None = None, device: str = "cuda:0", eviction: str = "lru",
-                 preallocate: bool = True) -> None:
+                 preallocate: bool = True, retain_share: float = 0.5) -> None:
         target = torch.device(device)
         if target.type == "cuda":
             if not cuda_available():
@@ -69,7 +70,8 @@ class GPUBackend(MemoryTier):
                                   "(use device: cpu to run the gpu tier's logic without a GPU)")
             if target.index is None:
                 target = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(name, capacity, target, pinned=False, eviction=eviction, preallocate=preallocate)
+        super().__init__(name, capacity, target, pinned=False, eviction=eviction, preallocate=preallocate,
+                         retain_share=retain_share)
         self._stream = torch.cuda.Stream(device=target) if target.type == "cuda" else None
 
     def empty_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -852,7 +852,8 @@ class AsyncEngine:
     async def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
         """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
 
-        A lease in every tier that keeps leases (the node pool, ``shm``): its chunks are evicted
+        A lease in every tier that keeps leases (the node pool ``shm``, the memory tiers ``cpu``
+        and ``gpu``; not disk or object tiers): its chunks are evicted
         after every other chunk, so under pressure it is a bias, never a deadlock, and each such
         tier caps the share of its capacity retained chunks may take (``retain_share``).
 

@@ -438,7 +438,8 @@ class Engine:
     def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
         """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
 
-        A lease in every tier that keeps leases (the node pool, ``shm``): retained chunks are
+        A lease in every tier that keeps leases (the node pool ``shm``, the memory tiers ``cpu``
+        and ``gpu``): retained chunks are
         evicted after every other, so under pressure a lease is a bias, never a deadlock; each
         such tier caps the share of its capacity retained chunks take (``retain_share``).
 

