@@ -1,6 +1,7 @@
 """A tenant's drop reaches the chunks another process wrote: an LMDB environment written by
 another process, an S3 prefix written by another tier instance. Each drop reads what the store
-holds, not what this process remembers; the other scope's chunks stay bit-exact."""
+holds, not what this process remembers; the other scope's chunks stay bit-exact. A tier that
+fails its drop keeps no other tier from dropping."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+import torch
 from s3_fixtures import s3_tier_options
 
-from tierkv import CacheKey
+from tierkv import CacheKey, Engine, RequestIdentity
+from tierkv.errors import TierUnavailableError
 from tierkv.testing import make_chunk, same_bytes
+from tierkv.testing.faults import FaultyBackend
 from tierkv.testing.s3server import S3Server
 from tierkv_backends.lmdb import LMDBBackend
 from tierkv_backends.s3 import S3Backend
@@ -91,3 +96,29 @@ def test_s3_drops_a_scope_another_tier_wrote(s3_server: S3Server, s3_bucket: str
             await writer.close()
             await dropper.close()
     asyncio.run(main())
+
+
+def test_a_tier_that_fails_a_drop_does_not_keep_the_others_from_dropping(tmp_path: Path) -> None:
+    """A tenant's drop asks every tier even when one fails, then names the failed one: here the
+    middle of three tiers is down, and the tiers above and below it still lose the tenant."""
+    chunk = 16
+    tiers = [{"name": "host", "backend": "cpu", "capacity": "4MiB"},
+             {"name": "flaky", "backend": "lmdb", "path": str(tmp_path / "flaky"), "capacity": "16MiB"},
+             {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "disk"), "capacity": "16MiB"}]
+    config = {"model": "drop-model", "chunk_size": chunk, "write_policy": "write_through", "tiers": tiers}
+    tenant_a, tenant_b = RequestIdentity(salt="tenant-a"), RequestIdentity(salt="tenant-b")
+    tokens = list(range(1, 4 * chunk + 1))
+    kv = torch.arange(2 * 2 * 4 * chunk * 2 * 8, dtype=torch.float32).reshape(2, 2, 4 * chunk, 2, 8)
+    with Engine(config) as engine:
+        flaky = engine.wrap_tier("flaky", FaultyBackend)
+        for identity in (tenant_a, tenant_b):
+            engine.store(tokens, kv, identity=identity)
+        engine.flush()
+        flaky.failing = True
+        with pytest.raises(TierUnavailableError, match=r"1 tier\(s\) failed: 'flaky'.*8 chunk\(s\) dropped"):
+            engine.drop_identity(tenant_a)
+        flaky.failing = False
+        assert engine.locate(tokens, tenant_a) == ["flaky"] * 4, "only the failed tier still holds them"
+    disk_only = {"model": "drop-model", "chunk_size": chunk, "tiers": [tiers[2]]}
+    with Engine(disk_only) as reopened:
+        assert reopened.lookup(tokens, tenant_a) == 0 and reopened.lookup(tokens, tenant_b) == 4 * chunk

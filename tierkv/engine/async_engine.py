@@ -914,6 +914,8 @@ class AsyncEngine:
 
         Raises:
             BackendClosedError: if the engine is closed.
+            TierUnavailableError: naming each tier whose drop failed (every other tier
+                dropped its chunks first).
         """
         self.router.ensure_open()
         await self.router.flush()  # fills in flight land first, so none writes a dropped chunk back

@@ -488,6 +488,8 @@ class Engine:
 
         Raises:
             BackendClosedError: if the engine is closed.
+            TierUnavailableError: naming each tier whose drop failed (every other tier
+                dropped its chunks first).
         """
         return int(self._run(self._core.drop_identity(identity)))
 

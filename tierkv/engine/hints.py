@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.chunks.keys import CacheKey
-from tierkv.errors import RetentionRefusedError
+from tierkv.errors import RetentionRefusedError, TierUnavailableError
 
 
 @dataclass
@@ -85,10 +85,26 @@ async def drop_scope(tiers: Sequence[Any], model_name: str, scope: str) -> int:
     """Drop every chunk of ``scope`` of model ``model_name`` from every tier that can find its
     chunks by scope (``StorageBackend.drop_scope``: the node pool, the memory tiers, lmdb, s3);
     how many. The others (``fs``: files named by a digest of their key) keep them until their
-    eviction takes them."""
+    eviction takes them.
+
+    Every tier is asked even when one fails (an unreachable object store does not keep the
+    tenant's chunks on the local disk); the failures are raised together afterwards.
+
+    Raises:
+        TierUnavailableError: naming each tier whose drop failed (the others dropped theirs).
+    """
     dropped = 0
+    failed: list[tuple[str, Exception]] = []
     for tier in tiers:
         drop = getattr(tier, "drop_scope", None)
-        if callable(drop):
+        if not callable(drop):
+            continue
+        try:
             dropped += await drop(model_name, scope) or 0
+        except Exception as exc:  # noqa: BLE001 - reported below, after every other tier dropped its own
+            failed.append((getattr(tier, "name", type(tier).__name__), exc))
+    if failed:
+        names = ", ".join(f"{name!r} ({type(exc).__name__}: {exc})" for name, exc in failed)
+        raise TierUnavailableError(f"dropping scope {scope!r}: {len(failed)} tier(s) failed: {names}; "
+                                   f"{dropped} chunk(s) dropped from the others") from failed[0][1]
     return dropped
