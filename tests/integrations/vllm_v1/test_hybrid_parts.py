@@ -145,7 +145,7 @@ def test_each_group_is_saved_in_the_step_that_computed_it_and_loaded_into_other_
         saver, _ = save_prompt(engine, source, tokens, tables, [32, 32, 16])
         assert saver.stats["chunks_saved"] == 2 + 2 + 2, "two chunks of each group: both full, both windows, both states"
         loader = transfers(engine, target)
-        assert loader.lookup(tokens, PLAIN) == LookupResult(64, 0)
+        assert loader.lookup(tokens, PLAIN) == LookupResult(64, 64)
         planner = HybridPlanner(GROUPS, loader.lookup, chunk=CHUNK, block_size=BLOCK)
         assert planner.matched_tokens("b", tokens.tolist(), 0) == (64, True)
         planner.after_alloc("b", ([21, 22, 23, 24, 25], [0, 0, 28, 29, 30], [0, 0, 0, 34, 35]), 64)
@@ -209,6 +209,29 @@ def test_hints_apply_to_every_groups_chunks(tmp_path: Path, pool_path: Path) -> 
         assert planner.build(step("c", 80, 1, tables, new=False)).drops == [], "one drop per request"
 
 
+def test_a_hybrid_hit_is_split_into_memory_and_the_tiers_below(tmp_path: Path) -> None:
+    """vLLM's per-source count of a hybrid hit: ``host`` up to where every group's chunks are
+    in a memory tier, the rest from below (here one group's second chunk left memory)."""
+    source = caches(seed=1)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    config = {"model": "hybrid-test", "chunk_size": CHUNK, "write_policy": "write_through",
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"},
+                        {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    with Engine(config) as engine:
+        saver, _ = save_prompt(engine, source, tokens, ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]),
+                               [32, 32, 16])
+        engine.flush()
+        assert saver.lookup(tokens, PLAIN) == LookupResult(64, 64), "every group's chunks are in memory"
+        full = saver.identities(PLAIN)[0]
+        host = engine.tiers[0]
+        assert engine.run(host.delete(engine.keys_for(tokens[:64], full)[1]))  # on disk still
+        assert saver.lookup(tokens, PLAIN) == LookupResult(64, 32)
+        planner = HybridPlanner(GROUPS, saver.lookup, chunk=CHUNK, block_size=BLOCK)
+        assert planner.matched_tokens("b", tokens.tolist(), 16) == (48, True)
+        assert planner.hit_split("b", 48) == (16, 32), "16 tokens beyond what vLLM computed are in memory"
+        assert planner.hit_split("b", 48) == (0, 48), "asked once"
+
+
 def test_a_load_from_a_hung_tier_is_abandoned_at_its_deadline_and_writes_nothing(tmp_path: Path) -> None:
     """``load_timeout_s`` holds for a hybrid model's loads too: a load still reading from a hung
     tier at its deadline is reported over and failed (vLLM recomputes it), and the reads that
@@ -253,7 +276,7 @@ def test_a_state_evicted_while_its_kv_stays_gives_a_shorter_hit_never_a_wrong_on
         mamba = GROUPS[2]
         keys = engine.keys_for(tokens[:64], mamba.identity(PLAIN))
         assert engine.batched_delete(keys[1:2]) == 1  # the state after 64 tokens
-        assert saver.lookup(tokens, PLAIN) == LookupResult(32, 0), "the hit stops where the state is"
+        assert saver.lookup(tokens, PLAIN) == LookupResult(32, 32), "the hit stops where the state is"
         assert engine.batched_delete(engine.keys_for(tokens[:32], GROUPS[0].identity(PLAIN))) == 1
         assert saver.lookup(tokens, PLAIN) == LookupResult(0, 0), "a state without its KV is no hit"
 
@@ -269,7 +292,7 @@ def test_a_step_that_ends_inside_a_chunk_saves_no_state_there(tmp_path: Path) ->
         saver, _ = save_prompt(engine, source, tokens, ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]),
                                [48, 16, 16])
         assert saver.stats["chunks_saved"] == 2 + 2 + 1, "full: 2; window: 2; state: only at 64, not at 32"
-        assert saver.lookup(tokens, PLAIN) == LookupResult(64, 0)
+        assert saver.lookup(tokens, PLAIN) == LookupResult(64, 64)
         truncated = tokens.copy()
         truncated[40:] += 1000  # shares 40 tokens: the boundary at 32 has KV but no state
         assert saver.lookup(truncated, PLAIN) == LookupResult(0, 0)

@@ -194,7 +194,8 @@ def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Pa
     """Nemotron-H (Mamba2 + attention) on one shm pool. Process A stores four prompts, one with
     ``retain_s`` (each group's chunks leased: counted in tokens), then sends one of them again
     with ``drop`` and a tenant's request with ``drop_tenant``; process B, new (nothing in vLLM's
-    own cache), finds the retained prompt and the other tenant's, and neither dropped one."""
+    own cache), finds the retained prompt and the other tenant's, and neither dropped one; vLLM
+    counts those hits as host memory."""
     family = "nemotron_h"
     model = save_hybrid_model(family, tmp_path / "model")
     kept, dropped, tenant_a, tenant_b = (tokens(seed, 600) for seed in (41, 42, 43, 44))
@@ -227,6 +228,9 @@ def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Pa
     assert stats["hint_dropped_scope_chunks"] >= 2 * (saved // CHUNK), "tenant A's chunks of both groups"
     assert stats["hint_prefetched_tokens"] == saved
     b_prompts = [kept, dropped, {"ids": tenant_a, "cache_salt": "tenant-a"}, {"ids": tenant_b, "cache_salt": "tenant-b"}]
-    b = run_vllm(run_spec(model, family, b_prompts, tiers_extra(pool, tmp_path / "b.json")), tmp_path / "b",
-                 env=SAME_CORES)
+    b = run_vllm({**run_spec(model, family, b_prompts, tiers_extra(pool, tmp_path / "b.json")), "metrics": True},
+                 tmp_path / "b", env=SAME_CORES)
     assert loaded_per_prompt(b) == [saved, 0, 0, saved], "the dropped prompt and tenant miss; the others hit"
+    host = [(result["metrics"] or {}).get("vllm:prompt_tokens_cached_by_source:host", 0) for result in b]
+    assert [now - before for before, now in zip([0, *host], host)] == [saved, 0, 0, saved], \
+        "vLLM counts a hybrid hit from the pool as host memory (every group's chunks there)"

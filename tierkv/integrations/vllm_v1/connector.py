@@ -484,9 +484,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         if num_external_tokens <= 0:
             return {}
-        if self._hybrid_planner is not None:  # a joint hit of several groups is not split by tier
-            return {CacheHitSource(self._below_memory_source): num_external_tokens}
-        memory, below = self._scheduler().hit_split(request.request_id, num_external_tokens)
+        if self._hybrid_planner is not None:  # memory: every group's chunks of it in a memory tier
+            memory, below = self._hybrid_planner.hit_split(request.request_id, num_external_tokens)
+        else:
+            memory, below = self._scheduler().hit_split(request.request_id, num_external_tokens)
         split = {CacheHitSource.HOST: memory, CacheHitSource(self._below_memory_source): below}
         return {source: count for source, count in split.items() if count}
 

@@ -129,6 +129,7 @@ class HybridPlanner:
         self.num_workers = num_workers
         self._requests: dict[str, _Request] = {}
         self._matches: dict[str, tuple[int, int]] = {}  # req -> (computed, hit)
+        self._hit_split: dict[str, int] = {}  # req -> tokens of its planned load every group has in memory
         self._pending_loads: list[HybridLoad] = []
         self._pending_prefetches: list[PrefetchSpec] = []
         self._no_load: set[str] = set()
@@ -169,7 +170,14 @@ class HybridPlanner:
             self._matches.pop(req_id, None)
             return 0, False
         self._matches[req_id] = (num_computed_tokens, hit)
+        self._hit_split[req_id] = max(0, min(result.in_memory_tokens, hit) - num_computed_tokens)
         return hit - num_computed_tokens, True
+
+    def hit_split(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
+        """Of a request's ``num_external_tokens`` (its planned load), how many every group has in
+        memory and how many come from the tiers below (asked once, after the load was planned)."""
+        memory = min(self._hit_split.pop(req_id, 0), num_external_tokens)
+        return memory, num_external_tokens - memory
 
     # -- vLLM: update_state_after_alloc -----------------------------------------------------------------
     def after_alloc(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
@@ -300,6 +308,7 @@ class HybridPlanner:
         """Forget the request; never delays the free of its blocks (its saves pinned theirs)."""
         self._requests.pop(req_id, None)
         self._matches.pop(req_id, None)
+        self._hit_split.pop(req_id, None)
         self._no_load.discard(req_id)
         self._unidentified.discard(req_id)
         self._pending_loads = [load for load in self._pending_loads if load.req_id != req_id]

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierkv.backend.contract import InPlaceTier
 from tierkv.chunks.identity import RequestIdentity
 from tierkv.connectors.engine_io import ConnectorSource
 from tierkv.engine.blocking import Engine
@@ -42,6 +43,7 @@ from tierkv.integrations.vllm_v1.kv_groups import KVGroup, joint_hit
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
 from tierkv.integrations.vllm_v1.state_pages import StatePageConnector, content_bytes
+from tierkv.routing.locate import FILL_QUEUE
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,12 @@ def bind_groups(groups: Sequence[KVGroup], kv_caches: dict[str, torch.Tensor], l
                                       kernel_block)
         bound.append(BoundGroup(group, connector))
     return bound
+
+
+def memory_sources(engine: Engine) -> frozenset[str]:
+    """Where a chunk is in memory: the memory tiers (``InPlaceTier``) and the engine's fill
+    queue. A load from them is short; vLLM counts such hits as ``host``."""
+    return frozenset({backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE})
 
 
 def _group_slots(part: GroupPart, block_size: int, limit: int) -> np.ndarray:
@@ -104,6 +112,7 @@ class HybridTransfers:
         self._done_jobs: list[int] = []
         self.on_saved = on_saved  # told after each save job ends (the stats file)
         self._refused: set[str] = set()  # loads met with no groups bound (tierkv off): reported failed
+        self._in_memory = memory_sources(engine)
 
     def identities(self, base: RequestIdentity) -> list[RequestIdentity]:
         """The identity of each group's chunks for a request of identity ``base`` (what a hint
@@ -112,21 +121,24 @@ class HybridTransfers:
 
     # -- the scheduler's lookup --------------------------------------------------------------------
     def lookup(self, tokens: np.ndarray, identity: RequestIdentity) -> LookupResult:
-        """The joint hit (whole chunks, every group having what it needs there)."""
+        """The joint hit (whole chunks, every group having what it needs there), and how much
+        of it every group has in memory (``memory_sources``: the hit vLLM counts as ``host``)."""
         max_chunks = (len(tokens) - 1) // self.chunk
         if max_chunks <= 0:
             return LookupResult(0, 0)
         prefix = tokens[: max_chunks * self.chunk]
-        present: dict[int, list[bool]] = {}
+        where: dict[int, list[str | None]] = {}
         for bound in self.groups:
             keys = self.engine.keys_for(prefix, bound.group.identity(identity))
             names = self.engine.core.locate_keys_nowait(keys)
             if names is None:
                 names = self.engine.run(self.engine.core.locate_keys(keys))
-            present[bound.group.index] = [name is not None for name in names]
-        hit = joint_hit([b.group for b in self.groups], lambda group, index: present[group.index][index],
-                        max_chunks, self.chunk)
-        return LookupResult(hit * self.chunk, 0)
+            where[bound.group.index] = list(names)
+        groups = [b.group for b in self.groups]
+        hit = joint_hit(groups, lambda group, index: where[group.index][index] is not None, max_chunks, self.chunk)
+        in_memory = joint_hit(groups, lambda group, index: where[group.index][index] in self._in_memory,
+                              max_chunks, self.chunk)
+        return LookupResult(hit * self.chunk, min(in_memory, hit) * self.chunk)
 
     # -- loads ---------------------------------------------------------------------------------------
     def start_load(self, load: HybridLoad) -> None:

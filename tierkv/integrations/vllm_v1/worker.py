@@ -39,7 +39,7 @@ from tierkv.engine.blocking import Engine
 from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
-from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers
+from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, memory_sources
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
@@ -51,7 +51,6 @@ from tierkv.integrations.vllm_v1.pool_events import (
     namespace_tag,
 )
 from tierkv.integrations.vllm_v1.scheduler import DropSpec, LoadSpec, LookupResult, PrefetchSpec, SaveSpec
-from tierkv.routing.locate import FILL_QUEUE
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class WorkerTransfers:
         self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
-        self._in_memory = {backend.name for backend in engine.tiers if isinstance(backend, InPlaceTier)} | {FILL_QUEUE}
+        self._in_memory = memory_sources(engine)
 
     # -- set-up ----------------------------------------------------------------------------------
     def register(self, layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
