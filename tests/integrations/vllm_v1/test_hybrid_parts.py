@@ -232,6 +232,57 @@ def test_a_hybrid_hit_is_split_into_memory_and_the_tiers_below(tmp_path: Path) -
         assert planner.hit_split("b", 48) == (0, 48), "asked once"
 
 
+def test_a_hybrid_save_announces_each_groups_blocks_as_vllm_does() -> None:
+    """KV events per group (``group_idx``, vLLM's kind, a sliding group's window): attention
+    groups announce every block of their chunks, a state group the block each state ends; a
+    block hash announced by one group is still announced by another; a chunk that leaves the
+    first tier takes its group's blocks with it."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from tierkv.integrations.vllm_v1.kv_events import KVEventLog
+
+    source = caches(seed=1)
+    tokens = np.arange(1, 81, dtype=np.int64)
+    raw = [bytes([7, index]) * 16 for index in range(5)]  # vLLM's hashes of the prompt's five blocks
+    hashes = [maybe_convert_block_hash(h) for h in raw]  # as vLLM publishes them
+    log = KVEventLog("host", BLOCK)
+    config = {"model": "hybrid-test", "chunk_size": CHUNK, "tiers": [{"name": "host", "backend": "cpu",
+                                                                      "capacity": "16MiB"}]}
+    tables = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15])
+    with Engine(config) as engine:
+        engine.tiers[0].removal_listener = log.removed
+        planner = HybridPlanner(GROUPS, lambda tokens, identity: LookupResult(0, 0), chunk=CHUNK, block_size=BLOCK)
+        bound = bind_groups(GROUPS, source, "cpu", HEADS, HEAD, BLOCK)
+        worker = HybridTransfers(engine, bound, CHUNK, BLOCK, Counter(), _GuardedSink, 30.0, events=lambda: log)
+        planner.matched_tokens("a", tokens.tolist(), 0, block_hashes=raw, lora_name="adapter-1")
+        computed = 0
+        for count in (32, 32, 16):
+            for save in planner.build(step("a", computed, count, tables, new=computed == 0)).saves:
+                worker.save(save)
+            worker.wait_for_saves(30)
+            computed += count
+        taken = log.take()
+        assert taken is not None
+        stored = taken.get_all_events()
+        by_group: dict[int, list[int]] = {}
+        for event in stored:
+            assert event.medium == "host" and event.block_size == BLOCK and event.lora_name == "adapter-1"
+            by_group.setdefault(event.group_idx, []).extend(hashes.index(h) for h in event.block_hashes)
+            first = hashes.index(event.block_hashes[0])
+            assert event.parent_block_hash == (hashes[first - 1] if first else None)
+            assert event.token_ids == tokens[first * BLOCK:(first + len(event.block_hashes)) * BLOCK].tolist()
+        assert {g: sorted(b) for g, b in by_group.items()} == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3], 2: [1, 3]}, \
+            "full and sliding: each chunk's two blocks; mamba: the block each state ends"
+        kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored}
+        assert kinds == {(0, "full_attention", None), (1, "sliding_window", 20), (2, "mamba", None)}
+        state_key = engine.keys_for(tokens[:64], GROUPS[2].identity(PLAIN))[1]
+        assert engine.run(engine.tiers[0].delete(state_key))
+        taken = log.take()
+        assert taken is not None
+        (removed,) = taken.get_all_events()
+        assert (type(removed).__name__, removed.group_idx, removed.block_hashes) == ("BlockRemoved", 2, [hashes[3]])
+
+
 def test_a_load_from_a_hung_tier_is_abandoned_at_its_deadline_and_writes_nothing(tmp_path: Path) -> None:
     """``load_timeout_s`` holds for a hybrid model's loads too: a load still reading from a hung
     tier at its deadline is reported over and failed (vLLM recomputes it), and the reads that

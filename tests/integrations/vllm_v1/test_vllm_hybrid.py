@@ -234,3 +234,47 @@ def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Pa
     host = [(result["metrics"] or {}).get("vllm:prompt_tokens_cached_by_source:host", 0) for result in b]
     assert [now - before for before, now in zip([0, *host], host)] == [saved, 0, 0, saved], \
         "vLLM counts a hybrid hit from the pool as host memory (every group's chunks there)"
+
+
+def test_a_hybrid_models_chunks_are_announced_per_group_as_vllm_announces_its_blocks(tmp_path: Path) -> None:
+    """Nemotron-H (Mamba2 + attention) with vLLM's KV events on and a cpu tier: tierkv announces
+    each group's chunks with that group's ``group_idx`` and vLLM's kind, with the block hashes
+    vLLM computes (what a router matches): an attention group every block of its chunks, as vLLM
+    announces its own; a state group the block each stored state ends (vLLM's own cache keeps
+    only the state at the prompt's last block; tierkv has one at every chunk's end)."""
+    from vllm_events import Subscriber, free_port
+
+    family = "nemotron_h"
+    model = save_hybrid_model(family, tmp_path / "model")
+    prompts = [tokens(seed, 600) for seed in (51, 52)]
+    port = free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
+    host = [{"name": "host", "backend": "cpu", "capacity": "256MiB"}]
+    spec = {**run_spec(model, family, [prompts[0], {"ids": prompts[1], "wait_for": ["hybrid_tokens_saved", 512]}],
+                       tiers_extra(host, tmp_path / "stats.json")), "kv_events": f"tcp://*:{port}"}
+    try:
+        run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    finally:
+        subscriber.close()
+    stored = [e for e in subscriber.events if type(e).__name__ == "BlockStored"]
+    ours = [e for e in stored if e.medium == "host"]
+    vllm_own: dict[int | None, set[Any]] = {}
+    for event in stored:
+        if event.medium != "host":
+            vllm_own.setdefault(event.group_idx, set()).update(event.block_hashes)
+    assert ours, f"no BlockStored with medium 'host' among {len(subscriber.events)} events"
+    groups = {e.group_idx for e in ours}
+    assert len(groups) >= 2 and None not in groups, f"one announcement per group: {groups}"
+    assert {e.kv_cache_spec_kind for e in ours} >= {"mamba"}, "the state group says it is vLLM's mamba kind"
+    attention = next(e.group_idx for e in ours if e.kv_cache_spec_kind != "mamba")
+    every_block = vllm_own.get(attention, set())  # vLLM's attention group announces every block it hashed
+    block = ours[0].block_size
+    for group in groups:
+        announced = {h for e in ours if e.group_idx == group for h in e.block_hashes}
+        assert announced <= every_block, f"group {group}: hashes vLLM did not compute for these prompts"
+        kind = next(e.kv_cache_spec_kind for e in ours if e.group_idx == group)
+        if kind == "mamba":  # the state at each chunk's end: its last block (vLLM keeps only the prompt's last)
+            assert len(announced) == 2 * chunk_tokens(600) // CHUNK, f"group {group}: {len(announced)} states"
+        else:
+            assert announced <= vllm_own.get(group, set()), f"group {group}: hashes vLLM did not announce for it"
+            assert len(announced) == 2 * chunk_tokens(600) // block, "each prompt's blocks in its two whole chunks"

@@ -451,8 +451,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         identity = request_identity(request, self._identity_hook)  # adapters' digests are remembered per path
         if self._hybrid_planner is not None:
+            lora = getattr(request, "lora_request", None)
             return self._hybrid_planner.matched_tokens(request.request_id, request.prompt_token_ids,
-                                                       num_computed_tokens, identity, request_hints(request))
+                                                       num_computed_tokens, identity, request_hints(request),
+                                                       block_hashes=getattr(request, "block_hashes", ()),
+                                                       lora_name=getattr(lora, "lora_name", None))
         lora = getattr(request, "lora_request", None)
         return self._scheduler().matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens,
                                                 identity, getattr(request, "block_hashes", ()),

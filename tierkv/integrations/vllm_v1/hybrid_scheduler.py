@@ -79,6 +79,8 @@ class HybridSave:
     parts: tuple[GroupPart, ...]
     identity: RequestIdentity = PLAIN
     retain_s: float = 0.0  # a hint: keep the chunks through evictions this long once saved
+    block_hashes: tuple[Any, ...] = ()  # vLLM's hashes of the prompt's full blocks up to ``end`` (KV events)
+    lora_name: str | None = None
 
 
 @dataclass
@@ -101,6 +103,8 @@ class _Request:
     hints: RequestHints = NO_HINTS
     prefetch_planned: bool = False
     drop_planned: bool = False
+    block_hashes: Sequence[Any] = ()  # vLLM's own list (it grows in place as blocks fill)
+    lora_name: str | None = None
 
 
 BlockPins = Callable[[Sequence[int]], None]
@@ -142,9 +146,11 @@ class HybridPlanner:
 
     # -- vLLM: get_num_new_matched_tokens -----------------------------------------------------------
     def matched_tokens(self, req_id: str, prompt_token_ids: Sequence[int] | None, num_computed_tokens: int,
-                       identity: RequestIdentity | None = PLAIN, hints: RequestHints = NO_HINTS) -> tuple[int, bool]:
+                       identity: RequestIdentity | None = PLAIN, hints: RequestHints = NO_HINTS, *,
+                       block_hashes: Sequence[Any] = (), lora_name: str | None = None) -> tuple[int, bool]:
         """Tokens tierkv loads beyond ``num_computed_tokens`` (always asynchronously: see the
-        module docstring). ``hints``: the request's (a prefetch is planned here, once)."""
+        module docstring). ``hints``: the request's (a prefetch is planned here, once);
+        ``block_hashes``, ``lora_name``: what its saves' KV events carry."""
         if identity is None and req_id not in self._unidentified:
             self._unidentified.add(req_id)
             self._unidentified_unreported += 1
@@ -155,6 +161,7 @@ class HybridPlanner:
             request = self._requests[req_id] = _Request(as_token_array(np.asarray(prompt_token_ids, dtype=np.int64)),
                                                         identity)
         request.identity, request.hints = identity, hints
+        request.block_hashes, request.lora_name = block_hashes, lora_name
         if hints.prefetch is not None and identity is not None and not request.prefetch_planned:
             request.prefetch_planned = True
             tokens = as_token_array(np.asarray(hints.prefetch, dtype=np.int64)) if hints.prefetch else request.tokens
@@ -259,7 +266,8 @@ class HybridPlanner:
             self._pinned[job] = (pinned, self.num_workers)
         self.tokens_planned_to_save += end - start
         return HybridSave(job, req_id, request.tokens[:end], start, end, tuple(parts), request.identity or PLAIN,
-                          request.hints.retain_s)
+                          request.hints.retain_s, tuple(request.block_hashes[: end // self.block_size]),
+                          request.lora_name)
 
     def _save_part(self, group: KVGroup, table: tuple[int, ...], start: int, end: int, after: int
                    ) -> GroupPart | None:

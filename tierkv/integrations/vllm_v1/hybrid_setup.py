@@ -94,7 +94,8 @@ def bind_hybrid(worker: WorkerTransfers, model: HybridModel, kv_caches: dict[str
     bound = bind_groups(model.groups, kv_caches, layout, num_kv_heads, head_size, kernel_block_size)
     worker.block_size = model.block_size
     worker.hybrid = HybridTransfers(worker.engine, bound, worker.engine.core.chunk_size, model.block_size,
-                                    worker.stats, _GuardedSink, worker.load_timeout_s, worker.on_saved)
+                                    worker.stats, _GuardedSink, worker.load_timeout_s, worker.on_saved,
+                                    events=lambda: worker.events)
 
 
 def hybrid_of(worker: WorkerTransfers) -> HybridTransfers:

@@ -39,8 +39,10 @@ from tierkv.engine.blocking import Engine
 from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.hybrid_scheduler import NULL_BLOCK, GroupPart, HybridLoad, HybridSave
+from tierkv.integrations.vllm_v1.kv_events import GroupTag, KVEventLog
 from tierkv.integrations.vllm_v1.kv_groups import KVGroup, joint_hit
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
+from tierkv.integrations.vllm_v1.pool_events import PoolEventLog
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
 from tierkv.integrations.vllm_v1.state_pages import StatePageConnector, content_bytes
 from tierkv.routing.locate import FILL_QUEUE
@@ -73,6 +75,15 @@ def bind_groups(groups: Sequence[KVGroup], kv_caches: dict[str, torch.Tensor], l
     return bound
 
 
+_EVENT_KINDS = {"full": "full_attention", "sliding": "sliding_window", "mamba": "mamba", "mla": "mla_attention"}
+
+
+def group_tag(group: KVGroup) -> GroupTag:
+    """How vLLM's KV events name ``group`` (its index, vLLM's kind, a sliding group's window)."""
+    return GroupTag(group.index, _EVENT_KINDS.get(group.kind, "unknown"),
+                    group.window if group.kind == "sliding" else None, state_only=group.kind == "mamba")
+
+
 def memory_sources(engine: Engine) -> frozenset[str]:
     """Where a chunk is in memory: the memory tiers (``InPlaceTier``) and the engine's fill
     queue. A load from them is short; vLLM counts such hits as ``host``."""
@@ -97,7 +108,8 @@ class HybridTransfers:
 
     def __init__(self, engine: Engine, groups: Sequence[BoundGroup], chunk: int, block_size: int,
                  stats: Counter[str], guarded_sink: Any, load_timeout_s: float | None,
-                 on_saved: Callable[[], None] | None = None) -> None:
+                 on_saved: Callable[[], None] | None = None,
+                 events: Callable[[], KVEventLog | None] | None = None) -> None:
         self.engine = engine
         self.groups = list(groups)
         self.chunk = chunk
@@ -113,6 +125,7 @@ class HybridTransfers:
         self.on_saved = on_saved  # told after each save job ends (the stats file)
         self._refused: set[str] = set()  # loads met with no groups bound (tierkv off): reported failed
         self._in_memory = memory_sources(engine)
+        self._events = events  # the worker's KV event log, when vLLM publishes events
 
     def identities(self, base: RequestIdentity) -> list[RequestIdentity]:
         """The identity of each group's chunks for a request of identity ``base`` (what a hint
@@ -241,10 +254,12 @@ class HybridTransfers:
         keys = self.engine.keys_for(save.token_ids[: part.end], identity)
         first = part.start // self.chunk
         wanted = list(range(first, part.end // self.chunk))
+        chunks = range(first, part.end // self.chunk)
         names = self.engine.core.locate_keys_nowait([keys[i] for i in wanted])
         if names is not None:  # already cached chunks are not written again
             wanted = [i for i, name in zip(wanted, names) if name is None]
         if not wanted:
+            self._announce(save, bound.group, keys, chunks)
             return 0
         kwargs: dict[str, Any] = {"kvcaches": bound.connector.views}
         if bound.group.kind == "mamba":
@@ -253,7 +268,17 @@ class HybridTransfers:
             kwargs["slot_mapping"] = _group_slots(part, self.block_size, part.end)
         source = ConnectorSource(bound.connector, kwargs, part.end)
         ranges = [(i * self.chunk, (i + 1) * self.chunk) for i in wanted]
-        return await self.engine.core.store_from([keys[i] for i in wanted], source, ranges)
+        stored = await self.engine.core.store_from([keys[i] for i in wanted], source, ranges)
+        self._announce(save, bound.group, keys, chunks)
+        return stored
+
+    def _announce(self, save: HybridSave, group: KVGroup, keys: Sequence[Any], chunks: range) -> None:
+        """vLLM KV events for one group's chunks of a landed save job (as vLLM announces its own
+        blocks: per group). Not with a node pool first: its journal describes one-group chunks."""
+        events = self._events() if self._events is not None else None
+        if events is None or isinstance(events, PoolEventLog) or not save.block_hashes:
+            return
+        events.stored(keys, self.chunk, save.token_ids, save.block_hashes, save.lora_name, group_tag(group), chunks)
 
     def _save_done(self, save: HybridSave, future: concurrent.futures.Future[int]) -> None:
         if future.cancelled() or future.exception() is not None:

@@ -27,14 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from tierkv.chunks.keys import CacheKey
-from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
+from tierkv.integrations.vllm_v1.kv_events import GroupTag, KVEventLog, TierKVEvents
 
 DESCRIPTION = struct.Struct("<8s8sIIIII")  # namespace, fingerprint, block size, hashes, hash bytes, parent?, lora bytes
 LOCALITY = "LOCAL"
@@ -135,9 +135,13 @@ class PoolEventLog(KVEventLog):
         self.counts = {"described": 0, "announced_from_pool": 0, "lost_bytes": 0, "foreign": 0, "malformed": 0}
 
     def stored(self, chunk_keys: Sequence[CacheKey], chunk_size: int, token_ids: Any,
-               block_hashes: Sequence[Any], lora_name: str | None) -> None:
+               block_hashes: Sequence[Any], lora_name: str | None, group: GroupTag | None = None,
+               chunks: Iterable[int] | None = None) -> None:
         """Describe a request's chunks in the pool's journal (every engine, this one included,
-        announces them when it next reads it)."""
+        announces them when it next reads it). One-group models only: a hybrid model's chunks
+        (``group``) are not described."""
+        if group is not None or chunks is not None:
+            return
         full = min(len(block_hashes), len(token_ids) // self.block_size)
         descriptions = []
         for index, key in enumerate(chunk_keys):
@@ -194,14 +198,14 @@ class PoolEventLog(KVEventLog):
         with self._lock:
             if chunk in self._by_chunk:
                 return
-            self._by_chunk[chunk] = tuple(converted)
+            self._by_chunk[chunk] = (None, tuple(converted))  # one group: a pool's events are a one-group model's
             fresh = []
             for index, block_hash in enumerate(converted):
-                if self._announced.get(block_hash, 0) == 0:
+                if self._announced.get((None, block_hash), 0) == 0:
                     fresh.append(index)
-                self._announced[block_hash] = self._announced.get(block_hash, 0) + 1
+                self._announced[(None, block_hash)] = self._announced.get((None, block_hash), 0) + 1
             while len(self._by_chunk) > self._limit:
-                self._forget(self._by_chunk.popitem(last=False)[1])
+                self._forget(*self._by_chunk.popitem(last=False)[1])
             self.counts["announced_from_pool"] += 1
             start = 0
             while start < len(fresh):  # one BlockStored per run of fresh blocks
