@@ -10,33 +10,16 @@ from typing import Any
 
 import pytest
 import torch
+from hint_prompts import CHUNK, CHUNK_BYTES, kv_of, prompt, store
 
 from tierkv import Engine, RetentionRefusedError
 from tierkv_backends.memory.leases import Leases, spare_leased_last
-
-CHUNK = 16
-CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 8 * 4  # 4 KiB
-
-
-def kv_of(tokens: torch.Tensor) -> torch.Tensor:
-    t = tokens.to(torch.float32)[None, None, :, None, None]
-    return (t + torch.arange(2 * 2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 2, 8) / 64).contiguous()
-
-
-def prompt(index: int, chunks: int = 4) -> torch.Tensor:
-    return torch.arange(chunks * CHUNK) + 10_000 * (index + 1)
 
 
 def config(eviction: str = "lru", retain_share: float = 0.5) -> dict[str, Any]:
     return {"model": "leases", "chunk_size": CHUNK, "cost_aware": False,
             "tiers": [{"name": "host", "backend": "cpu", "capacity": 16 * CHUNK_BYTES, "eviction": eviction,
                        "retain_share": retain_share}]}
-
-
-def store(engine: Engine, *indices: int) -> None:
-    for index in indices:
-        engine.store(prompt(index), kv_of(prompt(index)))
-    engine.flush()
 
 
 @pytest.mark.parametrize("eviction", ["lru", "s3fifo"])

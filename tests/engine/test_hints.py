@@ -13,21 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from hint_prompts import CHUNK, CHUNK_BYTES, kv_of, prompt, store
 
 from tierkv import Engine, RequestIdentity, RetentionRefusedError
 from tierkv_backends.shm import SharedMemoryBackend
-
-CHUNK = 16
-CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 8 * 4  # 4 KiB: the pool below holds 16 chunks
-
-
-def kv_of(tokens: torch.Tensor) -> torch.Tensor:
-    t = tokens.to(torch.float32)[None, None, :, None, None]
-    return (t + torch.arange(2 * 2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 2, 8) / 64).contiguous()
-
-
-def prompt(index: int, chunks: int = 4) -> torch.Tensor:
-    return torch.arange(chunks * CHUNK) + 10_000 * (index + 1)
 
 
 def config(pool_path: Path, disk: Path | None = None, retain_share: float = 0.5) -> dict[str, Any]:
@@ -37,12 +26,6 @@ def config(pool_path: Path, disk: Path | None = None, retain_share: float = 0.5)
         tiers.append({"name": "disk", "backend": "lmdb", "path": str(disk), "capacity": "64MiB"})
     return {"model": "hints", "chunk_size": CHUNK, "cost_aware": False, "write_policy": "write_through",
             "tiers": tiers}
-
-
-def store(engine: Engine, *indices: int) -> None:
-    for index in indices:
-        engine.store(prompt(index), kv_of(prompt(index)))
-    engine.flush()
 
 
 def test_a_retained_prefix_survives_a_flood_and_a_dropped_one_misses(pool_path: Path) -> None:

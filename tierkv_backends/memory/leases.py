@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence, Set
 from typing import Generic, TypeVar
 
 from tierkv.backend.options import format_size
@@ -33,19 +33,18 @@ class Leases(Generic[K]):
         self.share = float(share)
         self._clock = clock
         self._until: dict[K, float] = {}
+        self._first_end = math.inf  # no lease ends before this: until then nothing is scanned
 
-    def __len__(self) -> int:
-        return len(self.live())
-
-    def live(self) -> set[K]:
-        """Keys whose lease has not ended (ended ones are forgotten here)."""
-        if not self._until:
-            return set()
-        now = self._clock()
-        ended = [key for key, until in self._until.items() if until <= now]
-        for key in ended:
-            del self._until[key]
-        return set(self._until)
+    def live(self) -> KeysView[K]:
+        """Keys whose lease has not ended, as a view (ended ones are forgotten here; the leases
+        are scanned only once the earliest of them may have ended: a store asks on every
+        eviction)."""
+        if self._until and self._clock() >= self._first_end:
+            now = self._clock()
+            for key in [key for key, until in self._until.items() if until <= now]:
+                del self._until[key]
+            self._first_end = min(self._until.values(), default=math.inf)
+        return self._until.keys()
 
     def retained_bytes(self, size_of: Callable[[K], int | None]) -> int:
         """Bytes of the live leases' chunks (``size_of``: a resident chunk's bytes, None if gone)."""
@@ -81,6 +80,7 @@ class Leases(Generic[K]):
         until = self._clock() + seconds
         for key in held:
             self._until[key] = max(self._until.get(key, 0.0), until)
+        self._first_end = min(self._first_end, until)
         return resident
 
     def forget(self, key: K) -> None:
@@ -89,9 +89,10 @@ class Leases(Generic[K]):
 
     def clear(self) -> None:
         self._until.clear()
+        self._first_end = math.inf
 
 
-def spare_leased_last(order: Iterable[K], leased: set[K]) -> list[K]:
+def spare_leased_last(order: Iterable[K], leased: Set[K]) -> list[K]:
     """``order`` (the eviction policy's) with every leased key moved after every other."""
     ordered = list(order)
     return [key for key in ordered if key not in leased] + [key for key in ordered if key in leased]

@@ -42,7 +42,6 @@ from tierkv.integrations.vllm_v1.hybrid_scheduler import NULL_BLOCK, GroupPart, 
 from tierkv.integrations.vllm_v1.kv_events import GroupTag, KVEventLog
 from tierkv.integrations.vllm_v1.kv_groups import KVGroup, joint_hit
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
-from tierkv.integrations.vllm_v1.pool_events import PoolEventLog
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
 from tierkv.integrations.vllm_v1.state_pages import StatePageConnector, content_bytes
 from tierkv.routing.locate import FILL_QUEUE
@@ -252,15 +251,17 @@ class HybridTransfers:
     async def _save_part(self, save: HybridSave, bound: BoundGroup, part: GroupPart) -> int:
         identity = bound.group.identity(save.identity)
         keys = self.engine.keys_for(save.token_ids[: part.end], identity)
-        first = part.start // self.chunk
-        wanted = list(range(first, part.end // self.chunk))
-        chunks = range(first, part.end // self.chunk)
+        chunks = range(part.start // self.chunk, part.end // self.chunk)
+        wanted = list(chunks)
         names = self.engine.core.locate_keys_nowait([keys[i] for i in wanted])
         if names is not None:  # already cached chunks are not written again
             wanted = [i for i, name in zip(wanted, names) if name is None]
-        if not wanted:
-            self._announce(save, bound.group, keys, chunks)
-            return 0
+        stored = await self._store_chunks(bound, part, keys, wanted) if wanted else 0
+        self._announce(save, bound.group, keys, chunks)
+        return stored
+
+    async def _store_chunks(self, bound: BoundGroup, part: GroupPart, keys: Sequence[Any], wanted: list[int]) -> int:
+        """Store chunks ``wanted`` of one group's part straight from its blocks."""
         kwargs: dict[str, Any] = {"kvcaches": bound.connector.views}
         if bound.group.kind == "mamba":
             kwargs["state_blocks"] = dict(part.state_blocks)
@@ -268,15 +269,13 @@ class HybridTransfers:
             kwargs["slot_mapping"] = _group_slots(part, self.block_size, part.end)
         source = ConnectorSource(bound.connector, kwargs, part.end)
         ranges = [(i * self.chunk, (i + 1) * self.chunk) for i in wanted]
-        stored = await self.engine.core.store_from([keys[i] for i in wanted], source, ranges)
-        self._announce(save, bound.group, keys, chunks)
-        return stored
+        return await self.engine.core.store_from([keys[i] for i in wanted], source, ranges)
 
     def _announce(self, save: HybridSave, group: KVGroup, keys: Sequence[Any], chunks: range) -> None:
         """vLLM KV events for one group's chunks of a landed save job (as vLLM announces its own
-        blocks: per group). Not with a node pool first: its journal describes one-group chunks."""
+        blocks: per group; a node pool's log describes one-group chunks only and ignores them)."""
         events = self._events() if self._events is not None else None
-        if events is None or isinstance(events, PoolEventLog) or not save.block_hashes:
+        if events is None or not save.block_hashes:
             return
         events.stored(keys, self.chunk, save.token_ids, save.block_hashes, save.lora_name, group_tag(group), chunks)
 

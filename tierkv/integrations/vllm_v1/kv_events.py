@@ -114,9 +114,10 @@ class KVEventLog:
                     continue
                 self._by_chunk[key] = (group_index, hashes)
                 for offset, block_hash in enumerate(hashes):
-                    if self._announced.get((group_index, block_hash), 0) == 0:
+                    held = self._announced.get((group_index, block_hash), 0)
+                    if held == 0:
                         fresh.append(first + offset)
-                    self._announced[(group_index, block_hash)] = self._announced.get((group_index, block_hash), 0) + 1
+                    self._announced[(group_index, block_hash)] = held + 1
             while len(self._by_chunk) > self._limit:
                 self._forget(*self._by_chunk.popitem(last=False)[1])
             if fresh:
