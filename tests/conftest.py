@@ -46,18 +46,17 @@ def context_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_reference(context_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """vLLM without tierkv over every prompt of tests/vllm_truth.py: one process for the
-    session, whichever xdist worker asks first (the other reads its results)."""
+def truths(context_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The truth of every prompt of tests/vllm_truth.py (``vllm_truth.Truth``: vLLM alone and
+    vLLM's own prefix cache, in one vLLM without tierkv): one process for the session, whichever
+    xdist worker asks first (the other reads its results)."""
     from session_once import once
-    from vllm_truth import PROMPTS, spec, vllm
+    from vllm_truth import PROMPTS, truth_spec, truths_from, vllm
 
-    names = list(PROMPTS)
+    def run(directory: Path) -> list[dict[str, Any]]:
+        return vllm(truth_spec(context_llama, PROMPTS), directory)
 
-    def run(directory: Path) -> dict[str, dict[str, Any]]:
-        return dict(zip(names, vllm(spec(context_llama, [PROMPTS[n] for n in names], None), directory)))
-
-    return dict(once(tmp_path_factory, "vllm-reference", run))
+    return truths_from(list(PROMPTS), once(tmp_path_factory, "vllm-truth", run))
 
 
 # The modules that take longest on a 2-core machine (whole seconds of vLLM processes, kernel

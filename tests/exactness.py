@@ -4,6 +4,7 @@ the same generated tokens, and every top-k log-probability of every step within 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def assert_same_generation(name: str, tokens: Sequence[int], logprobs: Sequence[dict[str, float]],
@@ -25,3 +26,10 @@ def assert_same_generation(name: str, tokens: Sequence[int], logprobs: Sequence[
                 assert value <= edge + tolerance, (
                     f"{name}, token {step}: token {token} (logprob {value:.4f}) is in one top-k only, "
                     f"and not a tie at the other's edge ({edge:.4f})")
+
+
+def worst_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """The largest difference of a top-k logprob both runs report, over every generated token
+    (``ours`` and ``theirs``: results with ``"logprobs"``, per token ``{token id: logprob}``)."""
+    return max((abs(a[token] - b[token]) for a, b in zip(ours["logprobs"], theirs["logprobs"])
+                for token in set(a) & set(b)), default=0.0)

@@ -4,8 +4,9 @@ For tests and benchmarks of the vLLM v1 connector (vLLM keeps process-wide state
 configuration gets a fresh process). ``run_vllm`` writes a JSON spec and runs
 ``python -m tierkv.testing.vllm_runner SPEC``, which prints one ``TIERKV-RESULT`` line: per
 prompt, the greedy output token ids, (with ``"logprobs": k``) the top-k log-probabilities of
-every generated token, the wall time of its generate call, and the connector's stats file as
-it stood after the call. The spec::
+every generated token, the wall time of its generate call, how many prompt tokens vLLM did not
+compute (``cached_tokens``: its own prefix cache's hit and the connector's), and the connector's
+stats file as it stood after the call. The spec::
 
     {"model": DIR, "prompts": [[ids], ...], "max_tokens": 8, "logprobs": null | k,
      "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096,
@@ -221,7 +222,7 @@ def main(spec_path: str) -> int:
         logprobs = [{str(token): float(entry.logprob) for token, entry in step.items()}
                     for step in (completion.logprobs or [])]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs, "seconds": seconds,
-                        "reset": described.get("reset"),
+                        "reset": described.get("reset"), "cached_tokens": int(output.num_cached_tokens or 0),
                         "stats": stats, "metrics": _tierkv_metrics(llm) if spec.get("metrics") else None})
     del llm
     print("TIERKV-RESULT " + json.dumps(results), flush=True)

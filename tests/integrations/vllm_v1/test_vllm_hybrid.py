@@ -12,9 +12,16 @@ gpt-oss (sliding window + full attention), Qwen3-Next (Gated DeltaNet + full), N
 - process B, new, serves prompts sharing 769, 600, 300 and 769 tokens with A's four: hits of
   768 (ending exactly on a block boundary), 512, 256, and for the fourth 512 where a state
   was deleted (a shorter hit, never KV without its state), else 768;
-- vLLM alone (no connector, its prefix cache on) runs B's prompts twice: the first answer is
-  the truth, the second's distance from it is the tolerance (vLLM's own prefix cache). It runs
-  first: a family vLLM's CPU build cannot run on this CPU at all is skipped, naming vLLM's
+- vLLM alone (no connector, its prefix cache on) is the truth (tests/vllm_truth.py): per B
+  prompt, once with nothing cached, then once hitting its own cache at B's hit (after B's
+  first hit + 1 tokens alone, under a salt of its own). B's answers are held to vLLM alone
+  within 1.5 times the widest distance of vLLM's own cache from it in that run, 0.01 at least:
+  on AVX2 vLLM's own cache of gemma3 and gpt-oss moves logprobs by 0.035 and 0.067 (its
+  sliding-window attention sums a cached context in another order than a prefill). Not bit for
+  bit at an equal hit, as for a dense model: the pages themselves depend on the batch that
+  computed them (gpt-oss's experts; the tokens A stored after its own hit), so vLLM's own cache
+  holds other bytes than the ones tierkv stored (gpt-oss 0.036 apart at 768 tokens). The truth
+  runs first: a family vLLM's CPU build cannot run on this CPU at all is skipped, naming vLLM's
   error (a limit of vLLM's kernels there, not of tierkv).
 
 A last test runs Nemotron-H's A and B as two replicas of one node sharing an ``shm`` pool.
@@ -27,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from exactness import assert_same_generation
+from exactness import worst_difference
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import SAME_CORES, TOLERANCE
+from vllm_truth import SAME_CORES, Truth, assert_truthful
 
 from tierkv.chunks.serde import decode_header
 from tierkv.testing.hybrid_models import save_hybrid_model
@@ -95,10 +102,21 @@ def state_files(directory: Path) -> list[Path]:
     return sorted(found, key=lambda path: path.stat().st_mtime_ns)
 
 
-def worst_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
-    """The largest difference of a top-k logprob both runs report, over every generated token."""
-    return max((abs(a[token] - b[token]) for a, b in zip(ours["logprobs"], theirs["logprobs"])
-                for token in set(a) & set(b)), default=0.0)
+def truth_prompts(family: str) -> list[Any]:
+    """Per B prompt: alone (a salt of its own), then its first hit + 1 tokens and itself under
+    another salt (vLLM's own cache hits it as far as B's hit)."""
+    prompts: list[Any] = []
+    for index, (prompt, hit) in enumerate(zip(B_PROMPTS, expected_hits(family))):
+        own = f"own-{index}"
+        prompts += [{"ids": prompt, "cache_salt": f"alone-{index}"}, {"ids": prompt[:hit + 1], "cache_salt": own},
+                    {"ids": prompt, "cache_salt": own}]
+    return prompts
+
+
+def truths_of(results: list[dict[str, Any]]) -> list[Truth]:
+    alone, own = results[0::3], results[2::3]
+    spread = max(worst_difference(cached, first) for cached, first in zip(own, alone))
+    return [Truth(first, cached, spread, exact_at_own_hit=False) for first, cached in zip(alone, own)]
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +133,7 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
         work = tmp_path_factory.mktemp(family)
         model = save_hybrid_model(family, work / "model")
         try:  # vLLM alone first: a family vLLM's CPU build cannot run on this CPU is not tierkv's to test
-            alone = run_vllm(run_spec(model, family, [p for prompt in B_PROMPTS for p in (prompt, prompt)], None),
-                             work / "alone", env=SAME_CORES)
+            truth = run_vllm(run_spec(model, family, truth_prompts(family), None), work / "truth", env=SAME_CORES)
         except RuntimeError as exc:
             if "did not end within" in str(exc):  # slow is not unable: a timeout fails the test
                 raise
@@ -132,10 +149,9 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
             evicted.unlink()
         b = run_vllm(run_spec(model, family, B_PROMPTS, tiers_extra(tier, work / "b.json")), work / "b",
                      env=SAME_CORES)
-        made[family] = {"a": a, "b": b, "alone": alone[0::2], "own_cache": alone[1::2], "evicted": evicted,
+        made[family] = {"a": a, "b": b, "truth": truths_of(truth), "evicted": evicted,
                         "b_stats": json.loads((work / "b.json").read_text())}
-        (work / "results.json").write_text(json.dumps({key: value for key, value in made[family].items()
-                                                       if key != "evicted"}))  # for a look after a failure
+        (work / "results.json").write_text(json.dumps({"a": a, "b": b, "truth": truth}))  # for a look after a failure
         return made[family]
 
     return runs  # type: ignore[return-value]
@@ -154,11 +170,8 @@ def test_a_new_process_loads_every_group_of_the_hits_another_stored(family: str,
 @pytest.mark.parametrize("family", FAMILIES)
 def test_what_a_hybrid_hit_computes_is_what_vllm_computes_alone(family: str, hybrid_runs: Any) -> None:
     runs = hybrid_runs(family)
-    own = max(worst_difference(cached, alone) for cached, alone in zip(runs["own_cache"], runs["alone"]))
-    tolerance = max(TOLERANCE, own)
-    for index, (ours, truth) in enumerate(zip(runs["b"], runs["alone"])):
-        assert_same_generation(f"{family} prompt {index}", ours["tokens"], ours["logprobs"], truth["tokens"],
-                               truth["logprobs"], MAX_TOKENS, tolerance)
+    for index, (ours, hit, truth) in enumerate(zip(runs["b"], loaded_per_prompt(runs["b"]), runs["truth"])):
+        assert_truthful(f"{family} prompt {index}", ours, hit, truth, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("family", RECURRENT)
@@ -168,7 +181,7 @@ def test_a_state_gone_while_its_kv_stays_is_a_shorter_hit(family: str, hybrid_ru
     runs = hybrid_runs(family)
     assert runs["evicted"] is not None
     assert loaded_per_prompt(runs["b"])[3] == 512
-    assert runs["b"][3]["tokens"] == runs["alone"][3]["tokens"]
+    assert runs["b"][3]["tokens"] == runs["truth"][3].alone["tokens"]
 
 
 def test_two_replicas_share_a_hybrid_models_chunks_through_one_pool(pool_path: Path,
@@ -177,17 +190,17 @@ def test_two_replicas_share_a_hybrid_models_chunks_through_one_pool(pool_path: P
     """Nemotron-H (Mamba2 + attention) through the node's shm pool: replica B's hits come from
     what replica A stored there, exactly."""
     family = "nemotron_h"
-    truth = hybrid_runs(family)["alone"]
+    truth = hybrid_runs(family)["truth"]
     work = tmp_path_factory.mktemp("replicas")
     model = save_hybrid_model(family, work / "model")
     pool = [{"name": "node", "backend": "shm", "path": str(pool_path), "capacity": "256MiB"}]
     run_vllm(run_spec(model, family, A_PROMPTS[:3], tiers_extra(pool, work / "a.json")), work / "a", env=SAME_CORES)
     b = run_vllm(run_spec(model, family, B_PROMPTS[:3], tiers_extra(pool, work / "b.json")), work / "b",
                  env=SAME_CORES)
-    assert loaded_per_prompt(b) == [768, 512, 256]
-    for index, (ours, want) in enumerate(zip(b, truth)):
-        assert_same_generation(f"replica B prompt {index}", ours["tokens"], ours["logprobs"], want["tokens"],
-                               want["logprobs"], MAX_TOKENS, TOLERANCE)
+    hits = loaded_per_prompt(b)
+    assert hits == [768, 512, 256]
+    for index, (ours, hit, want) in enumerate(zip(b, hits, truth)):
+        assert_truthful(f"replica B prompt {index}", ours, hit, want, MAX_TOKENS)
 
 
 def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Path) -> None:

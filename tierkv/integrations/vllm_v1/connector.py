@@ -57,6 +57,7 @@ from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_fro
 from tierkv.integrations.vllm_v1.stats_file import StatsFile
 from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm_v1.worker import RESET_WAIT_S, WorkerTransfers
+from tierkv.ops.amx_tiles import request_amx_tiles
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -214,6 +215,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                     load=self._settings.load, save=self._settings.save, pin=self._pins.pin, unpin=self._pins.unpin,
                     num_workers=self._settings.world_size)
         else:
+            # before anything here or in vLLM can run an AMX kernel: a fresh worker whose first
+            # forward is a hit goes straight into vLLM's AMX attention (tierkv.ops.amx_tiles)
+            amx = request_amx_tiles()
             worker_id, tp_rank = _ranks()
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
@@ -222,6 +226,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             cpus = place_engine_threads(engine, self._settings.transfer_cpus)
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
+            self._transfers.stats["amx_tile_state"] = int(amx)
             if _kv_events_enabled(vllm_config):
                 self._transfers.record_events(self._block_size, str(getattr(
                     vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))
