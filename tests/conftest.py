@@ -66,6 +66,7 @@ def truths(context_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 LONGEST_FIRST = (
     "integrations/vllm_v1/test_vllm_hybrid.py",
     "integrations/vllm_v1/test_vllm_exact.py",
+    "integrations/vllm_v1/test_vllm_mla.py",
     "integrations/vllm_v1/test_vllm_node_cache.py",
     "integrations/vllm_v1/test_vllm_identity.py",
     "integrations/vllm_v1/test_vllm_events.py",

@@ -29,7 +29,7 @@ test_vllm_exact.py: the session's reference, both shared runs and one of its own
 VLLM_PROCESSES = [pytest.mark.slow, needs_vllm, pytest.mark.timeout(RUNS_PER_TEST * RUN_S)]
 
 
-def _x86_flag(flag: str) -> bool:
+def x86_flag(flag: str) -> bool:
     """Whether torch says this CPU has ``flag`` (``avx512``, ``avx512_bf16``, ``amx_tile``);
     False where torch has no probe for it (another architecture, another torch)."""
     probe = getattr(torch.cpu, f"_is_{flag}_supported", None)
@@ -44,11 +44,11 @@ def _x86_flag(flag: str) -> bool:
 # (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa, refuses fp8 without AVX-512 or AMX).
 # vLLM itself picks amx only on AMX CPUs; these tests ask for it on any x86 CPU whose build has it.
 needs_vllm_amx_kernel = pytest.mark.skipif(
-    not (_x86_flag("avx512") and _x86_flag("avx512_bf16")),
+    not (x86_flag("avx512") and x86_flag("avx512_bf16")),
     reason="vLLM's amx cache-write kernel is only in its AVX512-BF16 build (vllm._C); this CPU lacks AVX-512 or "
            "AVX512-BF16, so vLLM loads _C_AVX2/_C_AVX512, which raise 'Unsupported CPU attention configuration "
            "... isa=0' (and vLLM never picks amx here)")
 needs_vllm_fp8_cache = pytest.mark.skipif(
-    not _x86_flag("avx512"),
+    not x86_flag("avx512"),
     reason="vLLM keeps an fp8 KV cache on CPU only with AVX-512 or AMX (cpu_attn._get_attn_isa; its _C_AVX2 build "
            "has no fp8 kernels)")

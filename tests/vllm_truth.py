@@ -53,10 +53,15 @@ MARGIN = 1.5
 cached context in yet another order (on AMX, tierkv's 599-token hit 0.034 where vLLM's own
 512-token hit was 0.032; gpt-oss on AVX2, 0.067 where vLLM's own was 0.067)."""
 LAYERS, HIDDEN, HEADS, KV_HEADS = 2, 256, 4, 2
-# vLLM's CPU backend reserves a core for other work when a KV connector is set: fewer compute
-# threads sum in another order, and bf16 logprobs move by a few hundredths. Every run here
-# reserves the same one, so the runs with and without tierkv compute on the same cores.
-SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# The environment of every vLLM process of the suite:
+# - vLLM's CPU backend reserves a core for other work when a KV connector is set: fewer compute
+#   threads sum in another order, and bf16 logprobs move by a few hundredths. Every run here
+#   reserves the same one, so the runs with and without tierkv compute on the same cores.
+# - vLLM's engine core in the process that drives it (the worker stays a process of its own, so
+#   the connector's scheduler and worker halves still talk across processes): an engine core
+#   process imports vLLM once more and polls its peer, 36 s and 32 CPU-seconds for a one-prompt
+#   run on this project's 2-core machine, against 17 and 15 in one process.
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def tokens(seed: int, count: int) -> list[int]:
@@ -81,7 +86,7 @@ PROMPTS = {
 def vllm(run_spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None,
          env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One vLLM process on the same cores as the reference; results also saved for a look after a failure."""
-    results = run_vllm(run_spec, workdir, pythonpath=pythonpath, env={**SAME_CORES, **(env or {})})
+    results = run_vllm(run_spec, workdir, pythonpath=pythonpath, env={**VLLM_ENV, **(env or {})})
     (workdir / "results.json").write_text(json.dumps(results))
     return results
 

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("gemma3", "gpt_oss", "qwen3_next", "nemotron_h")
-"""The families, by the name tests and benchmarks use."""
+"""The hybrid families, by the name tests and benchmarks use."""
+
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+"""The MLA families (one latent KV cache group): DeepSeek V2 and V3 attention with the only
+latent vLLM's CPU MLA kernels take (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64), 2 dense layers
+(no experts: a mixture of experts makes the cached pages depend on the batch that computed
+them, which no cache can reproduce bit for bit), 4 heads; V3 adds its query LoRA."""
 
 _COMMON: dict[str, Any] = {"vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
                            "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
@@ -62,18 +68,39 @@ def _nemotron_h() -> tuple[Any, Any]:
     return config, NemotronHForCausalLM
 
 
+_MLA: dict[str, Any] = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512,
+                        "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 2,
+                        "moe_intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "max_position_embeddings": 4096,
+                        "tie_word_embeddings": False}
+
+
+def _deepseek_v2() -> tuple[Any, Any]:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    return DeepseekV2Config(**_MLA, q_lora_rank=None, topk_method="greedy"), DeepseekV2ForCausalLM
+
+
+def _deepseek_v3() -> tuple[Any, Any]:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3Config(**_MLA, q_lora_rank=128), DeepseekV3ForCausalLM
+
+
 _MAKERS: dict[str, Callable[[], tuple[Any, Any]]] = {"gemma3": _gemma3, "gpt_oss": _gpt_oss,
-                                                     "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h}
+                                                     "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h,
+                                                     "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
 def save_hybrid_model(family: str, path: str | os.PathLike[str], seed: int = 0,
                       initializer_range: float = 0.15) -> Path:
-    """A tiny random-weight model of ``family`` (one of ``FAMILIES``) saved under ``path``
-    in bfloat16, with its weights drawn at ``initializer_range``."""
+    """A tiny random-weight model of ``family`` (one of ``FAMILIES`` or ``MLA_FAMILIES``) saved
+    under ``path`` in bfloat16, with its weights drawn at ``initializer_range``."""
     import torch
 
     if family not in _MAKERS:
-        raise ValueError(f"unknown hybrid family {family!r}; expected one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join((*FAMILIES, *MLA_FAMILIES))}")
     config, model_class = _MAKERS[family]()
     config.initializer_range = initializer_range
     state = torch.random.get_rng_state()

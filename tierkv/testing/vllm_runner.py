@@ -10,7 +10,11 @@ stats file as it stood after the call. The spec::
 
     {"model": DIR, "prompts": [[ids], ...], "max_tokens": 8, "logprobs": null | k,
      "tierkv": null | kv_connector_extra_config, "role": "kv_both", "max_model_len": 4096,
-     "loras": {NAME: ADAPTER_DIR, ...}}
+     "loras": {NAME: ADAPTER_DIR, ...}, "page_copy": false, "attention_backend": null,
+     "tensor_parallel_size": 1}
+
+``page_copy`` runs vLLM with ``tierkv.testing.page_copy``'s connector instead of tierkv's (the
+truth of a hit vLLM's own cache cannot make; a prompt's ``kv_transfer_params`` steer it).
 
 A prompt may also be ``{"ids": [...], "cache_salt": "tenant-a", "lora": NAME, "pause_s": 5}`` (a
 tenant's salt, a LoRA adapter of ``loras``, an untimed pause before it; vLLM runs with
@@ -162,6 +166,13 @@ def main(spec_path: str) -> int:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm_v1",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=extra)
+    elif spec.get("page_copy"):  # the truth of a hit vLLM's own cache cannot make (tierkv.testing.page_copy)
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="PageCopyConnector", kv_connector_module_path="tierkv.testing.page_copy", kv_role="kv_both")
+    if spec.get("attention_backend"):  # e.g. "CPU_MLA" on a CPU where vLLM would pick AMX_MLA
+        kwargs["attention_config"] = {"backend": spec["attention_backend"]}
+    if spec.get("tensor_parallel_size"):
+        kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
     max_len = int(spec.get("max_model_len", 4096))
     loras = dict(spec.get("loras") or {})
     if loras:

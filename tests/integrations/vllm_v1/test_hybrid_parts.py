@@ -375,9 +375,33 @@ def test_a_model_tierkv_cannot_cache_is_refused_by_name() -> None:
     from tierkv.integrations.vllm_v1.hybrid_setup import HybridModel
 
     spec = lambda name, **fields: type(name, (), fields)()  # noqa: E731
-    mla = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a"], kv_cache_spec=spec(
-        "MLAAttentionSpec", block_size=16, num_kv_heads=1, head_size=576, dtype="bf16"))])
-    assert "MLA" in (HybridModel.from_config(mla).refused or "")
+    indexer = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a"], kv_cache_spec=spec(
+        "MLAAttentionSpec", block_size=64, num_kv_heads=1, head_size=576, dtype="bf16")), SimpleNamespace(
+        layer_names=["b"], kv_cache_spec=spec("IndexerKVCacheSpec", block_size=64))])
+    assert "IndexerKVCacheSpec" in (HybridModel.from_config(indexer).refused or "")
     full = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a"], kv_cache_spec=spec(
         "FullAttentionSpec", block_size=16, num_kv_heads=2, head_size=8, dtype="bf16", sliding_window=None))])
     assert HybridModel.from_config(full) == HybridModel(), "one full-attention group: the one-group path"
+
+
+def test_an_mla_model_takes_the_one_group_path_and_mla_beside_a_window_the_hybrid_one() -> None:
+    """DeepSeek V2 / V3: one MLA group, the one-group path (its latent in the ``mla`` layout); an
+    MLA group beside a sliding-window MLA group (vLLM's real specs): the hybrid path, the window
+    kept as a window."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    from tierkv.integrations.vllm_v1.hybrid_setup import HybridModel
+
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["model.layers.0.attn"], kv_cache_spec=mla)])
+    assert HybridModel.from_config(one) == HybridModel(), "one MLA group: the one-group path, nothing refused"
+    window = SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                  sliding_window=128)
+    mixed = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["l0"], kv_cache_spec=mla),
+                                             SimpleNamespace(layer_names=["l1"], kv_cache_spec=window)])
+    model = HybridModel.from_config(mixed)
+    assert model.refused is None
+    assert [(group.kind, group.window, group.head_size) for group in model.groups] == [("mla", 0, 576),
+                                                                                      ("sliding", 128, 576)]
+    assert list(model.groups[0].chunks_needed(3, 256)) == [0, 1, 2], "an MLA group needs every chunk below the hit"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from vllm_events import Subscriber, free_port
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import SAME_CORES, tokens
+from vllm_truth import VLLM_ENV, tokens
 
 from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
 
@@ -40,7 +40,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
                        "stats_file": str(workdir / "stats.json")}}
     try:
-        results = run_vllm(spec, workdir / "run", env=SAME_CORES)
+        results = run_vllm(spec, workdir / "run", env=VLLM_ENV)
     finally:
         subscriber.close()
     return subscriber.events, results, prompts
@@ -94,11 +94,11 @@ def test_reset_cache_clears_the_instances_memory_tiers(tmp_path_factory: pytest.
             "prompts": [prompt, {"ids": prompt, "wait_for": ["requests_saved", 1]}, {"ids": prompt, "reset_first": True}],
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
                        "stats_file": str(workdir / "stats.json")}}
-    results = run_vllm(spec, workdir / "memory-only", env=SAME_CORES)
+    results = run_vllm(spec, workdir / "memory-only", env=VLLM_ENV)
     assert results[-1]["reset"] is True, "the connector reported a failed reset"
     assert loaded_per_prompt(results) == [0, PROMPT - 1, 0], "after the reset the cpu tier holds nothing"
     spec["tierkv"] = {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host, disk]},
                       "stats_file": str(workdir / "stats2.json")}
-    results = run_vllm(spec, workdir / "with-disk", env=SAME_CORES)
+    results = run_vllm(spec, workdir / "with-disk", env=VLLM_ENV)
     assert results[-1]["reset"] is True
     assert loaded_per_prompt(results) == [0, PROMPT - 1, PROMPT - 1], "the disk tier is not this instance's to clear"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import SAME_CORES, tokens
+from vllm_truth import VLLM_ENV, tokens
 
 from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
 
@@ -62,7 +62,7 @@ def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path, backend
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False,
                                   "tiers": [tier]},
                        "stats_file": str(tmp_path / "stats.json")}}
-    results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    results = run_vllm(spec, tmp_path / "run", env=VLLM_ENV)
     loaded = loaded_per_prompt(results)
     assert loaded[6] == PROMPT - 1, f"the retained prompt survived the flood: {loaded}"
     assert loaded[7] == 0, f"the flood evicted the prompt stored without the hint: {loaded}"
@@ -94,7 +94,7 @@ def test_a_dropped_tenants_prompts_miss_while_anothers_hit(tmp_path: Path, pool_
                                   "tiers": [{"name": "node", "backend": "shm", "path": str(pool_path),
                                              "capacity": "16MiB"}]},
                        "stats_file": str(tmp_path / "stats.json")}}
-    results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    results = run_vllm(spec, tmp_path / "run", env=VLLM_ENV)
     loaded = loaded_per_prompt(results)
     assert loaded[:3] == [0, 0, 0], "tenants never share a chunk: B's first prompt is a miss too"
     assert loaded[4:] == [0, 0, PROMPT - 1], f"tenant A's prompts miss, tenant B's hits: {loaded}"
@@ -121,7 +121,7 @@ def test_a_prefetch_makes_the_next_request_a_hit_from_the_pool(tmp_path: Path, p
                                             {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "lmdb"),
                                              "capacity": "64MiB"}]},
                        "stats_file": str(tmp_path / "stats.json")}}
-    results = run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+    results = run_vllm(spec, tmp_path / "run", env=VLLM_ENV)
     assert loaded_per_prompt(results)[-2:] == [PROMPT - 1, PROMPT - 1], "both hit in tierkv"
 
     def grown(index: int, source: str) -> float:

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 from exactness import worst_difference
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import SAME_CORES, Truth, assert_truthful
+from vllm_truth import VLLM_ENV, Truth, assert_truthful
 
 from tierkv.chunks.serde import decode_header
 from tierkv.testing.hybrid_models import save_hybrid_model
@@ -133,7 +133,7 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
         work = tmp_path_factory.mktemp(family)
         model = save_hybrid_model(family, work / "model")
         try:  # vLLM alone first: a family vLLM's CPU build cannot run on this CPU is not tierkv's to test
-            truth = run_vllm(run_spec(model, family, truth_prompts(family), None), work / "truth", env=SAME_CORES)
+            truth = run_vllm(run_spec(model, family, truth_prompts(family), None), work / "truth", env=VLLM_ENV)
         except RuntimeError as exc:
             if "did not end within" in str(exc):  # slow is not unable: a timeout fails the test
                 raise
@@ -142,13 +142,13 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
             pytest.skip(cannot_run[family])
         tier = [{"name": "disk", "backend": "fs", "path": str(work / "fs"), "capacity": "1GiB"}]
         a = run_vllm(run_spec(model, family, a_prompts(), tiers_extra(tier, work / "a.json")), work / "a",
-                     env=SAME_CORES)
+                     env=VLLM_ENV)
         evicted = None
         if family in RECURRENT:
             evicted = state_files(work / "fs")[-1]  # one group's state after 768 tokens of A's fourth prompt
             evicted.unlink()
         b = run_vllm(run_spec(model, family, B_PROMPTS, tiers_extra(tier, work / "b.json")), work / "b",
-                     env=SAME_CORES)
+                     env=VLLM_ENV)
         made[family] = {"a": a, "b": b, "truth": truths_of(truth), "evicted": evicted,
                         "b_stats": json.loads((work / "b.json").read_text())}
         (work / "results.json").write_text(json.dumps({"a": a, "b": b, "truth": truth}))  # for a look after a failure
@@ -194,9 +194,9 @@ def test_two_replicas_share_a_hybrid_models_chunks_through_one_pool(pool_path: P
     work = tmp_path_factory.mktemp("replicas")
     model = save_hybrid_model(family, work / "model")
     pool = [{"name": "node", "backend": "shm", "path": str(pool_path), "capacity": "256MiB"}]
-    run_vllm(run_spec(model, family, A_PROMPTS[:3], tiers_extra(pool, work / "a.json")), work / "a", env=SAME_CORES)
+    run_vllm(run_spec(model, family, A_PROMPTS[:3], tiers_extra(pool, work / "a.json")), work / "a", env=VLLM_ENV)
     b = run_vllm(run_spec(model, family, B_PROMPTS[:3], tiers_extra(pool, work / "b.json")), work / "b",
-                 env=SAME_CORES)
+                 env=VLLM_ENV)
     hits = loaded_per_prompt(b)
     assert hits == [768, 512, 256]
     for index, (ours, hit, want) in enumerate(zip(b, hits, truth)):
@@ -234,7 +234,7 @@ def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Pa
         hinted(tokens(47, 100), ["hint_prefetched_tokens", saved]),
     ]
     a = run_vllm(run_spec(model, family, a_prompts, tiers_extra(pool, tmp_path / "a.json")), tmp_path / "a",
-                 env=SAME_CORES)
+                 env=VLLM_ENV)
     stats = a[-1]["stats"]
     assert stats["hint_retained_tokens"] == saved, "the retained prompt's whole chunks, in every group"
     assert stats["hint_dropped_tokens"] == saved
@@ -242,7 +242,7 @@ def test_hints_reach_every_group_of_a_hybrid_model(pool_path: Path, tmp_path: Pa
     assert stats["hint_prefetched_tokens"] == saved
     b_prompts = [kept, dropped, {"ids": tenant_a, "cache_salt": "tenant-a"}, {"ids": tenant_b, "cache_salt": "tenant-b"}]
     b = run_vllm({**run_spec(model, family, b_prompts, tiers_extra(pool, tmp_path / "b.json")), "metrics": True},
-                 tmp_path / "b", env=SAME_CORES)
+                 tmp_path / "b", env=VLLM_ENV)
     assert loaded_per_prompt(b) == [saved, 0, 0, saved], "the dropped prompt and tenant miss; the others hit"
     host = [(result["metrics"] or {}).get("vllm:prompt_tokens_cached_by_source:host", 0) for result in b]
     assert [now - before for before, now in zip([0, *host], host)] == [saved, 0, 0, saved], \
@@ -266,7 +266,7 @@ def test_a_hybrid_models_chunks_are_announced_per_group_as_vllm_announces_its_bl
     spec = {**run_spec(model, family, [prompts[0], {"ids": prompts[1], "wait_for": ["hybrid_tokens_saved", 512]}],
                        tiers_extra(host, tmp_path / "stats.json")), "kv_events": f"tcp://*:{port}"}
     try:
-        run_vllm(spec, tmp_path / "run", env=SAME_CORES)
+        run_vllm(spec, tmp_path / "run", env=VLLM_ENV)
     finally:
         subscriber.close()
     stored = [e for e in subscriber.events if type(e).__name__ == "BlockStored"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from vllm_marks import VLLM_PROCESSES, needs_peft
-from vllm_truth import SAME_CORES, Truth, assert_truthful, truth_prompts, truths_from
+from vllm_truth import VLLM_ENV, Truth, assert_truthful, truth_prompts, truths_from
 
 from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama, save_random_lora
 
@@ -62,7 +62,7 @@ def spec(models: dict[str, Path], names: list[str], extra: dict[str, Any] | None
 
 
 def vllm(run_spec: dict[str, Any], workdir: Path) -> list[dict[str, Any]]:
-    results = run_vllm(run_spec, workdir, env={**SAME_CORES, "TIERKV_REVISION_CACHE": str(workdir / "rev.json")})
+    results = run_vllm(run_spec, workdir, env={**VLLM_ENV, "TIERKV_REVISION_CACHE": str(workdir / "rev.json")})
     (workdir / "results.json").write_text(json.dumps(results))
     return results
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from vllm_marks import RUN_S, VLLM_PROCESSES
-from vllm_truth import CHUNK, PROMPTS, SAME_CORES, Truth, assert_truthful, spec, vllm
+from vllm_truth import CHUNK, PROMPTS, VLLM_ENV, Truth, assert_truthful, spec, vllm
 
 from tierkv.testing.processes import stop_group
 from tierkv.testing.vllm_runner import finish_vllm, loaded_per_prompt, start_vllm
@@ -63,7 +63,7 @@ def pool_chunks(pool_path: Path) -> int:
 def start_held(run_spec: dict[str, Any], workdir: Path, go: Path) -> subprocess.Popen[str]:
     """tierkv.testing.vllm_runner.start_vllm's process (same cores as the reference, a process
     group of its own), run through tests/vllm_hold.py: a prompt's pause ends once ``go`` exists."""
-    return start_vllm(run_spec, workdir, env={**SAME_CORES, "TIERKV_TEST_GO": str(go)},
+    return start_vllm(run_spec, workdir, env={**VLLM_ENV, "TIERKV_TEST_GO": str(go)},
                       command=[sys.executable, str(HOLD)])
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from vllm_events import Subscriber, free_port
 from vllm_marks import RUN_S, VLLM_PROCESSES
-from vllm_truth import SAME_CORES, tokens
+from vllm_truth import VLLM_ENV, tokens
 
 from tierkv.testing.processes import stop_group
 from tierkv.testing.vllm_runner import finish_vllm, save_random_llama, start_vllm
@@ -42,7 +42,7 @@ def replica(model: Path, prompts: list[Any], pool: Path, workdir: Path, port: in
                                   "tiers": [{"name": "node", "backend": "shm", "path": str(pool),
                                              "capacity": CAPACITY}]},
                        "stats_file": str(workdir / "stats.json")}}
-    return start_vllm(spec, workdir, env={**SAME_CORES, "TIERKV_TEST_GO": str(go)},
+    return start_vllm(spec, workdir, env={**VLLM_ENV, "TIERKV_TEST_GO": str(go)},
                       command=[sys.executable, str(HOLD)])
 
 

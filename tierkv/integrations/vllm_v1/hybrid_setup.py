@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HybridModel:
     """vLLM's KV cache groups as the connector uses them: ``groups`` is empty for a model of
-    one full-attention group (the one-group path); ``refused`` says why tierkv must stay off
-    for this model (a group it cannot cache), else None."""
+    one full-attention or one MLA group (the one-group path); ``refused`` says why tierkv must
+    stay off for this model (a group it cannot cache), else None."""
 
     groups: tuple[KVGroup, ...] = ()
     refused: str | None = None
@@ -54,9 +54,6 @@ class HybridModel:
             block_size_of(groups)
         except UnsupportedKVGroupError as exc:
             return cls(refused=str(exc))
-        if any(group.kind == "mla" for group in groups):
-            return cls(refused="MLA latent caches are not cached yet (vLLM turns prefix caching off for MLA on CPU, "
-                               "where tierkv is tested end to end)")
         return cls(tuple(groups))
 
     @property

@@ -8,6 +8,8 @@ layer its own group, with its own block table over one shared pool of blocks):
 - ``sliding``: sliding-window attention (window ``W``), whose blocks below the window are
   freed as the request runs; a hit needs only the chunks holding the last
   ``cdiv(W - 1, block) * block`` tokens before ``L`` (vLLM's own rule);
+- ``mla``: an MLA latent (DeepSeek), one vector per token, needed like full attention's KV
+  (``.mla``); a sliding-window MLA group is ``sliding``;
 - ``mamba``: a recurrent state per request (Mamba2's conv and SSM state, Gated DeltaNet's),
   checkpointed at block boundaries in vLLM's "align" mode; a hit needs the state after exactly
   ``L`` tokens, stored as the chunk that ends at ``L``.
@@ -120,16 +122,16 @@ def _spec_kind(spec: Any) -> str:
         return kinds.pop()
     if name == "MambaSpec":
         return "mamba"
-    if "MLA" in name:
-        return "mla"
     if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
         return "sliding"
+    if name == "MLAAttentionSpec":
+        return "mla"
     if name in ("FullAttentionSpec", "ChunkedLocalAttentionSpec") and getattr(spec, "sliding_window", None):
         return "sliding"
     if name == "FullAttentionSpec":
         return "full"
-    raise UnsupportedKVGroupError(f"vLLM KV cache spec {name} (tierkv caches full attention, sliding window and "
-                                  "Mamba / linear-attention states)")
+    raise UnsupportedKVGroupError(f"vLLM KV cache spec {name} (tierkv caches full attention, sliding window, MLA "
+                                  "latents and Mamba / linear-attention states)")
 
 
 def group_from_spec(index: int, layer_names: Sequence[str], spec: Any) -> KVGroup:
@@ -168,5 +170,5 @@ def block_size_of(groups: Sequence[KVGroup]) -> int:
 
 
 def is_hybrid(groups: Sequence[KVGroup]) -> bool:
-    """Whether the groups need the hybrid path (anything but one full-attention group)."""
-    return not (len(groups) == 1 and groups[0].kind == "full")
+    """Whether the groups need the hybrid path (anything but one full-attention or MLA group)."""
+    return not (len(groups) == 1 and groups[0].kind in ("full", "mla"))

@@ -17,7 +17,10 @@ sit inside it depends on the attention backend and the vLLM version:
 - ``kv_first``: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (FlashAttention
   before the generic views);
 - ``blocks_first``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (FlashInfer
-  before the generic views).
+  before the generic views);
+- ``mla``: an MLA latent cache, ``[num_blocks, block_size, latent]`` (or with a 1 after the
+  blocks, ``CPU_MLA``): each token's latent as two halves, the "K" and "V" of its chunk
+  (``tierkv.integrations.vllm_v1.mla``).
 
 Each layout gives, per layer, a K view and a V view indexed ``[block, offset_in_block]``
 (shape ``[num_blocks, block_size, num_kv_heads, head_size]``, strided, no copy).
@@ -43,8 +46,9 @@ from tierkv import ops
 from tierkv.chunks.memory import copy_into
 from tierkv.connectors import GPUConnector
 from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS, MappedPageConnector, layouts_for_isa, requested_slots
+from tierkv.integrations.vllm_v1.mla import MLA_LAYOUT, split_latent
 
-LAYOUTS = ("cpu", "cpu_amx", "cpu_bfmmla", "content", "kv_first", "blocks_first")
+LAYOUTS = ("cpu", "cpu_amx", "cpu_bfmmla", "content", "kv_first", "blocks_first", MLA_LAYOUT)
 
 KVViews = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -96,6 +100,7 @@ def _split_blocks_first(layer: torch.Tensor, heads: int, head_size: int, block_s
 
 _SPLITTERS: dict[str, Callable[[torch.Tensor, int, int, int], tuple[torch.Tensor, torch.Tensor]]] = {
     "cpu": _split_cpu, "content": _split_content, "kv_first": _split_kv_first, "blocks_first": _split_blocks_first,
+    MLA_LAYOUT: split_latent,
 }
 
 
@@ -124,7 +129,8 @@ def detect_layout(backend_name: str | None, layer: torch.Tensor, num_kv_heads: i
 def split_layers(layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
                  block_size: int) -> KVViews:
     """Per layer, the K and V views ``[num_blocks, block_size, heads, head_size]`` of ``layout``
-    (every layout but ``cpu_amx``, which no strided view addresses)."""
+    (every layout but ``cpu_amx``, which no strided view addresses; for ``mla``, ``head_size`` is
+    the latent's width and the views its two halves)."""
     if layout not in _SPLITTERS:
         raise ValueError(f"layout must be one of {tuple(_SPLITTERS)} to be cut in strided views, got {layout!r}")
     return [_SPLITTERS[layout](layer, num_kv_heads, head_size, block_size) for layer in layers]

@@ -113,6 +113,7 @@ class WorkerTransfers:
                                            float]] = {}
         self._load_errors: set[int] = set()
         self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
+        self.saves_elsewhere: str | None = None  # why another worker saves for this one (an MLA model's TP ranks)
         self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
@@ -265,11 +266,13 @@ class WorkerTransfers:
         """Start storing the prompt's KV; it runs while vLLM computes the next step."""
         with self._lock:
             futures = self._saves[spec.req_id]  # known even if the submit fails: its finish is still owed
-        if self.disabled is not None:
+        if self.disabled is not None or self.saves_elsewhere is not None:
             skipped: concurrent.futures.Future[int] = concurrent.futures.Future()
             skipped.set_result(0)
             with self._lock:
                 futures.append(skipped)
+            if self.saves_elsewhere is not None:
+                self.stats["saves_left_to_rank0"] += 1
             return
         connector = self._connector()
         slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
