@@ -1,5 +1,6 @@
-"""Hybrid models: bytes stored per cached token, bytes and time per hit, against a cache that
-keeps every layer's full prefix.
+"""Hybrid and MLA models: bytes stored per cached token, bytes and time per hit, against a cache
+that keeps every layer's full prefix (hybrid), a GQA model of the same depth (MLA) and a per-rank
+cache at tensor parallelism 2 (MLA).
 
 For each model kind (layer mixes and geometries of served models, with fewer layers in the
 same proportions so the run fits a small machine), a prompt is saved through the connector's
@@ -13,6 +14,14 @@ hybrid manager is off; a Mamba layer has no such form, so for those kinds the ba
 model of the same depth whose every layer is attention, what a pure-attention cache of that
 size stores).
 
+MLA (DeepSeek V3's latent: 512 + 64 values per token and layer, bf16) goes through the
+one-group worker (``tierkv.integrations.vllm_v1.worker``, the ``mla`` layout) into a ``shm``
+pool: a save, then a hit loaded into other blocks; its baseline in the same run is a GQA model
+of the same depth whose KV is 8 heads of 128 (Llama 3 70B's). At TP 2 both ranks hold the same
+latent: tierkv's keys bind no TP rank and rank 0 alone saves, against a per-rank cache (keys
+bound to the rank, as for a GQA model's shards) where both ranks save their copy: pool bytes
+per token, and the time both ranks' saves take.
+
     python benchmarks/hybrid_bytes.py [--tokens 4096] [--repeats 5] [--json out.json]
 """
 
@@ -20,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +45,9 @@ from tierkv.chunks.identity import PLAIN
 from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridPlanner
 from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups
 from tierkv.integrations.vllm_v1.kv_groups import KVGroup
-from tierkv.integrations.vllm_v1.scheduler import LookupResult
+from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
 from tierkv.integrations.vllm_v1.state_pages import content_bytes
-from tierkv.integrations.vllm_v1.worker import _GuardedSink
+from tierkv.integrations.vllm_v1.worker import WorkerTransfers, _GuardedSink
 
 BLOCK, CHUNK = 256, 256
 
@@ -182,6 +193,83 @@ def _load(loader: HybridTransfers, load: HybridLoad) -> bool:
     return load.req_id in over and not failed
 
 
+MLA_LAYERS, LATENT, GQA_HEADS, GQA_HEAD = 8, 576, 8, 128
+
+
+def _pool_path() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    return f"{base}/tierkv-bench-mla-{uuid.uuid4().hex[:12]}.pool"
+
+
+def _one_group_caches(layout: str, blocks: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (blocks, BLOCK, LATENT) if layout == "mla" else (blocks, GQA_HEADS, BLOCK, 2 * GQA_HEAD)
+    return [torch.randint(-100, 100, shape, dtype=torch.int16, generator=generator).view(torch.bfloat16)
+            for _ in range(MLA_LAYERS)]
+
+
+def measure_one_group(layout: str, tokens: int, repeats: int, ranks: int = 1, per_rank_keys: bool = False
+                      ) -> dict[str, float]:
+    """``ranks`` workers (one engine each, as vLLM's TP ranks) over one shm pool save a prompt of
+    ``tokens`` (every rank, or with ``per_rank_keys`` False and more than one rank, rank 0 alone:
+    tierkv's MLA rule), then rank 0 loads the hit into other blocks ``repeats`` times: pool bytes
+    per token, the saves' seconds, the median load."""
+    from tierkv.engine import EngineMetadata
+
+    heads, head_size = (1, LATENT) if layout == "mla" else (GQA_HEADS, GQA_HEAD)
+    blocks_per_prompt = tokens // BLOCK + 1
+    blocks = 2 * blocks_per_prompt + 2
+    prompt = np.arange(1, tokens + 2, dtype=np.int64)
+    pool = _pool_path()
+    config = {"model": "mla-bytes", "chunk_size": CHUNK,
+              "tiers": [{"name": "node", "backend": "shm", "path": pool, "capacity": "2GiB"}]}
+    engines, workers = [], []
+    try:
+        for rank in range(ranks):
+            key_rank, key_world = (rank, ranks) if per_rank_keys else (0, 1)
+            engine = Engine(config, EngineMetadata("mla-bytes", key_world, key_rank, "vllm"))
+            worker = WorkerTransfers(engine)
+            worker.register(_one_group_caches(layout, blocks, rank + 1), layout, heads, head_size, BLOCK, BLOCK)
+            if rank > 0 and not per_rank_keys:
+                worker.saves_elsewhere = "rank 0 saves"
+            engines.append(engine)
+            workers.append(worker)
+        table = tuple(range(1, blocks_per_prompt + 1))
+        started = time.perf_counter()
+        for worker in workers:
+            worker.save(SaveSpec("save", prompt, table))
+        for worker in workers:
+            worker.wait_for_saves(["save"])
+        save_s = time.perf_counter() - started
+        stored = engines[0].tiers[0].used_bytes
+        load_table = tuple(range(blocks_per_prompt + 1, 2 * blocks_per_prompt + 1))
+        seconds = []
+        for attempt in range(repeats):
+            started = time.perf_counter()
+            if not workers[0].load(LoadSpec(f"load{attempt}", prompt, load_table, 0, tokens)):
+                raise RuntimeError("a load of the hit failed")
+            seconds.append(time.perf_counter() - started)
+    finally:
+        for engine in engines:
+            engine.close()
+        if os.path.exists(pool):
+            os.unlink(pool)
+    return {"stored_bytes_per_token": stored / tokens, "save_s": save_s, "load_s": statistics.median(seconds)}
+
+
+def mla_rows(tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """MLA against a GQA model of the same depth (one rank), and at TP 2 against a per-rank cache."""
+    rows = []
+    mla, gqa = measure_one_group("mla", tokens, repeats), measure_one_group("cpu", tokens, repeats)
+    rows.append({"kind": "MLA", "like": "DeepSeek V3 latent (512 + 64)", "mla": mla, "baseline": gqa,
+                 "baseline_is": f"GQA, {GQA_HEADS} KV heads of {GQA_HEAD}"})
+    once = measure_one_group("mla", tokens, repeats, ranks=2)
+    per_rank = measure_one_group("mla", tokens, repeats, ranks=2, per_rank_keys=True)
+    rows.append({"kind": "MLA, TP 2", "like": "DeepSeek V3 latent, 2 ranks", "mla": once, "baseline": per_rank,
+                 "baseline_is": "per-rank keys, every rank saves"})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="the cached prefix (a multiple of 256)")
@@ -204,6 +292,15 @@ def main() -> int:
               f"{hybrid['loaded_bytes_per_hit'] / 2**20:8.1f} "
               f"{hybrid['loaded_bytes_per_hit'] / baseline['loaded_bytes_per_hit']:8.2f} "
               f"{hybrid['load_s'] * 1e3:8.1f} {hybrid['load_s'] / baseline['load_s']:8.2f}")
+    print(f"\nMLA, one-group path, shm pool, {MLA_LAYERS} layers; baseline in the same run as named")
+    print(f"{'kind':28} {'baseline':32} {'B/token':>10} {'vs base':>8} {'save ms':>8} {'vs base':>8} {'load ms':>8} "
+          f"{'vs base':>8}")
+    for row in mla_rows(args.tokens, args.repeats):
+        rows.append(row)
+        mla, base = row["mla"], row["baseline"]
+        print(f"{row['kind']:28} {row['baseline_is']:32} {mla['stored_bytes_per_token']:10.0f} "
+              f"{mla['stored_bytes_per_token'] / base['stored_bytes_per_token']:8.2f} {mla['save_s'] * 1e3:8.1f} "
+              f"{mla['save_s'] / base['save_s']:8.2f} {mla['load_s'] * 1e3:8.1f} {mla['load_s'] / base['load_s']:8.2f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 from exactness import assert_same_generation
+from vllm_events import Subscriber, free_port
 from vllm_marks import VLLM_PROCESSES
 from vllm_truth import VLLM_ENV, tokens
 
@@ -115,10 +116,20 @@ def mla_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         pools.append(pool)
         node = {"name": "node", "backend": "shm", "path": pool, "capacity": POOL}
         files = {"name": "files", "backend": "fs", "path": str(work / "fs"), "capacity": "1GiB"}
-        a = run_vllm(run_spec(model, backend, [P, Q1], tiers_extra([node, files], work / "a.json")), work / "a",
-                     env=VLLM_ENV)
-        b = run_vllm(run_spec(model, backend, [P, Q2], tiers_extra([node], work / "b.json")), work / "b", env=VLLM_ENV)
-        found = {"truth": truth, "a": a, "b": b, "pool_chunks": pool_chunks(pool)}
+        retained = {"ids": Q1, "kv_transfer_params": {"tierkv": {"retain_s": 600}}}  # a hint, as for any model
+        a = run_vllm(run_spec(model, backend, [P, retained], tiers_extra([node, files], work / "a.json")),
+                     work / "a", env=VLLM_ENV)
+        port = free_port()
+        subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
+        try:  # B with vLLM's KV events and metrics: what a router and /metrics see of an MLA hit
+            b = run_vllm({**run_spec(model, backend, [P, Q2], tiers_extra([node], work / "b.json")),
+                          "kv_events": f"tcp://*:{port}", "metrics": True}, work / "b", env=VLLM_ENV)
+        finally:
+            subscriber.close()
+        events = [{"kind": type(event).__name__, "medium": getattr(event, "medium", None),
+                   "group": getattr(event, "group_idx", None), "spec": getattr(event, "kv_cache_spec_kind", None),
+                   "blocks": len(getattr(event, "block_hashes", []))} for event in subscriber.events]
+        found = {"truth": truth, "a": a, "b": b, "pool_chunks": pool_chunks(pool), "b_events": events}
         if family == "deepseek_v2" and backend == "default":
             found["c"] = run_vllm(run_spec(model, backend, [P, Q2], tiers_extra([files], work / "c.json")),
                                   work / "c", env=VLLM_ENV)
@@ -143,6 +154,19 @@ def test_a_new_process_loads_what_another_stored_through_one_pool(family: str, b
         assert stats.get("load_failures", 0) == 0 and stats.get("save_failures", 0) == 0, stats
     chunks = -(-len(P) // CHUNK) + -(-len(Q1) // CHUNK) + 1  # B adds Q2's last chunk (its question), nothing else
     assert runs["pool_chunks"] == chunks, "each chunk once in the pool: B stores only what A had not"
+    assert (runs["a"][-1]["stats"] or {}).get("hint_retained_tokens") == len(Q1), "every token of Q1 retained"
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_routers_and_metrics_see_an_mla_hit_as_vllms_own_blocks(family: str, mla_runs: Any) -> None:
+    """B's KV events announce the pool's chunks as vLLM announces its own MLA blocks (group 0,
+    ``mla_attention``), and vLLM's per-source hit count takes both hits as host memory (the pool)."""
+    runs = mla_runs(family, "default")
+    ours = [event for event in runs["b_events"] if event["kind"] == "BlockStored" and event["medium"] == "node"]
+    assert ours, f"no BlockStored from the pool among {runs['b_events']}"
+    assert {(event["group"], event["spec"]) for event in ours} == {(0, "mla_attention")}
+    host = (runs["b"][-1]["metrics"] or {}).get("vllm:prompt_tokens_cached_by_source:host", 0)
+    assert host == sum(HITS), runs["b"][-1]["metrics"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

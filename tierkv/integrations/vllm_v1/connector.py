@@ -47,7 +47,7 @@ from tierkv.integrations.vllm_v1.hybrid_setup import (
     hybrid_of,
 )
 from tierkv.integrations.vllm_v1.identity import engine_identity, load_hook, request_identity
-from tierkv.integrations.vllm_v1.kv_events import TierKVEvents
+from tierkv.integrations.vllm_v1.kv_events import TierKVEvents, label_one_group
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError
 from tierkv.integrations.vllm_v1.layouts import detect_layout
 from tierkv.integrations.vllm_v1.lookup_ipc import LookupClient, LookupServer, socket_path
@@ -561,11 +561,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._kv_events.increment_workers(events.get_number_of_workers())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """tierkv's BlockStored / BlockRemoved events since the last call (see ``kv_events.py``)."""
+        """tierkv's BlockStored / BlockRemoved events since the last call (see ``kv_events.py``);
+        a one-group model's carry group 0 and its kind (``full_attention``, ``mla_attention``), as
+        vLLM's own events of that group do."""
         if self._kv_events is None:
             return ()
         gathered, self._kv_events = self._kv_events, None  # each step's workers are counted afresh
-        return gathered.aggregate().get_all_events()
+        events = gathered.aggregate().get_all_events()
+        if self._hybrid_planner is None:
+            kind = "mla_attention" if self._latent is not None else "full_attention"
+            for event in events:
+                label_one_group(event, kind)
+        return events
 
     def get_kv_connector_kv_cache_events(self) -> TierKVEvents | None:
         """Worker side: the events this worker recorded since vLLM last asked."""

@@ -79,8 +79,9 @@ _EVENT_KINDS = {"full": "full_attention", "sliding": "sliding_window", "mamba": 
 
 def group_tag(group: KVGroup) -> GroupTag:
     """How vLLM's KV events name ``group`` (its index, vLLM's kind, a sliding group's window)."""
-    return GroupTag(group.index, _EVENT_KINDS.get(group.kind, "unknown"),
-                    group.window if group.kind == "sliding" else None, state_only=group.kind == "mamba")
+    kind = "sliding_window_mla" if group.kind == "sliding" and group.mla else _EVENT_KINDS.get(group.kind, "unknown")
+    return GroupTag(group.index, kind, group.window if group.kind == "sliding" else None,
+                    state_only=group.kind == "mamba")
 
 
 def memory_sources(engine: Engine) -> frozenset[str]:

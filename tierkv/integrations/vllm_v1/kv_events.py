@@ -13,7 +13,10 @@ may still sit on disk, and the event names the medium it left.
 A hybrid model's chunks are announced per KV cache group, as vLLM announces its own blocks
 (``group_idx``, ``kv_cache_spec_kind``, the window of a sliding group): an attention group's
 chunk announces its blocks, a state group's chunk (a Mamba state at the chunk's end) the block
-whose end it is.
+whose end it is. A one-group model's are group 0 of kind ``full_attention``, or
+``mla_attention`` for an MLA model. An MLA model's chunks are saved by TP rank 0 alone where
+every tier is shared (``.mla``): every other rank announces the same chunks when its save is
+skipped, so the event is published once rank 0's save has landed too.
 """
 
 from __future__ import annotations
@@ -167,6 +170,16 @@ class KVEventLog:
         batch = TierKVEvents(num_workers=1)
         batch.add_events(events)
         return batch
+
+
+def label_one_group(event: KVCacheEvent, kind: str) -> None:
+    """Give an event of a one-group model vLLM's labels of its group (index 0 and ``kind``,
+    ``full_attention`` or ``mla_attention``), as vLLM's own events of that group carry."""
+    if getattr(event, "group_idx", 0) is not None:
+        return
+    event.group_idx = 0  # type: ignore[attr-defined]
+    if isinstance(event, BlockStored):
+        event.kv_cache_spec_kind = kind
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

@@ -54,6 +54,7 @@ class KVGroup:
     state_type: str = ""  # mamba: vLLM's mamba_type (MAMBA2, GDN_ATTN, ...)
     num_kv_heads: int = 0  # attention: this worker's KV heads and their size
     head_size: int = 0
+    mla: bool = False  # an MLA latent (full or sliding window): head_size is the latent's width
     details: str = field(default="", compare=False)  # what else the spec says (dtype, heads), for the descriptor
 
     @property
@@ -150,8 +151,19 @@ def group_from_spec(index: int, layer_names: Sequence[str], spec: Any) -> KVGrou
     heads, head_size = int(getattr(spec, "num_kv_heads", 0) or 0), int(getattr(spec, "head_size", 0) or 0)
     details = f"heads={heads};head={head_size};dtype={getattr(spec, 'dtype', '?')}"
     window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding" else 0
+    mla = "MLA" in _spec_name(spec)
+    if mla:
+        details += ";mla"
     return KVGroup(index, kind, tuple(layer_names), block, window=window, num_kv_heads=heads, head_size=head_size,
-                   details=details)
+                   mla=mla, details=details)
+
+
+def _spec_name(spec: Any) -> str:
+    name = type(spec).__name__
+    if name == "UniformTypeKVCacheSpecs":
+        inner = list(getattr(spec, "kv_cache_specs", {}).values())
+        return type(inner[0]).__name__ if inner else name
+    return name
 
 
 def groups_from_config(kv_cache_config: Any) -> list[KVGroup]:

@@ -273,6 +273,10 @@ class WorkerTransfers:
                 futures.append(skipped)
             if self.saves_elsewhere is not None:
                 self.stats["saves_left_to_rank0"] += 1
+                # rank 0's announcement is published once every rank made it; a node pool's journal
+                # already has every engine announce every chunk
+                if self.events is not None and not isinstance(self.events, PoolEventLog) and spec.block_hashes:
+                    self._announce(spec)
             return
         connector = self._connector()
         slots = slot_mapping(spec.block_ids, self.block_size, len(spec.token_ids))
