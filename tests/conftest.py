@@ -47,16 +47,17 @@ def context_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def truths(context_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The truth of every prompt of tests/vllm_truth.py (``vllm_truth.Truth``: vLLM alone and
-    vLLM's own prefix cache, in one vLLM without tierkv): one process for the session, whichever
-    xdist worker asks first (the other reads its results)."""
+    """The truth of every prompt of tests/vllm_truth.py (``vllm_truth.Truth``: vLLM alone, vLLM's
+    own prefix cache, and vLLM fed its own pages at the hits its cache cannot make, in one vLLM
+    without tierkv): one process for the session, whichever xdist worker asks first (the other
+    reads its results)."""
     from session_once import once
-    from vllm_truth import PROMPTS, truth_spec, truths_from, vllm
+    from vllm_truth import FED_HITS, PROMPTS, truth_spec, truths_from, vllm
 
     def run(directory: Path) -> list[dict[str, Any]]:
-        return vllm(truth_spec(context_llama, PROMPTS), directory)
+        return vllm(truth_spec(context_llama, PROMPTS, FED_HITS), directory)
 
-    return truths_from(list(PROMPTS), once(tmp_path_factory, "vllm-truth", run))
+    return truths_from(list(PROMPTS), once(tmp_path_factory, "vllm-truth", run), fed_hits=FED_HITS)
 
 
 # The modules that take longest on a 2-core machine (whole seconds of vLLM processes, kernel

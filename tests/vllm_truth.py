@@ -5,13 +5,15 @@ comparison itself (:func:`assert_truthful`: tokens and top-5 log-probabilities).
 **The truth is vLLM's own prefix cache, in the same run** (:class:`Truth`). The truth run serves
 every prompt twice under a cache salt of its own (:func:`truth_prompts`): the first answer is
 vLLM with nothing cached, the second hits vLLM's own prefix cache (whole blocks: 512 of a
-600-token prompt). A tierkv hit is then held to
+600-token prompt); where tierkv's hit ends inside a block (all but a prompt's last token), a
+third answer is vLLM fed its first answer's pages for exactly that many tokens
+(tierkv.testing.page_copy: a connector that knows nothing of tierkv). A tierkv hit is then held to
 
 - a miss: vLLM alone, bit for bit;
+- a hit as long as the fed one: vLLM fed its own pages, bit for bit;
 - a hit as long as vLLM's own (it ends on a block boundary): vLLM's own cached run, bit for bit;
-- any other hit (one that ends inside a block, which vLLM's cache cannot make): within
-  ``MARGIN`` times the widest distance of vLLM's own cache from vLLM alone over the whole truth
-  run (at least ``FLOOR``), of vLLM alone.
+- any other hit: within ``MARGIN`` times the widest distance of vLLM's own cache from vLLM
+  alone over the whole truth run (at least ``FLOOR``), of vLLM alone.
 
 Why not a fixed tolerance: how far a cached context moves the logprobs is the CPU's, not
 tierkv's. On AVX2 and AVX-512 vLLM's own cache and tierkv's hits of this model are 0.0 from a
@@ -81,6 +83,9 @@ PROMPTS = {
     # own cache makes (256 tokens) and one it cannot (299)
     "one_chunk_257": tokens(14, 257), "one_chunk_300": tokens(15, 300),
 }
+FED_HITS = {name: len(prompt) - 1 for name, prompt in PROMPTS.items() if (len(prompt) - 1) % BLOCK}
+"""The truth run's hits fed from vLLM's own pages: every prompt's all-but-its-last-token (tierkv's
+hit of a stored prompt) where vLLM's own cache cannot make it (it ends inside a block)."""
 
 
 def vllm(run_spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None,
@@ -95,9 +100,12 @@ def spec(model_dir: Path, prompts: list[Any], extra: dict[str, Any] | None) -> d
     return {"model": str(model_dir), "prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": TOP, "tierkv": extra}
 
 
-def truth_spec(model_dir: Path, prompts: Mapping[str, Any], **more: Any) -> dict[str, Any]:
-    """vLLM alone (its prefix cache on) over :func:`truth_prompts` of ``prompts``."""
-    return {**spec(model_dir, truth_prompts(prompts), None), "prefix_caching": True, **more}
+def truth_spec(model_dir: Path, prompts: Mapping[str, Any], fed_hits: Mapping[str, int] | None = None,
+               **more: Any) -> dict[str, Any]:
+    """vLLM alone (its prefix cache on) over :func:`truth_prompts` of ``prompts``; with
+    ``fed_hits``, through tierkv.testing.page_copy's connector, which feeds vLLM its own pages."""
+    spec_ = {**spec(model_dir, truth_prompts(prompts, fed_hits), None), "prefix_caching": True, **more}
+    return {**spec_, "page_copy": True} if fed_hits else spec_
 
 
 @dataclass(frozen=True)
@@ -115,38 +123,58 @@ class Truth:
     """Whether a hit as long as vLLM's own must equal it bit for bit: False where the cached pages
     themselves depend on the batch that computed them (a mixture of experts; tokens stored after
     a hit), so vLLM's own cache holds other bytes than the ones tierkv stored."""
+    fed: dict[str, Any] | None = None
+    """The prompt once more, vLLM fed its own pages at a hit its cache cannot make (one ending
+    inside a block: ``fed["cached_tokens"]``; tierkv.testing.page_copy), where the run has one."""
 
     @property
     def own_hit(self) -> int:
         return int(self.own.get("cached_tokens") or 0)
 
     @property
+    def fed_hit(self) -> int | None:
+        return None if self.fed is None else int(self.fed.get("cached_tokens") or 0)
+
+    @property
     def tolerance(self) -> float:
-        """For a hit vLLM's own cache cannot make."""
+        """For a hit neither vLLM's own cache nor its fed pages made."""
         return max(FLOOR, MARGIN * self.spread)
 
 
-def truth_prompts(prompts: Mapping[str, Any]) -> list[Any]:
+def truth_prompts(prompts: Mapping[str, Any], fed_hits: Mapping[str, int] | None = None) -> list[Any]:
     """A truth run's prompts for a vLLM with its prefix cache on: each prompt twice in a row under
     a cache salt of its own (a prompt's own salt, a tenant's, is kept: it must then be unique to
-    the prompt), so the first is a miss and the second a hit of its own blocks alone."""
+    the prompt), so the first is a miss and the second a hit of its own blocks alone; for a prompt
+    in ``fed_hits``, then once more under another salt fed its first answer's pages
+    (tierkv.testing.page_copy) for that many tokens."""
     run: list[Any] = []
     for name, prompt in prompts.items():
         described = dict(prompt) if isinstance(prompt, dict) else {"ids": list(prompt)}
         described.setdefault("cache_salt", f"truth-{name}")
-        run += [described, described]
+        first = {**described, "kv_transfer_params": {"page_copy": {"save_as": name}}} if fed_hits else described
+        run += [first, described]
+        if fed_hits and name in fed_hits:
+            run.append({**described, "cache_salt": f"{described['cache_salt']}-fed",
+                        "kv_transfer_params": {"page_copy": {"load_from": name, "tokens": fed_hits[name]}}})
     return run
 
 
-def truths_from(names: Sequence[str], results: Sequence[dict[str, Any]], exact_at_own_hit: bool = True
-                ) -> dict[str, Truth]:
+def truths_from(names: Sequence[str], results: Sequence[dict[str, Any]], exact_at_own_hit: bool = True,
+                fed_hits: Mapping[str, int] | None = None) -> dict[str, Truth]:
     """The :class:`Truth` of each of ``names`` from a truth run's ``results`` (in
-    :func:`truth_prompts`' order); the spread is the whole run's."""
-    if len(results) != 2 * len(names):
-        raise ValueError(f"a truth run of {len(names)} prompts has {2 * len(names)} results, got {len(results)}")
-    pairs = {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(names)}
-    spread = max(worst_difference(own, alone) for alone, own in pairs.values())
-    return {name: Truth(alone, own, spread, exact_at_own_hit) for name, (alone, own) in pairs.items()}
+    :func:`truth_prompts`' order, with the same ``fed_hits``); the spread is the whole run's."""
+    fed_hits = fed_hits or {}
+    expected = 2 * len(names) + sum(name in fed_hits for name in names)
+    if len(results) != expected:
+        raise ValueError(f"a truth run of {len(names)} prompts has {expected} results, got {len(results)}")
+    found: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]] = {}
+    position = 0
+    for name in names:
+        fed = results[position + 2] if name in fed_hits else None
+        found[name] = (results[position], results[position + 1], fed)
+        position += 3 if name in fed_hits else 2
+    spread = max(worst_difference(own, alone) for alone, own, _ in found.values())
+    return {name: Truth(alone, own, spread, exact_at_own_hit, fed) for name, (alone, own, fed) in found.items()}
 
 
 def assert_truthful(name: str, got: dict[str, Any], hit: int, truth: Truth, steps: int = MAX_TOKENS) -> None:
@@ -154,12 +182,15 @@ def assert_truthful(name: str, got: dict[str, Any], hit: int, truth: Truth, step
     computes what vLLM computes: see the module's docstring for which truth and how close."""
     if hit == 0:
         want, tolerance, what = truth.alone, 0.0, "a miss: vLLM alone, bit for bit"
+    elif hit == truth.fed_hit:
+        want, tolerance, what = truth.fed, 0.0, f"a {hit}-token hit: vLLM fed its own pages at it, bit for bit"
     elif hit == truth.own_hit and truth.exact_at_own_hit:
         want, tolerance, what = truth.own, 0.0, f"a {hit}-token hit: vLLM's own cache at the same hit, bit for bit"
     else:
         want, tolerance, what = truth.alone, truth.tolerance, (
             f"a {hit}-token hit (vLLM's own: {truth.own_hit}): vLLM alone within {MARGIN} x vLLM's own cache's "
             f"widest distance {truth.spread:.4f}")
+    assert want is not None
     assert_same_generation(f"{name} ({what})", got["tokens"], got["logprobs"], want["tokens"], want["logprobs"],
                            steps, tolerance)
 

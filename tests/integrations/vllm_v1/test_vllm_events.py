@@ -79,6 +79,12 @@ def test_tierkv_announces_what_its_first_tier_evicts(published: tuple[list[Any],
     assert set(removed) <= announced, "a removal names only blocks tierkv announced"
 
 
+# A reset needs vLLM to step after the last request's answer (its save's end is reported in a
+# step, and vLLM resets only when no block is in use): an engine core in a process of its own
+# keeps stepping, one in the caller's process steps only inside generate.
+ENGINE_CORE_PROCESS = {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+
 def test_reset_cache_clears_the_instances_memory_tiers(tmp_path_factory: pytest.TempPathFactory) -> None:
     """vLLM's reset_prefix_cache(reset_connector=True) reaches tierkv: the cpu tier (this
     instance's alone) is cleared, so the repeat after the reset loads nothing from it, while a
@@ -94,11 +100,11 @@ def test_reset_cache_clears_the_instances_memory_tiers(tmp_path_factory: pytest.
             "prompts": [prompt, {"ids": prompt, "wait_for": ["requests_saved", 1]}, {"ids": prompt, "reset_first": True}],
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
                        "stats_file": str(workdir / "stats.json")}}
-    results = run_vllm(spec, workdir / "memory-only", env=VLLM_ENV)
+    results = run_vllm(spec, workdir / "memory-only", env=ENGINE_CORE_PROCESS)
     assert results[-1]["reset"] is True, "the connector reported a failed reset"
     assert loaded_per_prompt(results) == [0, PROMPT - 1, 0], "after the reset the cpu tier holds nothing"
     spec["tierkv"] = {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host, disk]},
                       "stats_file": str(workdir / "stats2.json")}
-    results = run_vllm(spec, workdir / "with-disk", env=VLLM_ENV)
+    results = run_vllm(spec, workdir / "with-disk", env=ENGINE_CORE_PROCESS)
     assert results[-1]["reset"] is True
     assert loaded_per_prompt(results) == [0, PROMPT - 1, PROMPT - 1], "the disk tier is not this instance's to clear"
