@@ -272,6 +272,44 @@ def test_without_a_recompute_speed_everything_cached_is_loaded(tmp_path: Path) -
         assert eng.cost_aware and eng.lookup(tokens) == 0
 
 
+def test_a_batched_step_teaches_what_its_requests_would_have_taught_alone() -> None:
+    """A serving engine's step computes several requests at once: the step costs the sum of their
+    S(new, context), so steps of mixed batches fit the same a, b, c as single prefills; a step of
+    a few decodes (16 new tokens at most) is the per-call overhead."""
+    a, b, c, overhead = 2e-4, 1e-8, 3e-8, 0.004
+
+    def truth(parts: list[tuple[int, int]]) -> float:
+        return overhead + sum(a * n + b * n * n + c * n * ctx for n, ctx in parts)
+
+    model = RecomputeModel()
+    assert not model.known
+    model.observe_step([(1, 500), (1, 900)], truth([(1, 500), (1, 900)]))  # two decodes: the overhead
+    assert model.overhead_s == pytest.approx(truth([(1, 500), (1, 900)]))
+    steps = [[(700, 0)], [(300, 0), (1, 400)], [(512, 512), (88, 0)], [(1000, 0), (256, 768), (1, 50)],
+             [(128, 1920)], [(2048, 0)]]
+    for _ in range(8):
+        for parts in steps:
+            model.observe_step(parts, truth(parts))
+    assert model.known
+    assert model.seconds(1024) == pytest.approx(a * 1024 + b * 1024 * 1024, rel=0.15)
+    assert model.suffix_seconds(512, 1536) == pytest.approx(a * 512 + b * 512 * 512 + c * 512 * 1536, rel=0.2)
+    model.observe_step([], 1.0)  # nothing computed: nothing learned
+    model.observe_step([(300, 0)], float("nan"))
+    assert model.seconds(1024) == pytest.approx(a * 1024 + b * 1024 * 1024, rel=0.15)
+
+
+def test_a_prompt_that_could_never_load_faster_than_it_recomputes_is_not_worth_storing(tmp_path: Path) -> None:
+    with fs_engine(tmp_path) as eng:
+        assert eng.core.worth_storing(4 * CHUNK), "nothing known: store"
+        eng.core.observe_step([(1024, 0)], 1e-9)  # an absurdly fast model: no tier beats it
+        assert not eng.core.worth_storing(4 * CHUNK)
+        assert eng.core.recompute_tokens_per_s(1024) > 1e9
+    with fs_engine(tmp_path / "slow", recompute={"tokens_per_s": 10}) as eng:
+        assert eng.core.worth_storing(4 * CHUNK) and eng.core.recompute_tokens_per_s(1024) == pytest.approx(10)
+    with fs_engine(tmp_path / "off", recompute={"tokens_per_s": 1e12}, cost_aware=False) as eng:
+        assert eng.core.worth_storing(4 * CHUNK), "cost_aware off: every prompt is stored"
+
+
 def test_measured_tier_speed_shows_in_stats(tmp_path: Path) -> None:
     with fs_engine(tmp_path) as eng:
         assert eng.stats()["tiers"]["disk"]["speed"]["seeded"] is True

@@ -734,6 +734,23 @@ class AsyncEngine:
         """
         self.plans.recompute.observe(new_tokens, context_tokens, seconds)
 
+    def observe_step(self, parts: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Refine the recompute speed from one forward step of a batch: ``parts`` is each
+        request's ``(new tokens, cached context)`` (a serving engine's scheduler knows them), the
+        step took ``seconds`` (see ``RecomputeModel.observe_step``)."""
+        self.plans.recompute.observe_step(parts, seconds)
+
+    def recompute_tokens_per_s(self, num_tokens: int) -> float | None:
+        """The serving model's prefill speed from scratch at ``num_tokens``, as the cost model
+        knows it (configured or measured); None while unknown."""
+        model = self.plans.recompute
+        return model.tokens_per_s(num_tokens) if model.known else None
+
+    def worth_storing(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` could ever load faster than it recomputes, from the
+        fastest tier (False: a save of it can never pay; True while the cost model knows too little)."""
+        return self.plans.worth_storing(num_tokens)
+
     def plan_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan | None:
         """``plan`` answered from in-memory indexes, from any thread.
 

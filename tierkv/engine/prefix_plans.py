@@ -101,6 +101,16 @@ class PrefixPlans:
                                    "give EngineMetadata.kv_shape to plan from the start)", base)
         return plan_prefix(names, sizes, bytes_per_token, speeds, self.recompute, base)
 
+    def worth_storing(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` could ever be loaded faster than recomputed: its
+        chunks, all of them in the first (fastest) tier, planned as a lookup would plan them.
+        True while the cost model is off or knows too little (recompute speed, chunk bytes)."""
+        if not self.cost_aware or not self.router.tiers or num_tokens <= 0:
+            return True
+        chunks = -(-num_tokens // self.chunk_size)
+        plan = self.plan([self.router.tiers[0].name] * chunks, num_tokens)
+        return plan.planned_tokens > 0
+
     def last_lookup(self) -> dict[str, Any] | None:
         """The last recorded lookup: tokens, cached tokens, chunks per tier, the plan."""
         if self._last is None:

@@ -328,12 +328,21 @@ class RecomputeModel:
         self.configured = bool(points)
         self._fit = _DecayedFit(3, half_life, prior, weight=1.0, prior_decay=0.9, drop_first=(2, 1))
         self._overhead = _DecayedFit(1, half_life)  # one constant term: the short prefills' decayed mean
+        self._overhead_s = 0.0
         self._solve()
 
     def _solve(self) -> None:
-        self._a, self._b, self._c = self._fit.solve()
+        """Publish the fit's coefficients as one tuple: a serving engine observes its steps on
+        one thread while lookups plan on another, and a reader sees the old ``(a, b, c)`` or the
+        new one, never a mix (the fits themselves are touched by the observing thread alone)."""
+        a, b, c = self._fit.solve()
         if self._fit.xx[2][2] == 0:  # nothing says what context costs yet: as in a prefill from scratch
-            self._c = 2 * self._b
+            c = 2 * b
+        self._coef = (a, b, c)
+
+    def _observe_overhead(self, seconds: float) -> None:
+        self._overhead.add((1.0,), seconds)
+        self._overhead_s = self._overhead.solve()[0]
 
     @property
     def known(self) -> bool:
@@ -342,20 +351,40 @@ class RecomputeModel:
     @property
     def overhead_s(self) -> float:
         """The per-call overhead measured so far (0 until a prefill of a few tokens was timed)."""
-        return self._overhead.solve()[0]
+        return self._overhead_s
 
     def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """Computing ``new_tokens`` after ``context_tokens`` cached ones took ``seconds``."""
         if new_tokens <= 0 or context_tokens < 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         if new_tokens <= OVERHEAD_TOKENS:
-            self._overhead.add((1.0,), seconds)
+            self._observe_overhead(seconds)
             return
         spent = seconds - self.overhead_s
         if spent <= 0:  # no slower than an empty call: nothing to learn about tokens
             return
         new, context = float(new_tokens), float(context_tokens)
         self._fit.add((new, new * new, new * context), spent)
+        self._solve()
+
+    def observe_step(self, parts: Sequence[tuple[int, int]], seconds: float) -> None:
+        """One forward step of a serving engine's batch took ``seconds``: ``parts`` is each
+        request's ``(new tokens, cached context)`` in it (a decode is ``(1, context)``). The step
+        costs the sum of its requests' ``S(new, context)`` (the model is linear in ``a, b, c``,
+        so the batch's terms add up); a step of at most ``OVERHEAD_TOKENS`` new tokens in all (a
+        few decodes) measures the per-call overhead, as a short prefill does."""
+        new_total = sum(max(0, int(new)) for new, _ in parts)
+        if new_total <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        if new_total <= OVERHEAD_TOKENS:
+            self._observe_overhead(seconds)
+            return
+        spent = seconds - self.overhead_s
+        if spent <= 0:
+            return
+        x = (float(new_total), float(sum(new * new for new, _ in parts if new > 0)),
+             float(sum(new * max(0, context) for new, context in parts if new > 0)))
+        self._fit.add(x, spent)
         self._solve()
 
     def seconds(self, num_tokens: int) -> float:
@@ -367,7 +396,8 @@ class RecomputeModel:
         ones (without the per-call overhead)."""
         if new_tokens <= 0:
             return 0.0
-        return self._a * new_tokens + self._b * new_tokens * new_tokens + self._c * new_tokens * context_tokens
+        a, b, c = self._coef
+        return a * new_tokens + b * new_tokens * new_tokens + c * new_tokens * context_tokens
 
     def tokens_per_s(self, num_tokens: int) -> float:
         spent = self.seconds(num_tokens)
@@ -376,7 +406,7 @@ class RecomputeModel:
     def snapshot(self) -> dict[str, float | bool]:
         return {"known": self.known, "measured_prefills": self._fit.samples,
                 "tokens_per_s_at_1k": self.tokens_per_s(1024), "tokens_per_s_at_16k": self.tokens_per_s(16384),
-                "context_cost_vs_scratch": self._c / (2 * self._b) if self._b > 0 else 1.0,
+                "context_cost_vs_scratch": self._coef[2] / (2 * self._coef[1]) if self._coef[1] > 0 else 1.0,
                 "overhead_ms": self.overhead_s * 1e3}
 
 

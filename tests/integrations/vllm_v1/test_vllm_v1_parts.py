@@ -507,6 +507,60 @@ def test_stats_intervals_hand_vllm_only_what_is_new() -> None:
     assert TierKVStats(data={}).is_empty() and not total.is_empty()
 
 
+def test_the_recompute_speed_is_learned_from_vllms_steps_and_shown(tmp_path: Path) -> None:
+    """Each step's scheduled requests go to the workers as ``(new, context)``; the worker times
+    vLLM's forward pass (loads done to wait_for_save) against them: the engine's recompute speed
+    is known after one step, shown in the stats and handed to vLLM's metrics as a gauge."""
+    import time as clock
+    from collections import Counter
+
+    from tierkv.integrations.vllm_v1.scheduler import step_parts
+    from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVStats
+
+    cached = SimpleNamespace(req_ids=["b", "c"], resumed_req_ids=set(), new_block_ids=[None, None],
+                             num_computed_tokens=[640, 900])
+    output = step([new_request("a", list(range(1, 801)), [1], 256)], {"a": 544, "b": 1, "c": 0}, cached)
+    assert step_parts(output) == ((544, 256), (1, 640)), "new requests and running ones; idle ones left out"
+    config = {"model": "speed", "chunk_size": 64, "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    with Engine(config) as engine:
+        worker = WorkerTransfers(engine)
+        assert engine.core.recompute_tokens_per_s(1024) is None
+        worker.step_started(((700, 0),))
+        clock.sleep(0.05)
+        worker.step_ended()
+        speed = engine.core.recompute_tokens_per_s(1024)
+        assert speed is not None and 1e3 < speed < 700 / 0.05 * 1.5, speed
+        assert worker.stats["steps_timed"] == 1 and worker.stats["recompute_tokens_per_s"] == int(speed)
+        worker.step_ended()  # no step started: nothing measured
+        assert worker.stats["steps_timed"] == 1
+    interval = StatsInterval().take(Counter(worker.stats), [])
+    assert interval is not None and interval.data["recompute_tokens_per_s"] == int(speed)
+    both = TierKVStats(data={}).aggregate(interval).aggregate(TierKVStats(data={"recompute_tokens_per_s": 5}))
+    assert both.reduce()["recompute_tokens_per_s"] == int(speed), "workers' estimates: the largest"
+
+
+def test_a_prompt_that_can_never_pay_is_not_saved(tmp_path: Path) -> None:
+    """Once the cost model says no tier could load a prompt faster than vLLM recomputes it, its
+    save is skipped (counted), and its request is reported done at once so vLLM frees its blocks."""
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+
+    config = {"model": "never-pays", "chunk_size": 32,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    source = [make_layer("cpu", torch.Generator().manual_seed(3)) for _ in range(LAYERS)]
+    tokens = np.arange(1, 81, dtype=np.int32)
+    with Engine(config) as engine:
+        worker = WorkerTransfers(engine)
+        worker.register(source, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        worker.save(SaveSpec("kept", tokens, (0, 1, 2, 3, 4)))
+        worker.wait_for_saves(["kept"])
+        assert worker.stats["chunks_saved"] == 3, "nothing known of vLLM's speed yet: stored"
+        worker.step_started(((4096, 0),))
+        worker.step_ended()  # 4,096 tokens in no time: no load can beat that
+        worker.save(SaveSpec("skipped", tokens + 1000, (0, 1, 2, 3, 4)))
+        assert worker.stats["saves_skipped_never_pay"] == 1 and worker.stats["chunks_saved"] == 3
+        assert worker.finished({"skipped"})[0] == {"skipped"}
+
+
 def test_caller_runs_hands_copies_to_the_waiting_thread() -> None:
     """A synchronous load's copies run on the thread that waits for the load (vLLM's, with its
     compute cores); an error comes back to the handing thread; once the waiting thread stops

@@ -62,7 +62,14 @@ from tierkv.integrations.vllm_v1.mla import (
 from tierkv.integrations.vllm_v1.mla import block_size_of as mla_block_size
 from tierkv.integrations.vllm_v1.placement import place_engine_threads
 from tierkv.integrations.vllm_v1.request_hints import request_hints
-from tierkv.integrations.vllm_v1.scheduler import DropSpec, LoadSpec, PrefetchSpec, SaveSpec, SchedulerPlanner
+from tierkv.integrations.vllm_v1.scheduler import (
+    DropSpec,
+    LoadSpec,
+    PrefetchSpec,
+    SaveSpec,
+    SchedulerPlanner,
+    step_parts,
+)
 from tierkv.integrations.vllm_v1.settings import ConnectorSettings, settings_from
 from tierkv.integrations.vllm_v1.stats_file import StatsFile
 from tierkv.integrations.vllm_v1.vllm_metrics import StatsInterval, TierKVPromMetrics, TierKVStats
@@ -101,6 +108,7 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     hybrid_saves: list[HybridSave] = field(default_factory=list)
     drops: list[DropSpec] = field(default_factory=list)  # requests' hints (request_hints.py)
     prefetches: list[PrefetchSpec] = field(default_factory=list)
+    step_parts: tuple[tuple[int, int], ...] = ()  # (new, context) per scheduled request: the recompute speed
 
 
 def _ranks() -> tuple[int, int]:
@@ -398,9 +406,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(kv_connector_metadata, TierKVConnectorMetadata) and kv_connector_metadata.preempted:
             self._worker().wait_for_saves(kv_connector_metadata.preempted)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM hands a worker its step's metadata before the step's forward pass: the pass is
+        timed from here (``WorkerTransfers.step_started``) to teach the engine vLLM's speed."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._transfers is not None and isinstance(connector_metadata, TierKVConnectorMetadata):
+            self._transfers.step_started(connector_metadata.step_parts)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker = self._worker()
         metadata = self._metadata()
+        # vLLM starts a step's loads before its forward pass when one is synchronous (the pass
+        # reads it), else after the pass: then the pass is over, and its time is known now
+        synchronous = any(not load.asynchronous for load in metadata.loads)
+        if not synchronous:
+            worker.step_ended()
         if metadata.unidentified:
             worker.note_unidentified(metadata.unidentified)
         for prefetch in metadata.prefetches:
@@ -412,6 +432,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 worker.start_async_load(load)
             else:
                 worker.load(load)
+        if synchronous:
+            worker.restart_step_clock()  # the forward pass starts once the loads it reads are in
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Synchronous loads are complete when start_load_kv returns; async ones are waited for by vLLM."""
@@ -422,6 +444,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         worker = self._worker()
+        worker.step_ended()  # vLLM's forward pass is over (if start_load_kv did not see it end)
         metadata = self._metadata()
         for save in metadata.saves:
             worker.save(save)
@@ -535,14 +558,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return {source: count for source, count in split.items() if count}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        parts = step_parts(scheduler_output)
         if self._hybrid_planner is not None:
             hybrid = self._hybrid_planner.build(scheduler_output)
             return TierKVConnectorMetadata(unidentified=hybrid.unidentified, hybrid_loads=hybrid.loads,
                                            hybrid_saves=hybrid.saves, drops=hybrid.drops,
-                                           prefetches=hybrid.prefetches)
+                                           prefetches=hybrid.prefetches, step_parts=parts)
         plan = self._scheduler().build(scheduler_output)
         return TierKVConnectorMetadata(plan.loads, plan.saves, plan.preempted, plan.unidentified,
-                                       drops=plan.drops, prefetches=plan.prefetches)
+                                       drops=plan.drops, prefetches=plan.prefetches, step_parts=parts)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._hybrid_planner is not None:

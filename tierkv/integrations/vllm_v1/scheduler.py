@@ -306,3 +306,16 @@ class SchedulerPlanner:
             request = self._requests[req_id] = _Request(as_token_array(np.asarray(prompt_token_ids, dtype=np.int64)),
                                                         identity=identity)
         return request
+
+
+def step_parts(scheduler_output: Any) -> tuple[tuple[int, int], ...]:
+    """Each scheduled request's ``(tokens computed this step, cached context before them)``:
+    what the workers time the step's forward pass against (``RecomputeModel.observe_step``).
+    The context counts what a load brought in: vLLM counts it as computed."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    parts = [(int(scheduled.get(new.req_id, 0)), int(new.num_computed_tokens))
+             for new in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    parts += [(int(scheduled.get(req_id, 0)), int(computed))
+              for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens)]
+    return tuple(part for part in parts if part[0] > 0)

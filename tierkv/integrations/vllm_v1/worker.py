@@ -116,6 +116,7 @@ class WorkerTransfers:
         self.saves_elsewhere: str | None = None  # why another worker saves for this one (an MLA model's TP ranks)
         self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
+        self._step: tuple[float, tuple[tuple[int, int], ...]] | None = None  # the forward pass being timed
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = memory_sources(engine)
 
@@ -261,12 +262,43 @@ class WorkerTransfers:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    # -- vLLM's speed -----------------------------------------------------------------------------
+    def step_started(self, parts: tuple[tuple[int, int], ...]) -> None:
+        """vLLM's forward pass of a step that computes ``parts`` (``(new, context)`` per request)
+        is about to start (vLLM bound the step's metadata)."""
+        self._step = (time.perf_counter(), parts) if parts else None
+
+    def restart_step_clock(self) -> None:
+        """The step's synchronous loads are in: its forward pass starts now (not counted as compute)."""
+        if self._step is not None:
+            self._step = (time.perf_counter(), self._step[1])
+
+    def step_ended(self) -> None:
+        """The forward pass started by ``step_started`` is over: its time refines the engine's
+        recompute speed, which the lookups' cost-aware plans and ``worth_storing`` use. vLLM's
+        own steps are the measurement: nothing to configure, and it follows the machine's load."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        started, parts = step
+        self.engine.core.observe_step(parts, time.perf_counter() - started)
+        self.stats["steps_timed"] += 1
+        speed = self.engine.core.recompute_tokens_per_s(1024)
+        if speed is not None:
+            self.stats["recompute_tokens_per_s"] = int(speed)
+
     # -- saves -----------------------------------------------------------------------------------
     def save(self, spec: SaveSpec) -> None:
-        """Start storing the prompt's KV; it runs while vLLM computes the next step."""
+        """Start storing the prompt's KV; it runs while vLLM computes the next step. A prompt the
+        cost model says could never load faster than vLLM recomputes it is not stored
+        (``saves_skipped_never_pay``): a save would only cost the replica's cores and the tiers'
+        room."""
         with self._lock:
             futures = self._saves[spec.req_id]  # known even if the submit fails: its finish is still owed
-        if self.disabled is not None or self.saves_elsewhere is not None:
+        never_pays = self.disabled is None and not self.engine.core.worth_storing(len(spec.token_ids))
+        if never_pays:
+            self.stats["saves_skipped_never_pay"] += 1
+        if self.disabled is not None or self.saves_elsewhere is not None or never_pays:
             skipped: concurrent.futures.Future[int] = concurrent.futures.Future()
             skipped.set_result(0)
             with self._lock:
