@@ -145,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool_size.add_argument("--path", default=None, help="the pool file (default /dev/shm/tierkv-<uid>.pool)")
     pool_size.add_argument("--max-chunks", type=int, default=None, help="as the tier's max_chunks")
     pool_size.add_argument("--max-processes", type=int, default=64, help="as the tier's max_processes")
-    pool_size.add_argument("--holds-per-process", type=int, default=16384, help="as the tier's holds_per_process")
+    pool_size.add_argument("--holds-per-process", type=int, default=None,
+                           help="as the tier's holds_per_process (default: derived from max_chunks)")
     pool_size.set_defaults(func=_cmd_pool_size)
     add_pool_command(commands)
     demo = commands.add_parser("demo", help="prefix reuse and CacheBlend on a small random-weight Llama (CPU)")

@@ -146,6 +146,26 @@ def test_pool_size_says_what_a_capacity_costs_and_whether_it_fits(pool_path: Pat
     assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout and "tierkv: error:" in too_big.stderr
 
 
+@pytest.mark.parametrize(("capacity", "at_most"), [(8 << 20, 16 << 20), (32 << 20, 64 << 20), (1 << 30, (1 << 30) + (24 << 20))])
+def test_a_pool_files_overhead_grows_with_its_capacity(pool_path: Path, capacity: int, at_most: int) -> None:
+    """The index, the hold rows and the journal scale with the capacity: an 8 MiB pool is a file of
+    at most 16 MiB, a 32 MiB pool fits in Docker's default 64 MiB /dev/shm, a 1 GiB pool is the
+    1 GiB file with what it had before (16 MiB of journal, 4,096 chunks indexed); the real file is
+    the size ``file_size`` (``tierkv pool-size``) says, and it holds chunks."""
+    said = SharedMemoryBackend.file_size(capacity, str(pool_path))
+    assert said["file_bytes"] <= at_most, said
+    tier = SharedMemoryBackend("node", capacity, path=str(pool_path))
+    try:
+        assert pool_path.stat().st_size == said["file_bytes"]
+        for index in range(8):
+            asyncio.run(tier.put(workers.key_of(index), workers.chunk_of(index)))
+        assert tier.stats()["pool_chunks"] == 8
+    finally:
+        asyncio.run(tier.close())
+    if capacity == 1 << 30:
+        assert (said["max_chunks"], said["journal_bytes"], said["holds_per_process"]) == (4096, 16 << 20, 16384)
+
+
 def test_evictions_count_their_bytes(pool_path: Path) -> None:
     tier = opened(pool_path, capacity=64 << 10)
     try:

@@ -74,7 +74,8 @@ def _default(option: Option) -> str:
         return format_size(option.default)
     if isinstance(option.default, bool):
         return "true" if option.default else "false"
-    return f"`{option.default}`"
+    show = getattr(option.kind, "show", None)  # a kind that renders its values (a file mode in octal)
+    return f"`{show(option.default) if callable(show) else option.default}`"
 
 
 def _cell(text: str) -> str:

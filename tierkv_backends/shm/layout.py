@@ -124,11 +124,11 @@ class Geometry:
     max_chunks: int
     max_processes: int
     holds_per_process: int
-    journal_bytes: int = 0  # 0: default_journal_bytes(max_chunks)
+    journal_bytes: int = 0  # 0: default_journal_bytes(max_chunks, capacity)
 
     def __post_init__(self) -> None:
         if not self.journal_bytes:
-            object.__setattr__(self, "journal_bytes", default_journal_bytes(self.max_chunks))
+            object.__setattr__(self, "journal_bytes", default_journal_bytes(self.max_chunks, self.capacity))
         if self.journal_bytes % 8 or self.journal_bytes < MIN_JOURNAL_BYTES:
             raise ValueError(f"journal_bytes: expected a multiple of 8 of at least {MIN_JOURNAL_BYTES}, got "
                              f"{self.journal_bytes}")
@@ -146,17 +146,27 @@ class Geometry:
 
 
 def default_max_chunks(capacity: int) -> int:
-    """Chunks a pool indexes unless told: one per 256 KiB of capacity, at least 4096, at most 1M."""
-    return max(4096, min(1 << 20, capacity // (256 << 10)))
+    """Chunks a pool indexes unless told: one per 256 KiB of capacity, at most 1M; a small pool
+    (under 1 GiB) one per 8 KiB up to 4,096, so its index stays a few percent of it (a pool's
+    chunks are rarely under 8 KiB: 256 tokens of a 2-layer model with one KV head of 64)."""
+    return max(64, min(1 << 20, max(capacity // (256 << 10), min(4096, capacity // (8 << 10)))))
+
+
+def default_holds_per_process(max_chunks: int) -> int:
+    """Holds one process may have at once unless told (a read or a waiting fill takes one on a
+    chunk): four per chunk the pool indexes, 256 to 16,384."""
+    return max(256, min(16384, 4 * max_chunks))
 
 
 MIN_JOURNAL_BYTES = 64 << 10
 
 
-def default_journal_bytes(max_chunks: int) -> int:
+def default_journal_bytes(max_chunks: int, capacity: int = 1 << 40) -> int:
     """The journal's ring unless told: 2 KiB per indexed chunk (a 256-token chunk's description,
-    its tokens and vLLM block hashes, takes about 1.6 KiB), at least 16 MiB, at most 256 MiB."""
-    return max(16 << 20, min(256 << 20, max_chunks * 2048))
+    its tokens and vLLM block hashes, takes about 1.6 KiB), and at least an eighth of the capacity
+    up to 16 MiB, at most 256 MiB."""
+    floor = max(MIN_JOURNAL_BYTES, min(16 << 20, capacity // 8 // 8 * 8))
+    return max(floor, min(256 << 20, max_chunks * 2048))
 
 
 def _aligned(offset: int, align: int = 64) -> int:

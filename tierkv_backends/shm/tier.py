@@ -50,6 +50,7 @@ from tierkv_backends.shm.layout import (
     SHAPE_DIMS,
     Geometry,
     Layout,
+    default_holds_per_process,
     default_max_chunks,
 )
 from tierkv_backends.shm.lock import PoolBusyError
@@ -62,22 +63,43 @@ _PIN_PIECE = 64 << 30  # cudaHostRegister takes at most this much at once on som
 _DIGESTS_KEPT = 1 << 16
 
 
-def _mode(value: Any) -> int:
-    """A file mode: an int (0o600) or an octal string ("0600", "660")."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a file mode such as 0600, got {value!r}")
-    if isinstance(value, int):
-        mode = value
-    elif isinstance(value, str):
-        try:
-            mode = int(value, 8)
-        except ValueError as exc:
-            raise ValueError(f"expected an octal file mode such as 0600, got {value!r}") from exc
-    else:
-        raise ValueError(f"expected a file mode such as 0600, got {value!r}")
-    if not 0 <= mode <= 0o777 or not mode & 0o600 == 0o600:
-        raise ValueError(f"expected a file mode its owner can read and write, 0600 to 0777, got {oct(mode)}")
-    return mode
+def _geometry(capacity: int, max_chunks: int | None, max_processes: int, holds_per_process: int | None,
+              journal_bytes: int | None) -> Geometry:
+    """A pool's geometry, every size not given derived from the capacity (so every process
+    configured alike derives the same one): the index, hold rows and journal grow with it."""
+    chunks = max_chunks or default_max_chunks(capacity)
+    return Geometry(capacity, chunks, max_processes, holds_per_process or default_holds_per_process(chunks),
+                    _journal_size(journal_bytes))
+
+
+class _FileMode:
+    """The ``mode`` option: a file mode given as an int (0o600) or an octal string ("0600",
+    "660"), one its owner can read and write; the configuration reference shows it in octal."""
+
+    __name__ = "file mode (octal)"
+
+    def __call__(self, value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a file mode such as 0600, got {value!r}")
+        if isinstance(value, int):
+            mode = value
+        elif isinstance(value, str):
+            try:
+                mode = int(value, 8)
+            except ValueError as exc:
+                raise ValueError(f"expected an octal file mode such as 0600, got {value!r}") from exc
+        else:
+            raise ValueError(f"expected a file mode such as 0600, got {value!r}")
+        if not 0 <= mode <= 0o777 or not mode & 0o600 == 0o600:
+            raise ValueError(f"expected a file mode its owner can read and write, 0600 to 0777, got {oct(mode)}")
+        return mode
+
+    @staticmethod
+    def show(value: int) -> str:
+        return f"0{value:o}"
+
+
+_mode = _FileMode()
 
 
 def _scope_id(scope: str) -> int:
@@ -126,10 +148,12 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
         "mode": Option(_mode, 0o600, doc="permissions of a pool this process creates (it holds every tenant's "
                                          "KV: owner only unless a group of service users shares it)"),
         "max_chunks": Option("int", None, minimum=16, doc="chunks the pool can index (default: one per 256 KiB "
-                                                          "of capacity, at least 4096, at most 1M)"),
+                                                          "of capacity, at most 1M; under 1 GiB one per 8 KiB "
+                                                          "up to 4096)"),
         "max_processes": Option("int", 64, minimum=1, doc="processes attached at once"),
-        "holds_per_process": Option("int", 16384, minimum=16, doc="chunks one process may hold at once "
-                                                                  "(reads in flight, fills waiting)"),
+        "holds_per_process": Option("int", None, minimum=16, doc="chunks one process may hold at once "
+                                                                 "(reads in flight, fills waiting; default: "
+                                                                 "4 per max_chunks, 256 to 16384)"),
         "lease_s": Option("float", 30.0, minimum=0.1, doc="a live process whose heartbeat stopped for this long "
                                                           "(stopped, frozen) has its holds taken back, so the pool "
                                                           "can evict what it was reading; a process is dead only when "
@@ -140,7 +164,8 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
                                                                   "again, stops waiting for it"),
         "journal_bytes": Option("size", None, doc="the pool's journal (what every process stored and what "
                                                   "left: how engines announce each other's chunks as KV events); "
-                                                  "default 2 KiB per indexed chunk, 16 MiB to 256 MiB"),
+                                                  "default 2 KiB per indexed chunk and at least an eighth "
+                                                  "of the capacity up to 16 MiB, at most 256 MiB"),
         "retain_share": Option("float", 0.5, minimum=0.0,
                                doc="the share of the pool's capacity that retained chunks (hints that keep a "
                                    "prefix through evictions: Engine.retain, a request's retain_s) may take, "
@@ -150,7 +175,7 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
     }
 
     def __init__(self, name: str, capacity: int | None = None, path: str | None = None, mode: int | str = 0o600,
-                 max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int = 16384,
+                 max_chunks: int | None = None, max_processes: int = 64, holds_per_process: int | None = None,
                  lease_s: float = 30.0, lock_timeout_s: float = 1.0, journal_bytes: int | None = None,
                  retain_share: float = 0.5, pinned: bool | None = None) -> None:
         super().__init__(name, capacity)
@@ -161,8 +186,7 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
             logger.warning("tier %r: %s is on a %s file system, not in memory (tmpfs such as /dev/shm, or "
                            "hugetlbfs): the kernel writes the pool's pages back to disk, and a half-written pool "
                            "may survive a reboot", name, self.path, kind)
-        geometry = Geometry(self.capacity, max_chunks or default_max_chunks(self.capacity), max_processes,
-                            holds_per_process, _journal_size(journal_bytes))
+        geometry = _geometry(self.capacity, max_chunks, max_processes, holds_per_process, journal_bytes)
         self.pool = SharedPool(self.path, geometry, _mode(mode), lease_s, where=f"tier {name!r}",
                                lock_timeout_s=lock_timeout_s)
         if not 0.0 <= retain_share <= 1.0:
@@ -179,12 +203,12 @@ class SharedMemoryBackend(PoolOperations, StorageBackend):
 
     @classmethod
     def file_size(cls, capacity: int, path: str | None = None, max_chunks: int | None = None,
-                  max_processes: int = 64, holds_per_process: int = 16384,
+                  max_processes: int = 64, holds_per_process: int | None = None,
                   journal_bytes: int | None = None) -> dict[str, Any]:
         """What a pool of ``capacity`` costs in its file system (``tierkv pool-size``): the file's
         bytes, where they go, and the room the file system at ``path`` has for it."""
-        geometry = Geometry(capacity, max_chunks or default_max_chunks(capacity), max_processes, holds_per_process,
-                            _journal_size(journal_bytes))
+        geometry = _geometry(capacity, max_chunks, max_processes, holds_per_process, journal_bytes)
+        holds_per_process = geometry.holds_per_process
         layout = Layout.of(geometry)
         holds = 4 * max_processes * holds_per_process
         path = path or default_path()
