@@ -4,6 +4,7 @@ prefetch, memory pressure, tier faults, and many concurrent callers."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import textwrap
@@ -264,6 +265,30 @@ def test_pressure_stops_admission_demotes_and_grows_back(tmp_path: Path) -> None
         newer = prompt(10, 1)
         eng.store(newer, kv_of(newer))
         assert eng.locate(newer) == ["gpu"]
+
+
+def test_pressure_that_empties_a_tier_is_said_once_and_counted(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A tier pressure leaves no room says so once, with what to change (not once per store);
+    its stats count it, and a later stretch of pressure is said again."""
+    total = 100 * CHUNK_BYTES
+    probe = ScriptedProbe([(50 * CHUNK_BYTES, total)])
+    with caplog.at_level(logging.WARNING, logger="tierkv.engine"), \
+            Engine(gpu_config(tmp_path), probes={"gpu": probe}) as eng:
+        first = prompt(19, 2)
+        eng.store(first, kv_of(first))
+        probe.push(99 * CHUNK_BYTES, total)
+        wait_until(lambda: eng.stats()["tiers"]["gpu"]["capacity_bytes"] == 0, "the gpu tier to give its memory back")
+        for index in range(5):
+            tokens = prompt(20 + index, 1)
+            eng.store(tokens, kv_of(tokens))
+        said = [r for r in caplog.records if "stores nothing until memory frees" in r.getMessage()]
+        assert len(said) == 1 and "VLLM_CPU_KVCACHE_SPACE" in said[0].getMessage()
+        assert eng.stats()["tiers"]["gpu"]["pressure"]["emptied"] == 1
+        probe.push(30 * CHUNK_BYTES, total)
+        wait_until(lambda: eng.stats()["tiers"]["gpu"]["pressure"]["admitting"], "the pressure to pass")
+        probe.push(99 * CHUNK_BYTES, total)
+        wait_until(lambda: eng.stats()["tiers"]["gpu"]["pressure"]["emptied"] == 2, "the second stretch to be said")
 
 
 def test_pressure_in_write_through_frees_memory_without_losing_chunks(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ class TierPressure:
         self.shrinks = 0
         self.pressured_since: float | None = None
         self.last_relief_s: float | None = None  # time from crossing high to getting under low
+        self.emptied = 0  # times pressure left the tier room for nothing
+        self._said_empty = False  # said so once for this stretch of pressure
         self._shrinking: asyncio.Task[Any] | None = None
 
     def on_reading(self, reading: MemoryReading) -> None:
@@ -52,9 +54,18 @@ class TierPressure:
             self.pressured_since = reading.at
             logger.info("tier %r: memory pressure %.1f%% >= %.1f%%: not admitting, shrinking to %d bytes",
                         tier.name, 100 * reading.used_fraction, 100 * self.high, decision.capacity)
+        if decision.pressured and decision.capacity <= 0 and not self._said_empty:
+            self.emptied += 1
+            self._said_empty = True
+            logger.warning("tier %r: host memory is %.1f%% used (high watermark %.1f%%): the tier gives back all of "
+                           "its memory and stores nothing until memory frees. On a CPU node this is vLLM's KV space "
+                           "and the tiers not fitting together: lower VLLM_CPU_KVCACHE_SPACE (vLLM's default takes "
+                           "most of the node) or the tier's capacity. Said once; stats show 'emptied'.",
+                           tier.name, 100 * reading.used_fraction, 100 * self.high)
         if not decision.pressured and self.pressured and self.pressured_since is not None:
             self.last_relief_s = reading.at - self.pressured_since
             self.pressured_since = None
+            self._said_empty = False
         self.pressured = decision.pressured
         self.admitting = decision.admitting
         tier.set_capacity_limit(decision.capacity)
@@ -70,7 +81,8 @@ class TierPressure:
         return {**self.monitor.describe(), "pressured": self.pressured, "admitting": self.admitting,
                 "high_watermark": self.high, "low_watermark": self.low,
                 "effective_capacity_bytes": self.tier.capacity_bytes,
-                "freed_bytes": self.demoted_bytes, "shrinks": self.shrinks, "last_relief_s": self.last_relief_s}
+                "freed_bytes": self.demoted_bytes, "shrinks": self.shrinks, "last_relief_s": self.last_relief_s,
+                "emptied": self.emptied}
 
 
 def watch(tier: StorageBackend, probe: MemoryProbe | None, config: PressureConfig, spawn: Spawn

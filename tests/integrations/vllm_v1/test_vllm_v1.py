@@ -130,6 +130,23 @@ def test_every_worker_asks_for_the_amx_tile_state_before_its_first_load(
         assert (result["stats"] or {}).get("amx_tile_state") == want, result["stats"]
 
 
+def test_a_node_that_cannot_hold_vllms_kv_space_and_the_host_tiers_refuses_at_start(
+        model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's KV space (1 GiB here) and a cpu tier as large as the node's memory (not allocated up
+    front): vLLM refuses to start, with tierkv's message naming both figures and the settings
+    to change, where it would otherwise start and be killed once its memory filled."""
+    from tierkv.integrations.vllm_v1.node_memory import node_memory_bytes
+
+    node = node_memory_bytes()
+    assert node is not None, "this Linux node's memory is readable (/proc/meminfo)"
+    tier = {"name": "host", "backend": "cpu", "capacity": node, "preallocate": False}
+    with pytest.raises(RuntimeError) as refused:
+        vllm(spec(model_dir, [PROMPTS["short"]], tierkv_extra(tmp_path, [tier], "stats")), tmp_path / "run")
+    message = str(refused.value)
+    assert "vLLM's KV cache (" in message and "of this node's" in message and "'host'" in message
+    assert "VLLM_CPU_KVCACHE_SPACE" in message
+
+
 def test_a_failing_tier_never_fails_a_request(
         model_dir: Path, shared_disk: Path, first_process: list[dict[str, Any]],
         reference: dict[str, Truth], tmp_path: Path) -> None:

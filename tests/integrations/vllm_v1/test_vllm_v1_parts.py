@@ -561,6 +561,26 @@ def test_a_prompt_that_can_never_pay_is_not_saved(tmp_path: Path) -> None:
         assert worker.finished({"skipped"})[0] == {"skipped"}
 
 
+def test_vllms_kv_space_and_the_host_tiers_must_fit_the_node_together() -> None:
+    """The figures of a 23.5 GiB node whose vLLM took its default KV space (21.01 GiB) beside a
+    1 GiB cpu tier: refused at start, naming both and what to change; with
+    VLLM_CPU_KVCACHE_SPACE=1 they fit; a KV cache on a GPU is not host memory."""
+    from tierkv.errors import ConfigError
+    from tierkv.integrations.vllm_v1.node_memory import check_node_memory, host_tier_bytes, kv_cache_bytes
+
+    gib = 1 << 30
+    host = SimpleNamespace(name="host", device=torch.device("cpu"), capacity=gib)
+    disk = SimpleNamespace(name="disk", device=None, capacity=100 * gib)
+    assert host_tier_bytes([host, disk]) == {"host": gib}
+    node = int(23.54 * gib)
+    with pytest.raises(ConfigError, match=r"KV cache \(21\.0GiB\).*'host' 1\.0GiB.*VLLM_CPU_KVCACHE_SPACE"):
+        check_node_memory(int(21.01 * gib), [host, disk], node)
+    check_node_memory(gib, [host, disk], node)
+    check_node_memory(int(21.01 * gib), [disk], node)  # no host tier: vLLM's own choice
+    shared = torch.zeros(4, 1024)
+    assert kv_cache_bytes([shared, shared[:2], torch.zeros(256)]) == 4 * 1024 * 4 + 256 * 4, "each storage once"
+
+
 def test_caller_runs_hands_copies_to_the_waiting_thread() -> None:
     """A synchronous load's copies run on the thread that waits for the load (vLLM's, with its
     compute cores); an error comes back to the handing thread; once the waiting thread stops

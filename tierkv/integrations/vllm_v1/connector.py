@@ -60,6 +60,7 @@ from tierkv.integrations.vllm_v1.mla import (
     write_latent,
 )
 from tierkv.integrations.vllm_v1.mla import block_size_of as mla_block_size
+from tierkv.integrations.vllm_v1.node_memory import check_node_memory, kv_cache_bytes
 from tierkv.integrations.vllm_v1.placement import place_engine_threads
 from tierkv.integrations.vllm_v1.request_hints import request_hints
 from tierkv.integrations.vllm_v1.scheduler import (
@@ -288,6 +289,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             worker.disable(self._hybrid.refused)
             self._write_stats()
             return
+        # vLLM's KV space and tierkv's host tiers must fit the node together: refuse now, not an OOM kill later
+        check_node_memory(kv_cache_bytes(kv_caches.values()), worker.engine.tiers)
         hybrid = self._hybrid.groups
         attention = {name: kv_caches[name] for name in self._hybrid.first_attention_layers()} if hybrid else kv_caches
         names = sorted(attention, key=lambda name: (_layer_index(name, 0), name))

@@ -117,6 +117,7 @@ class WorkerTransfers:
         self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
         self._step: tuple[float, tuple[tuple[int, int], ...]] | None = None  # the forward pass being timed
+        self._failures_said: set[tuple[str, str]] = set()  # kinds of save failure logged once already
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = memory_sources(engine)
 
@@ -378,8 +379,13 @@ class WorkerTransfers:
     def _save_done(self, spec: SaveSpec, num_tokens: int, future: concurrent.futures.Future[int]) -> None:
         if future.cancelled() or future.exception() is not None:
             self.stats["save_failures"] += 1
-            logger.warning("tierkv: save of request %s failed (a future miss): %r", spec.req_id,
-                           None if future.cancelled() else future.exception())
+            error = None if future.cancelled() else future.exception()
+            kind = (type(error).__name__, str(error).split(":", 1)[0])  # e.g. a tier's CapacityError
+            said = kind in self._failures_said
+            self._failures_said.add(kind)
+            logger.log(logging.DEBUG if said else logging.WARNING,
+                       "tierkv: save of request %s failed (a future miss): %r%s", spec.req_id, error,
+                       "" if said else " (later failures of this kind are counted in save_failures, logged at debug)")
         else:
             chunks = future.result()
             self.stats["chunks_saved"] += chunks
