@@ -4,7 +4,7 @@ cache at tensor parallelism 2 (MLA).
 
 For each model kind (layer mixes and geometries of served models, with fewer layers in the
 same proportions so the run fits a small machine), a prompt is saved through the connector's
-hybrid path (``tierkv.integrations.vllm_v1.hybrid_scheduler`` and ``hybrid_worker``: one
+hybrid path (``tierkv.integrations.vllm_v1.hybrid.scheduler`` and ``.worker``: one
 save job per step, the steps vLLM would run) into a ``cpu`` tier, then a hit of the whole
 prompt is loaded into other blocks, ``--repeats`` times. The baseline, timed in the same run
 on the same engine, is what a cache without the hybrid manager keeps: every layer as a
@@ -42,11 +42,11 @@ import torch
 
 from tierkv import Engine
 from tierkv.chunks.identity import PLAIN
-from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridPlanner
-from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups
-from tierkv.integrations.vllm_v1.kv_groups import KVGroup
+from tierkv.integrations.vllm_v1.hybrid.groups import KVGroup
+from tierkv.integrations.vllm_v1.hybrid.scheduler import HybridLoad, HybridPlanner
+from tierkv.integrations.vllm_v1.hybrid.state_pages import content_bytes
+from tierkv.integrations.vllm_v1.hybrid.worker import HybridTransfers, bind_groups
 from tierkv.integrations.vllm_v1.scheduler import LoadSpec, LookupResult, SaveSpec
-from tierkv.integrations.vllm_v1.state_pages import content_bytes
 from tierkv.integrations.vllm_v1.worker import WorkerTransfers, _GuardedSink
 
 BLOCK, CHUNK = 256, 256

@@ -258,6 +258,24 @@ def test_a_long_module_says_why_it_is_one() -> None:
     assert unexplained == [], f"over 400 lines with no word on why: {unexplained}"
 
 
+def test_what_a_long_module_says_of_its_length_is_true() -> None:
+    """A module that says "about N lines" at its top is within 15% of N: the reason it gives
+    for being one module was given for that size."""
+    import re
+
+    untrue = []
+    for package in (*PACKAGES, "examples/tierkv-redis/src"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            said = re.search(r"about (\d[\d,]*) lines", ast.get_docstring(ast.parse(text)) or "")
+            if said is None:
+                continue
+            claimed, lines = int(said.group(1).replace(",", "")), text.count("\n")
+            if abs(lines - claimed) > 0.15 * claimed:
+                untrue.append(f"{path.relative_to(ROOT)}: says about {claimed}, has {lines}")
+    assert untrue == [], f"a module's note on its length is not true: {untrue}"
+
+
 def test_the_longest_first_list_names_modules_that_exist() -> None:
     # read from the file: the module named conftest may be another folder's under xdist
     tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())

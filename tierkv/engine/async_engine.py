@@ -1,8 +1,9 @@
 """The prompt API: tokens in, KV out, across the tiers of the ``tierkv.routing.router.TierRouter`` it holds.
 
-One module of about 890 lines, by choice: it is the whole public prompt API, one class whose
-methods each carry their contract in their docstring, plus the router's surface re-exposed for
-callers of the engine; the logic behind them lives in the modules beside it (chunk_layout,
+One module of about 680 lines, by choice: the prompt API (store, retrieve, lookup, locate,
+stats), one class whose methods each carry their contract in their docstring; its key-level
+calls (``key_calls``), its cost-model calls (``cost_calls``) and its hints (``hints``) are
+mixins beside it, and the logic behind them lives in the modules beside it (chunk_layout,
 prefix_plans, metadata) and below.
 
 ``AsyncEngine`` cuts prompts into chunk keys (prefix-chained hashes), stores a prompt's KV
@@ -34,12 +35,13 @@ from tierkv.chunks.keys import KV_FORMATS, CacheKey, KeyMaker, TokenIds, as_toke
 from tierkv.chunks.kvlayout import KVCache, nbytes_of
 from tierkv.config.loader import EngineConfig, load_config
 from tierkv.engine.chunk_layout import ChunkLayout
-from tierkv.engine.hints import HintCounts, drop_scope, retain_keys
+from tierkv.engine.cost_calls import CostModelCalls
+from tierkv.engine.hints import HintCalls, HintCounts
+from tierkv.engine.key_calls import KeyLevelCalls
 from tierkv.engine.metadata import EngineMetadata, KVShape, check_capacities
 from tierkv.engine.prefix_plans import PrefixPlans
 from tierkv.errors import ConfigError
 from tierkv.policy import residency as policy
-from tierkv.policy.planner import PrefixPlan
 from tierkv.policy.pressure import MemoryProbe
 from tierkv.routing.locate import Levels
 from tierkv.routing.router import TierRouter
@@ -62,7 +64,7 @@ def apply_log_level() -> None:
         logging.getLogger(name).setLevel(level)
 
 
-class AsyncEngine:
+class AsyncEngine(KeyLevelCalls, CostModelCalls, HintCalls):
     """Stores and retrieves KV caches of token prefixes across a stack of tiers.
 
     The tiers are held by ``router`` (a ``tierkv.routing.router.TierRouter``), used through its
@@ -167,105 +169,6 @@ class AsyncEngine:
     def write_policy(self) -> str:
         """``"write_through"`` or ``"write_back"``, as configured."""
         return self.router.write_policy
-
-    async def batched_put(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor]) -> int:
-        """Store chunks under their keys, as the write policy says.
-
-        The chunks go to the first tier that admits them; the call fails only when no tier
-        took them. A tier that fails is counted, and skipped for a while after repeated
-        failures.
-
-        Args:
-            keys: One key per chunk (``keys_for`` makes them).
-            chunks: The chunks, each a KV blob of one chunk's tokens; the caller may reuse them
-                once the call returns.
-
-        Returns:
-            How many chunks were acknowledged.
-
-        Raises:
-            ValueError: if ``keys`` and ``chunks`` differ in length.
-            TierUnavailableError: if no tier took the chunks and some are cached nowhere.
-            BackendClosedError: if the engine is closed, or closed under the call.
-        """
-        return await self.router.batched_put(keys, chunks)
-
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[torch.Tensor | None]:
-        """The chunk of each key, each from the highest tier holding it.
-
-        Waits for the prefetches moving these keys; hits below the first tier are copied up
-        into the tiers above that promote.
-
-        Args:
-            keys: The keys to read.
-
-        Returns:
-            The chunks in the order of ``keys``; None for a miss.
-
-        Raises:
-            BackendClosedError: if the engine is closed.
-        """
-        return await self.router.batched_get(keys)
-
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each key is held by any tier (or waits in the fill queue).
-
-        Args:
-            keys: The keys to look for.
-
-        Returns:
-            One flag per key, in order.
-
-        Raises:
-            BackendClosedError: if the engine is closed.
-        """
-        return await self.router.batched_contains(keys)
-
-    async def batched_delete(self, keys: Sequence[CacheKey]) -> int:
-        """Remove ``keys`` from every tier.
-
-        The background fills already queued land first, so none writes a key back; a tier that
-        fails is counted and skipped (the call removes what it can).
-
-        Args:
-            keys: The keys to remove.
-
-        Returns:
-            How many (key, tier) copies were removed.
-
-        Raises:
-            BackendClosedError: if the engine is closed.
-        """
-        return await self.router.batched_delete(keys)
-
-    async def locate_keys(self, keys: Sequence[CacheKey]) -> list[str | None]:
-        """The name of the highest tier holding each key.
-
-        Args:
-            keys: The keys to locate.
-
-        Returns:
-            Per key, in order, a tier's name, ``"fill-queue"``
-                (``tierkv.routing.locate.FILL_QUEUE``) for a chunk acknowledged and not yet
-                written, or None where no tier holds it.
-
-        Raises:
-            BackendClosedError: if the engine is closed.
-        """
-        return self.router.names(await self.router.levels(keys))
-
-    def locate_keys_nowait(self, keys: Sequence[CacheKey]) -> list[str | None] | None:
-        """``locate_keys`` answered from in-memory indexes, from any thread.
-
-        Args:
-            keys: The keys to locate.
-
-        Returns:
-            What ``locate_keys`` returns, or None when a tier available now needs I/O to answer
-                (then await ``locate_keys``).
-        """
-        levels = self.router.levels_nowait(keys)
-        return None if levels is None else self.router.names(levels)
 
     async def flush(self) -> None:
         """Wait until every background operation (fills, prefetches, demotions) has landed.
@@ -695,124 +598,6 @@ class AsyncEngine:
         prefix = levels[: policy.first_missing([level is not None for level in levels])]
         return [name for name in self.router.names(prefix) if name is not None]
 
-    async def _prefix_levels(self, token_array: np.ndarray, identity: RequestIdentity) -> Levels:
-        return await self.plans.prefix_levels(self._iter_keys(token_array, identity))
-
-    def _prefix_levels_nowait(self, token_array: np.ndarray, identity: RequestIdentity) -> Levels | None:
-        return self.plans.prefix_levels_nowait(self._iter_keys(token_array, identity))
-
-    def _record_lookup(self, token_array: np.ndarray, levels: Levels,
-                       identity: RequestIdentity) -> PrefixPlan:
-        """The length a scheduler should count as cached: the planned prefix (see ``plan``)."""
-        return self.plans.record(len(token_array), levels, lambda: next(self._iter_keys(token_array, identity)))
-
-    @property
-    def cost_aware(self) -> bool:
-        """Whether a cached prefix is loaded only as far as that beats recomputing it.
-
-        ``cost_aware`` in the config, or as last set; by default, once a recompute speed is
-        known. Set it to switch the policy at runtime: True, False, or None (the default);
-        anything else raises ``TypeError``. Every measured speed is kept.
-        """
-        return self.plans.cost_aware
-
-    @cost_aware.setter
-    def cost_aware(self, value: bool | None) -> None:
-        """Switch the policy at runtime (None: the default), keeping every measured speed."""
-        self.plans.set_cost_aware(value)
-
-    def observe_recompute(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
-        """Refine the recompute speed the cost model uses from one measured prefill.
-
-        Integrations call this around every prefill they run. Values that are not positive
-        (``context_tokens``: negative) or not finite are ignored.
-
-        Args:
-            new_tokens: How many tokens the serving model computed.
-            context_tokens: How many cached tokens it attended to before them.
-            seconds: How long that took.
-        """
-        self.plans.recompute.observe(new_tokens, context_tokens, seconds)
-
-    def observe_step(self, parts: Sequence[tuple[int, int]], seconds: float) -> None:
-        """Refine the recompute speed from one forward step of a batch: ``parts`` is each
-        request's ``(new tokens, cached context)`` (a serving engine's scheduler knows them), the
-        step took ``seconds`` (see ``RecomputeModel.observe_step``)."""
-        self.plans.recompute.observe_step(parts, seconds)
-
-    def recompute_tokens_per_s(self, num_tokens: int) -> float | None:
-        """The serving model's prefill speed from scratch at ``num_tokens``, as the cost model
-        knows it (configured or measured); None while unknown."""
-        model = self.plans.recompute
-        return model.tokens_per_s(num_tokens) if model.known else None
-
-    def worth_storing(self, num_tokens: int) -> bool:
-        """Whether a prompt of ``num_tokens`` could ever load faster than it recomputes, from the
-        fastest tier (False: a save of it can never pay; True while the cost model knows too little)."""
-        return self.plans.worth_storing(num_tokens)
-
-    def plan_nowait(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan | None:
-        """``plan`` answered from in-memory indexes, from any thread.
-
-        Args:
-            tokens: The prompt's token ids.
-            identity: The request's identity, as given to ``store``.
-
-        Returns:
-            What ``plan`` returns, or None when a tier needs I/O to answer (then await ``plan``).
-
-        Raises:
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
-            BackendClosedError: if the engine is closed.
-        """
-        self.router.ensure_open()
-        token_array = as_token_array(tokens)
-        levels = self._prefix_levels_nowait(token_array, identity)
-        if levels is None:
-            return None
-        return self._record_lookup(token_array, levels, identity)
-
-    async def plan(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> PrefixPlan:
-        """How much of the cached prefix of ``tokens`` is worth loading.
-
-        For each prefix length, the expected fetch time (the tiers holding its chunks, at their
-        measured speeds, read in parallel) against the recompute time it saves; the best length
-        wins. Without a known recompute speed (or with ``cost_aware: false``) the plan is the
-        whole cached prefix. The plan is also what ``stats()["last_lookup"]`` shows.
-
-        Args:
-            tokens: The prompt's token ids.
-            identity: The request's identity, as given to ``store``.
-
-        Returns:
-            The plan: cached and planned tokens, the expected fetch time against the recompute
-                time it saves, chunks per tier and the reason.
-
-        Raises:
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
-            BackendClosedError: if the engine is closed.
-        """
-        self.router.ensure_open()
-        token_array = as_token_array(tokens)
-        return self._record_lookup(token_array, await self._prefix_levels(token_array, identity), identity)
-
-    def plan_located(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
-        """The plan (see ``plan``) for cached chunks already located.
-
-        For an integration that located a page range itself; nothing is asked of the tiers.
-
-        Args:
-            tier_names: The tier of each cached chunk, as ``locate_keys`` answers, from chunk
-                ``first_chunk`` on.
-            num_tokens: The prompt's length in tokens.
-            first_chunk: The index of the first chunk in ``tier_names``; the chunks before it
-                are the caller's already (not loaded, not counted).
-
-        Returns:
-            The plan for those chunks.
-        """
-        return self.plans.plan(tier_names, num_tokens, first_chunk)
-
     async def locate(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> list[str | None]:
         """Where each chunk of ``tokens`` is cached.
 
@@ -829,116 +614,6 @@ class AsyncEngine:
             BackendClosedError: if the engine is closed.
         """
         return await self.locate_keys(self.keys_for(as_token_array(tokens), identity))
-
-    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN, wait: bool = False) -> int:
-        """Start moving the cached prefix of ``tokens`` up to the top tier.
-
-        Returns once the moves have started (``wait``: once they and the engine's other
-        background work have landed); a later retrieve of the same tokens waits only for the
-        chunks still in flight.
-
-        Args:
-            tokens: The prompt's token ids.
-            identity: The request's identity, as given to ``store``.
-            wait: Return only when the prefix is in the top tier.
-
-        Returns:
-            The tokens of the cached prefix (already in the top tier, or moving there).
-
-        Raises:
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
-            BackendClosedError: if the engine is closed.
-        """
-        token_array, keys = self._prompt_keys(tokens, identity)
-        levels = await self.router.levels(keys)
-        held = policy.first_missing([level is not None for level in levels])
-        await self.router.prefetch(keys[:held], levels[:held])
-        if wait:
-            await self.router.wait_inflight(keys[:held])
-            await self.router.flush()  # the promotions' writes into the top tier
-        prefix = min(len(token_array), held * self.chunk_size)
-        self.hint_counts.prefetched_tokens += prefix
-        return prefix
-
-    def _prompt_keys(self, tokens: TokenIds, identity: RequestIdentity) -> tuple[np.ndarray, list[CacheKey]]:
-        """A hint's prompt as a token array, and its chunks' keys (the engine must be open)."""
-        self.router.ensure_open()
-        token_array = as_token_array(tokens)
-        return token_array, self.keys_for(token_array, identity)
-
-    async def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
-        """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
-
-        A lease in every tier that keeps leases (the node pool ``shm``, the memory tiers ``cpu``
-        and ``gpu``; not disk or object tiers): its chunks are evicted
-        after every other chunk, so under pressure it is a bias, never a deadlock, and each such
-        tier caps the share of its capacity retained chunks may take (``retain_share``).
-
-        Args:
-            tokens: The prompt's token ids.
-            seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
-            identity: The request's identity, as given to ``store``.
-
-        Returns:
-            The tokens of the leading chunks retained (0 where no tier keeps leases or holds
-                the prefix).
-
-        Raises:
-            RetentionRefusedError: if the lease would pass a tier's cap (nothing was retained).
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, or ``seconds`` is
-                negative.
-            BackendClosedError: if the engine is closed.
-        """
-        token_array, keys = self._prompt_keys(tokens, identity)
-        return retain_keys(self.tiers, keys, seconds, self.chunk_size, len(token_array), self.hint_counts)
-
-    async def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
-        """Remove the cached chunks of ``tokens`` from every tier (a session that ended).
-
-        A chunk being read keeps its bytes until its reader is done.
-
-        Args:
-            tokens: The prompt's token ids.
-            identity: The request's identity, as given to ``store``.
-
-        Returns:
-            The tokens of the chunks some tier held.
-
-        Raises:
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
-            BackendClosedError: if the engine is closed.
-        """
-        token_array, keys = self._prompt_keys(tokens, identity)
-        levels = await self.router.levels(keys)
-        held = [index for index, level in enumerate(levels) if level is not None]
-        await self.router.batched_delete([keys[index] for index in held])
-        dropped = sum(min(self.chunk_size, len(token_array) - index * self.chunk_size) for index in held)
-        self.hint_counts.dropped_tokens += dropped
-        return dropped
-
-    async def drop_identity(self, identity: RequestIdentity) -> int:
-        """Remove every chunk of ``identity``'s requests (a tenant's salt, an adapter: one key
-        scope) from the tiers that can find their chunks by scope (``StorageBackend.drop_scope``):
-        the node pool (``shm``), the memory tiers, ``lmdb`` and ``s3``, every process's chunks
-        in a shared one. ``fs`` keeps them until they are evicted there (its files are named by
-        a digest of their key).
-
-        Args:
-            identity: The requests' identity, as given to ``store``.
-
-        Returns:
-            The chunks dropped.
-
-        Raises:
-            BackendClosedError: if the engine is closed.
-            TierUnavailableError: naming each tier whose drop failed (every other tier
-                dropped its chunks first).
-        """
-        self.router.ensure_open()
-        await self.router.flush()  # fills in flight land first, so none writes a dropped chunk back
-        dropped = await drop_scope(self.tiers, self.metadata.model_name, self.key_maker.scope_name(identity))
-        self.hint_counts.dropped_scope_chunks += dropped
-        return dropped
 
     def stats(self) -> dict[str, Any]:
         """Hit rate, the fill queue, memory pressure, and per-tier counters and occupancy.

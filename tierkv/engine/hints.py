@@ -20,12 +20,18 @@ Each returns what it did in tokens, and the engine counts them (``stats()["hints
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.chunks.keys import CacheKey
+import numpy as np
+
+from tierkv.chunks.identity import PLAIN, RequestIdentity
+from tierkv.chunks.keys import CacheKey, KeyMaker, TokenIds, as_token_array
+from tierkv.engine.metadata import EngineMetadata
 from tierkv.errors import RetentionRefusedError, TierUnavailableError
+from tierkv.policy import residency as policy
+from tierkv.routing.router import TierRouter
 
 
 @dataclass
@@ -108,3 +114,125 @@ async def drop_scope(tiers: Sequence[Any], model_name: str, scope: str) -> int:
         raise TierUnavailableError(f"dropping scope {scope!r}: {len(failed)} tier(s) failed: {names}; "
                                    f"{dropped} chunk(s) dropped from the others") from failed[0][1]
     return dropped
+
+
+class HintCalls:
+    """``prefetch``, ``retain``, ``drop`` and ``drop_identity`` (see the module docstring): a mixin
+    of ``tierkv.engine.async_engine.AsyncEngine``, whose docs list them with the rest of its API."""
+
+    router: TierRouter
+    chunk_size: int
+    hint_counts: HintCounts
+    metadata: EngineMetadata
+    key_maker: KeyMaker
+    keys_for: Callable[..., list[CacheKey]]
+
+    async def prefetch(self, tokens: TokenIds, identity: RequestIdentity = PLAIN, wait: bool = False) -> int:
+        """Start moving the cached prefix of ``tokens`` up to the top tier.
+
+        Returns once the moves have started (``wait``: once they and the engine's other
+        background work have landed); a later retrieve of the same tokens waits only for the
+        chunks still in flight.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+            wait: Return only when the prefix is in the top tier.
+
+        Returns:
+            The tokens of the cached prefix (already in the top tier, or moving there).
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
+        token_array, keys = self._prompt_keys(tokens, identity)
+        levels = await self.router.levels(keys)
+        held = policy.first_missing([level is not None for level in levels])
+        await self.router.prefetch(keys[:held], levels[:held])
+        if wait:
+            await self.router.wait_inflight(keys[:held])
+            await self.router.flush()  # the promotions' writes into the top tier
+        prefix = min(len(token_array), held * self.chunk_size)
+        self.hint_counts.prefetched_tokens += prefix
+        return prefix
+
+    def _prompt_keys(self, tokens: TokenIds, identity: RequestIdentity) -> tuple[np.ndarray, list[CacheKey]]:
+        """A hint's prompt as a token array, and its chunks' keys (the engine must be open)."""
+        self.router.ensure_open()
+        token_array = as_token_array(tokens)
+        return token_array, self.keys_for(token_array, identity)
+
+    async def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
+        """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
+
+        A lease in every tier that keeps leases (the node pool ``shm``, the memory tiers ``cpu``
+        and ``gpu``; not disk or object tiers): its chunks are evicted
+        after every other chunk, so under pressure it is a bias, never a deadlock, and each such
+        tier caps the share of its capacity retained chunks may take (``retain_share``).
+
+        Args:
+            tokens: The prompt's token ids.
+            seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The tokens of the leading chunks retained (0 where no tier keeps leases or holds
+                the prefix).
+
+        Raises:
+            RetentionRefusedError: if the lease would pass a tier's cap (nothing was retained).
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, or ``seconds`` is
+                negative.
+            BackendClosedError: if the engine is closed.
+        """
+        token_array, keys = self._prompt_keys(tokens, identity)
+        return retain_keys(self.router.backends, keys, seconds, self.chunk_size, len(token_array), self.hint_counts)
+
+    async def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
+        """Remove the cached chunks of ``tokens`` from every tier (a session that ended).
+
+        A chunk being read keeps its bytes until its reader is done.
+
+        Args:
+            tokens: The prompt's token ids.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The tokens of the chunks some tier held.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids.
+            BackendClosedError: if the engine is closed.
+        """
+        token_array, keys = self._prompt_keys(tokens, identity)
+        levels = await self.router.levels(keys)
+        held = [index for index, level in enumerate(levels) if level is not None]
+        await self.router.batched_delete([keys[index] for index in held])
+        dropped = sum(min(self.chunk_size, len(token_array) - index * self.chunk_size) for index in held)
+        self.hint_counts.dropped_tokens += dropped
+        return dropped
+
+    async def drop_identity(self, identity: RequestIdentity) -> int:
+        """Remove every chunk of ``identity``'s requests (a tenant's salt, an adapter: one key
+        scope) from the tiers that can find their chunks by scope (``StorageBackend.drop_scope``):
+        the node pool (``shm``), the memory tiers, ``lmdb`` and ``s3``, every process's chunks
+        in a shared one. ``fs`` keeps them until they are evicted there (its files are named by
+        a digest of their key).
+
+        Args:
+            identity: The requests' identity, as given to ``store``.
+
+        Returns:
+            The chunks dropped.
+
+        Raises:
+            BackendClosedError: if the engine is closed.
+            TierUnavailableError: naming each tier whose drop failed (every other tier
+                dropped its chunks first).
+        """
+        self.router.ensure_open()
+        await self.router.flush()  # fills in flight land first, so none writes a dropped chunk back
+        dropped = await drop_scope(self.router.backends, self.metadata.model_name, self.key_maker.scope_name(identity))
+        self.hint_counts.dropped_scope_chunks += dropped
+        return dropped

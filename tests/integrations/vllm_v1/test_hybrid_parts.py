@@ -19,15 +19,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 
 from tierkv import Engine  # noqa: E402
 from tierkv.chunks.identity import PLAIN  # noqa: E402
-from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridPlanner  # noqa: E402
-from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups  # noqa: E402
-from tierkv.integrations.vllm_v1.kv_groups import (  # noqa: E402
+from tierkv.integrations.vllm_v1.hybrid.groups import (  # noqa: E402
     KVGroup,
     UnsupportedKVGroupError,
     groups_from_config,
     hybrid_chunk_size,
     joint_hit,
 )
+from tierkv.integrations.vllm_v1.hybrid.scheduler import HybridPlanner  # noqa: E402
+from tierkv.integrations.vllm_v1.hybrid.worker import HybridTransfers, bind_groups  # noqa: E402
 from tierkv.integrations.vllm_v1.request_hints import RequestHints  # noqa: E402
 from tierkv.integrations.vllm_v1.scheduler import LookupResult  # noqa: E402
 from tierkv.integrations.vllm_v1.worker import _GuardedSink  # noqa: E402
@@ -352,8 +352,8 @@ def test_a_step_that_ends_inside_a_chunk_saves_no_state_there(tmp_path: Path) ->
 def test_with_tierkv_off_a_hybrid_load_fails_and_a_save_job_is_done_at_once(tmp_path: Path) -> None:
     """A worker whose caches could not be bound (tierkv off) still answers for the work the
     scheduler planned: vLLM recomputes the load, and the save's pinned blocks go back."""
-    from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridSave
-    from tierkv.integrations.vllm_v1.hybrid_setup import TierKVWorkerMetadata, hybrid_of
+    from tierkv.integrations.vllm_v1.hybrid.scheduler import HybridLoad, HybridSave
+    from tierkv.integrations.vllm_v1.hybrid.setup import TierKVWorkerMetadata, hybrid_of
     from tierkv.integrations.vllm_v1.worker import WorkerTransfers
 
     config = {"model": "hybrid-test", "chunk_size": CHUNK, "tiers": [{"name": "host", "backend": "cpu",
@@ -372,7 +372,7 @@ def test_with_tierkv_off_a_hybrid_load_fails_and_a_save_job_is_done_at_once(tmp_
 
 
 def test_a_model_tierkv_cannot_cache_is_refused_by_name() -> None:
-    from tierkv.integrations.vllm_v1.hybrid_setup import HybridModel
+    from tierkv.integrations.vllm_v1.hybrid.setup import HybridModel
 
     spec = lambda name, **fields: type(name, (), fields)()  # noqa: E731
     indexer = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a"], kv_cache_spec=spec(
@@ -391,7 +391,7 @@ def test_an_mla_model_takes_the_one_group_path_and_mla_beside_a_window_the_hybri
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
-    from tierkv.integrations.vllm_v1.hybrid_setup import HybridModel
+    from tierkv.integrations.vllm_v1.hybrid.setup import HybridModel
 
     mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["model.layers.0.attn"], kv_cache_spec=mla)])

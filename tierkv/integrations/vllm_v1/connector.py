@@ -1,9 +1,9 @@
 """``TierKVConnector``: tierkv as a vLLM v1 KV connector.
 
-One module of about 540 lines, by choice: vLLM's ``KVConnectorBase_V1`` is one class holding
+One module of about 630 lines, by choice: vLLM's ``KVConnectorBase_V1`` is one class holding
 both halves' methods, each delegating in a few lines to ``.scheduler`` or ``.worker``
-(one full-attention group) or to the hybrid path (``.hybrid_setup``, ``.hybrid_scheduler``,
-``.hybrid_worker``); splitting the class would split vLLM's one interface.
+(one full-attention or MLA group: ``.mla``) or to the hybrid path (``.hybrid.setup``, ``.hybrid.scheduler``,
+``.hybrid.worker``); splitting the class would split vLLM's one interface.
 
 Switch it on with one flag::
 
@@ -38,8 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.engine.blocking import EngineBuilder
 from tierkv.integrations.vllm_v1.cpu_pages import layouts_for_isa
-from tierkv.integrations.vllm_v1.hybrid_scheduler import HybridLoad, HybridPlanner, HybridSave
-from tierkv.integrations.vllm_v1.hybrid_setup import (
+from tierkv.integrations.vllm_v1.hybrid.scheduler import HybridLoad, HybridPlanner, HybridSave
+from tierkv.integrations.vllm_v1.hybrid.setup import (
     BlockPins,
     HybridModel,
     TierKVWorkerMetadata,
@@ -105,7 +105,7 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: tuple[str, ...] = ()
     unidentified: int = 0
-    hybrid_loads: list[HybridLoad] = field(default_factory=list)  # a hybrid model's (kv_groups.py)
+    hybrid_loads: list[HybridLoad] = field(default_factory=list)  # a hybrid model's (hybrid/groups.py)
     hybrid_saves: list[HybridSave] = field(default_factory=list)
     drops: list[DropSpec] = field(default_factory=list)  # requests' hints (request_hints.py)
     prefetches: list[PrefetchSpec] = field(default_factory=list)
@@ -194,7 +194,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     """tierkv's tiers (GPU, host, disk, S3) behind vLLM's v1 KV connector interface. It
     supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model of several KV cache
     groups (sliding window, Mamba / linear attention beside full attention) goes through the
-    hybrid path (``.kv_groups``, ``.hybrid_scheduler``, ``.hybrid_worker``)."""
+    hybrid path (``.hybrid``: ``groups``, ``scheduler``, ``worker``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
                  ) -> None:

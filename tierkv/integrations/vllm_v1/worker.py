@@ -1,7 +1,8 @@
 """The worker side of the vLLM v1 connector: loads into and saves out of vLLM's paged cache.
 
-One module of about 420 lines, by choice: WorkerTransfers' loads, saves, completion reports and
-reset share its locks and in-flight maps; the hybrid path already stands apart (hybrid_worker.py).
+One module of about 540 lines, by choice: WorkerTransfers' loads, saves, completion reports,
+reset and the timing of vLLM's steps (what its saves and the lookups' plans weigh) share its
+locks, in-flight maps and engine; the hybrid path already stands apart (hybrid/worker.py).
 
 Loads read each chunk from the tier that holds it straight into the request's blocks (a
 memory tier's slab is scattered with no intermediate); saves gather the finished prompt's
@@ -39,7 +40,7 @@ from tierkv.engine.blocking import Engine
 from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
-from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, memory_sources
+from tierkv.integrations.vllm_v1.hybrid.worker import HybridTransfers, memory_sources
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
 from tierkv.integrations.vllm_v1.layout_check import CacheWriter, verify_layout
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
@@ -114,7 +115,7 @@ class WorkerTransfers:
         self._load_errors: set[int] = set()
         self.disabled: str | None = None  # why tierkv is off for this worker (the layout check failed)
         self.saves_elsewhere: str | None = None  # why another worker saves for this one (an MLA model's TP ranks)
-        self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid_setup.bind_hybrid), else None
+        self.hybrid: HybridTransfers | None = None  # a hybrid model's groups (hybrid/setup.py, bind_hybrid), else None
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
         self._step: tuple[float, tuple[tuple[int, int], ...]] | None = None  # the forward pass being timed
         self._failures_said: set[tuple[str, str]] = set()  # kinds of save failure logged once already

@@ -1,12 +1,12 @@
 """The worker side of the vLLM connector for hybrid models: each KV cache group's blocks bound
-to a connector of its own, loads and saves planned per group (``.hybrid_scheduler``), and
+to a connector of its own, loads and saves planned per group (``.scheduler``), and
 the joint lookup worker 0 answers.
 
 Attention groups (full, sliding window) use the paged-layer connectors of the one-group path
 (``.layouts.connector_for``, the CPU page maps), one per group over that group's layers;
 Mamba groups use ``.state_pages.StatePageConnector``. Every group's chunks go through
 one tierkv engine (one set of tiers, one capacity) under keys of their own
-(``.kv_groups.KVGroup.identity``).
+(``.groups.KVGroup.identity``).
 
 A load of several groups is one asynchronous unit: it succeeds when every group got every
 token it asked for, and is reported failed (vLLM recomputes the request) otherwise; a load
@@ -38,12 +38,12 @@ from tierkv.connectors.engine_io import ConnectorSource
 from tierkv.engine.blocking import Engine
 from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
-from tierkv.integrations.vllm_v1.hybrid_scheduler import NULL_BLOCK, GroupPart, HybridLoad, HybridSave
+from tierkv.integrations.vllm_v1.hybrid.groups import KVGroup, joint_hit
+from tierkv.integrations.vllm_v1.hybrid.scheduler import NULL_BLOCK, GroupPart, HybridLoad, HybridSave
+from tierkv.integrations.vllm_v1.hybrid.state_pages import StatePageConnector, content_bytes
 from tierkv.integrations.vllm_v1.kv_events import GroupTag, KVEventLog
-from tierkv.integrations.vllm_v1.kv_groups import KVGroup, joint_hit
 from tierkv.integrations.vllm_v1.layouts import PagedLayerConnector, connector_for, slot_mapping
 from tierkv.integrations.vllm_v1.scheduler import LookupResult
-from tierkv.integrations.vllm_v1.state_pages import StatePageConnector, content_bytes
 from tierkv.routing.locate import FILL_QUEUE
 
 logger = logging.getLogger(__name__)

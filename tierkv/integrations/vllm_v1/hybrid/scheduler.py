@@ -1,10 +1,10 @@
 """The scheduler side of the vLLM connector for hybrid models (vLLM's hybrid KV cache manager:
-several KV cache groups, ``.kv_groups``): what each step loads into and saves out of every
+several KV cache groups, ``.groups``): what each step loads into and saves out of every
 group's blocks.
 
 Pure bookkeeping, no vLLM import, tested with stand-ins for vLLM's objects. Rules:
 
-- a hit is joint (``.kv_groups.joint_hit``, answered by worker 0): the longest chunk
+- a hit is joint (``.groups.joint_hit``, answered by worker 0): the longest chunk
   boundary at which every group has what it needs, never beyond the prompt's last token;
 - a load is planned per group once vLLM allocated the request's blocks: full attention from
   what vLLM already computed up to the hit; a sliding window only the tokens of its blocks in
@@ -34,7 +34,7 @@ import numpy as np
 
 from tierkv.chunks.identity import PLAIN, RequestIdentity
 from tierkv.chunks.keys import as_token_array
-from tierkv.integrations.vllm_v1.kv_groups import KVGroup
+from tierkv.integrations.vllm_v1.hybrid.groups import KVGroup
 from tierkv.integrations.vllm_v1.request_hints import NO_HINTS, RequestHints
 from tierkv.integrations.vllm_v1.scheduler import DropSpec, LookupResult, PrefetchSpec
 

@@ -3,8 +3,8 @@ start-up (``HybridModel``), the pins a hybrid save holds in vLLM's block pool
 (``BlockPins``) and the per-step report of finished save jobs that carries them back to
 the scheduler (``TierKVWorkerMetadata``).
 
-The connector (``connector.py``) delegates to these and to ``.hybrid_scheduler`` /
-``.hybrid_worker`` in a line or two per vLLM call; the rules are in those modules.
+The connector (``connector.py``) delegates to these and to ``.scheduler`` /
+``.worker`` in a line or two per vLLM call; the rules are in those modules.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from tierkv.config.loader import EngineConfig
-from tierkv.integrations.vllm_v1.hybrid_worker import HybridTransfers, bind_groups
-from tierkv.integrations.vllm_v1.kv_groups import (
+from tierkv.integrations.vllm_v1.hybrid.groups import (
     KVGroup,
     UnsupportedKVGroupError,
     block_size_of,
@@ -28,6 +27,7 @@ from tierkv.integrations.vllm_v1.kv_groups import (
     hybrid_chunk_size,
     is_hybrid,
 )
+from tierkv.integrations.vllm_v1.hybrid.worker import HybridTransfers, bind_groups
 from tierkv.integrations.vllm_v1.worker import WorkerTransfers, _GuardedSink
 
 logger = logging.getLogger(__name__)
