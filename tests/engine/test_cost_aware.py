@@ -3,6 +3,7 @@ deadlines and the single pass over the tiers."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from pathlib import Path
@@ -296,6 +297,22 @@ def test_a_batched_step_teaches_what_its_requests_would_have_taught_alone() -> N
     model.observe_step([], 1.0)  # nothing computed: nothing learned
     model.observe_step([(300, 0)], float("nan"))
     assert model.seconds(1024) == pytest.approx(a * 1024 + b * 1024 * 1024, rel=0.15)
+
+
+def test_steps_that_blame_context_alone_still_leave_a_prefill_its_cost() -> None:
+    """Noisy steps of long-context batches can fit every second to the context term (a = b = 0):
+    a prefill from scratch would then cost nothing, its speed would be infinite and no load
+    would ever pay. (These timings, from a fuzz of the fit, did so; a vLLM worker then failed
+    on the infinite speed it reported.) The per-token terms take the time back."""
+    steps = [([(1024, 512), (100, 512)], 5e-05), ([(2048, 4096), (2048, 512), (1, 0)], 0.22694),
+             ([(2, 4096)], 0.23218), ([(2048, 128), (511, 128), (1024, 4096)], 4e-05),
+             ([(1024, 4096), (2, 512)], 5e-05), ([(2048, 4096), (2, 4096), (256, 512)], 0.00414),
+             ([(1024, 4096)], 0.78644)]
+    model = RecomputeModel()
+    for parts, seconds in steps:
+        model.observe_step(parts, seconds)
+        assert model.seconds(1024) > 0
+        assert math.isfinite(model.tokens_per_s(1024))
 
 
 def test_a_prompt_that_could_never_load_faster_than_it_recomputes_is_not_worth_storing(tmp_path: Path) -> None:

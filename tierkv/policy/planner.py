@@ -97,7 +97,8 @@ class _DecayedFit:
                 self.xx[i][j] = self.xx[i][j] * d + x[i] * x[j]
         self.samples += 1
 
-    def solve(self) -> list[float]:
+    def solve(self, without: Sequence[int] = ()) -> list[float]:
+        """The coefficients (each >= 0); the terms in ``without`` held at 0."""
         xx = [row[:] for row in self.xx]
         xy = self.xy[:]
         w = self.prior_weight * self.prior_decay ** self.samples
@@ -106,7 +107,7 @@ class _DecayedFit:
                 xy[i] += w * x[i] * y
                 for j in range(self.terms):
                     xx[i][j] += w * x[i] * x[j]
-        active = [i for i in range(self.terms) if xx[i][i] > 0]
+        active = [i for i in range(self.terms) if xx[i][i] > 0 and i not in without]
         while active:  # drop the terms that come out negative and refit the rest (a tiny NNLS)
             coef = _solve([[xx[i][j] for j in active] for i in active], [xy[i] for i in active])
             if coef is not None and all(c >= 0 for c in coef):
@@ -336,6 +337,12 @@ class RecomputeModel:
         one thread while lookups plan on another, and a reader sees the old ``(a, b, c)`` or the
         new one, never a mix (the fits themselves are touched by the observing thread alone)."""
         a, b, c = self._fit.solve()
+        if a <= 0 and b <= 0 and self._fit.samples:
+            # Steps heavy with long-context decodes can put all of their time on the context term,
+            # which would make a prefill from scratch free (and every load look worthless). Tokens
+            # always cost their MLPs: the context term yields to the per-token ones then.
+            a, b, c = self._fit.solve(without=(2,))
+            c = 2 * b
         if self._fit.xx[2][2] == 0:  # nothing says what context costs yet: as in a prefill from scratch
             c = 2 * b
         self._coef = (a, b, c)

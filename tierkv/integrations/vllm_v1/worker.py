@@ -286,7 +286,7 @@ class WorkerTransfers:
         self.engine.core.observe_step(parts, time.perf_counter() - started)
         self.stats["steps_timed"] += 1
         speed = self.engine.core.recompute_tokens_per_s(1024)
-        if speed is not None:
+        if speed is not None and math.isfinite(speed):
             self.stats["recompute_tokens_per_s"] = int(speed)
 
     # -- saves -----------------------------------------------------------------------------------
