@@ -1,12 +1,12 @@
 """Where the main job (benchmarks/run.py) is while it runs, and about how long each part takes.
 
 Each part prints its number, its start (minutes into the job) and an estimate: the seconds it
-took on the reference machine (``REFERENCE_S``: a 2-core VM with AVX-512 and AVX512-BF16),
-scaled by how fast this machine copies memory against that one (``calibrate``, a quarter of
-a second). The parts that run a model pick float32 where the CPU has no native bf16
-(benchmarks/cpu_dtype.py), so their time tracks the machine's memory speed more than its
-bf16 arithmetic; an estimate is a guide, not a promise. At the end, each part's seconds beside
-its estimate.
+took on the reference machine (``REFERENCE_S``: a 2-core VM, AMD EPYC with AVX2 only, the
+models in float32), scaled by how this machine compares with that one at what the part mostly
+waits on: copying memory (``copy_gbps``: tiers, codecs, the pool) or computing a model
+(``model_gflops``: a matmul in the dtype the model parts pick, benchmarks/cpu_dtype.py, on one
+core as each vLLM replica has). Both calibrations take about half a second. An estimate is a
+guide, not a promise; at the end each part's seconds stand beside its estimate.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import torch
 
 # seconds each part took on the reference machine, in `tox -e bench`'s main job
 REFERENCE_S: dict[str, float] = {
-    "core": 10, "prompt": 150, "policy": 5, "admission": 25, "compression": 135, "kernels": 5, "node": 35,
-    "replicas": 270, "serving": 420, "cost": 170, "matrix": 40,
+    "core": 23, "prompt": 350, "policy": 11, "admission": 69, "compression": 220, "kernels": 2, "node": 65,
+    "replicas": 480, "serving": 600, "cost": 250, "matrix": 90,
 }
-REFERENCE_COPY_GBPS = 22.6  # the reference machine's copy of 256 MiB
+REFERENCE_COPY_GBPS = 9.5  # the reference machine's copy of 256 MiB (best of four; a busy or cold machine halves it)
+REFERENCE_MODEL_GFLOPS = 75.0  # its float32 matmul on one core
+MODEL_PARTS = frozenset({"compression", "replicas", "serving", "cost"})
+"""The parts whose time is mostly a model's compute (vLLM replicas, HF prefills)."""
 
 
 def calibrate() -> float:
@@ -38,28 +41,54 @@ def calibrate() -> float:
     return source.numel() / best / 1e9
 
 
+def calibrate_model(size: int = 1024) -> float:
+    """This machine's GFLOPS for a ``size``-square matmul on one core, in the dtype the model
+    parts run (bf16 where the CPU computes it natively, else float32), best of five."""
+    from cpu_dtype import model_dtype
+
+    dtype = getattr(torch, model_dtype("auto"))
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.mm(a, b)  # warm up
+        best = float("inf")
+        for _ in range(5):
+            began = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size ** 3 / best / 1e9
+
+
 @dataclass
 class Progress:
     """The parts of one job, in order; ``part(name)`` wraps each."""
 
     parts: Sequence[str]
     copy_gbps: float = REFERENCE_COPY_GBPS
+    model_gflops: float = REFERENCE_MODEL_GFLOPS
     started: float = field(default_factory=time.perf_counter)
     took: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def calibrated(cls, parts: Sequence[str]) -> Progress:
-        progress = cls(parts, calibrate())
+        progress = cls(parts, calibrate(), calibrate_model())
         total = sum(progress.estimate(part) for part in parts)
         print(f"main job: {len(parts)} parts ({', '.join(parts)}); this machine copies at {progress.copy_gbps:.1f} "
-              f"GB/s (the reference machine: {REFERENCE_COPY_GBPS}): about {total / 60:.0f} minutes", flush=True)
+              f"GB/s and computes at {progress.model_gflops:.0f} GFLOPS on a core (the reference machine: "
+              f"{REFERENCE_COPY_GBPS}, {REFERENCE_MODEL_GFLOPS:.0f}): about {total / 60:.0f} minutes", flush=True)
         return progress
 
     def estimate(self, part: str) -> float:
-        """Seconds ``part`` should take here: its reference time, scaled by the copy speed (never
-        below the reference: a machine that copies faster is not assumed faster at the rest)."""
-        scale = REFERENCE_COPY_GBPS / max(self.copy_gbps, 1e-3)
-        return REFERENCE_S.get(part, 60.0) * max(1.0, min(scale, 10.0))
+        """Seconds ``part`` should take here: its reference time, scaled by this machine's
+        speed at what the part waits on (a model's compute or copying), within 4x either way."""
+        if part in MODEL_PARTS:
+            scale = REFERENCE_MODEL_GFLOPS / max(self.model_gflops, 1e-3)
+        else:
+            scale = REFERENCE_COPY_GBPS / max(self.copy_gbps, 1e-3)
+        return REFERENCE_S.get(part, 60.0) * max(0.25, min(scale, 4.0))
 
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:

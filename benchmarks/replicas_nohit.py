@@ -8,6 +8,9 @@ Configurations, each two replicas (the baseline of every ratio is the first):
   the other replica, so nothing can hit: tierkv only saves, and what it costs is overhead;
 - ``tierkv-shm``: both replicas on one node cache (the ``shm`` tier): the other replica's
   prefixes hit;
+- ``lmcache-mp``: both replicas on one LMCache server (its multiprocess mode, 1 GiB, the same
+  chunk size; LMCache 0.5.6 installed without its CUDA dependencies, `tox -e bench-replicas`
+  does it): the anchor the pool is compared with, in the same run;
 - ``vllm-control`` (not run by default): a second pair of vLLM alone, whose ratio to the first
   is the spread of the benchmark itself (an A/A test).
 
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -59,6 +63,7 @@ from serving_workloads import Trace, chat  # noqa: E402
 from tables import print_table  # noqa: E402
 
 from tierkv.testing.mooncake_server import free_port  # noqa: E402
+from tierkv.testing.processes import start_group, stop_group  # noqa: E402
 
 KV_CACHE_BYTES = 1 << 28  # vLLM's own KV space per replica: 0.25 GiB
 _NO_HIT = {("tierkv-private", "later_s"): 1.03, ("tierkv-private", "later_ttft_p90_s"): 1.03}
@@ -69,12 +74,22 @@ TARGETS: dict[str, dict[tuple[str, str], float]] = {
     "served": {**_NO_HIT, ("tierkv-shm", "later_s"): 0.5},
 }
 """Per model shape, the median ratio to vLLM alone each (configuration, metric) must stay under."""
-COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loaded_tok", "vllm_cached_tok",
-           "later_s_vs_vllm", "later_ttft_p90_s_vs_vllm"]
+COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loaded_tok", "external_tok",
+           "vllm_cached_tok", "later_s_vs_vllm", "later_ttft_p90_s_vs_vllm"]
 
 
-def configurations(pool: str) -> dict[str, Config]:
+LMCACHE_SPEC = "lmcache==0.5.6"
+LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
+"""LMCache's servers and connectors report usage to a remote host unless told not to."""
+
+
+def configurations(pool: str, lmcache_port: int = 0) -> dict[str, Config]:
     return {
+        # LMCache's multiprocess mode: one server per node (1 GiB of host memory, as the pool),
+        # each replica's connector sends its blocks there (engine-driven: the CPU path)
+        "lmcache-mp": Config("lmcache-mp", None, servers=2, env=LMCACHE_ENV, kv_transfer={
+            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache_port}}),
         "vllm": Config("vllm", None, servers=2),
         # a second pair of vLLM alone: its ratio to the first is the benchmark's own noise (an A/A test)
         "vllm-control": Config("vllm-control", None, servers=2),
@@ -111,6 +126,34 @@ def replica_model(work: Path, shape: str = "mid") -> Path:
     return save_random_llama(work / f"model-{shape}", **SHAPES[shape], initializer_range=0.15)
 
 
+def start_lmcache_server(port: int, http_port: int, log: Path) -> subprocess.Popen[bytes]:
+    """LMCache's server (``lmcache server``, multiprocess mode) with the pool's 1 GiB, the
+    replicas' chunk size, LRU, and the engine-driven transfer its CPU path needs; ready once
+    its health check answers."""
+    from serving import CHUNK
+
+    script = Path(sys.executable).parent / "lmcache"
+    if not script.exists():
+        raise SystemExit(f"lmcache-mp: LMCache is not installed in this environment: pip install --no-deps "
+                         f"{LMCACHE_SPEC} sortedcontainers opentelemetry-exporter-prometheus==0.66b2 (its CUDA dependencies are not needed on the CPU path)")
+    args = [str(script), "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(CHUNK),
+            "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
+            "--max-workers", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port)]
+    with open(log, "wb") as handle:
+        process = start_group(args, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"lmcache server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthcheck", timeout=2):
+                return process
+        except OSError:
+            time.sleep(0.5)
+    stop_group(process)
+    raise RuntimeError(f"lmcache server did not answer within 120 s:\n{log.read_text()[-4000:]}")
+
+
 @dataclass
 class Servers:
     """One configuration's running replicas."""
@@ -122,8 +165,8 @@ class Servers:
 
 def start_all(names: Sequence[str], available: dict[str, Config], model: Path, work: Path,
               dtype: str) -> dict[str, Servers]:
-    """Every configuration's replicas, started one at a time (they would fight over the cores
-    while loading), replica ``i`` bound to the ``i``-th core."""
+    """Every configuration's replicas, one configuration at a time (more would fight over the
+    cores while loading), its two replicas together, replica ``i`` bound to the ``i``-th core."""
     cores = replica_cores()
     running: dict[str, Servers] = {}
     try:
@@ -132,16 +175,17 @@ def start_all(names: Sequence[str], available: dict[str, Config], model: Path, w
             placement = {"transfer_cpus": name.partition("@")[2]} if "@" in name else {}
             servers = Servers(config, [], [])
             running[name] = servers
+            began = time.perf_counter()
+            print(f"  starting {name}: {config.servers} replicas on cores {cores[:config.servers]} ...", flush=True)
             for index in range(config.servers):
                 port = free_port()
-                log = work / f"{name}-{index}.log"
-                began = time.perf_counter()
-                print(f"  starting {name} replica {index} on core {cores[index]} ...", flush=True)
-                servers.processes.append(start_server(model, port, config, log, KV_CACHE_BYTES,
-                                                      {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])}, placement, dtype))
+                servers.processes.append(start_server(model, port, config, work / f"{name}-{index}.log",
+                                                      KV_CACHE_BYTES, {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])},
+                                                      placement, dtype))
                 servers.urls.append(f"http://127.0.0.1:{port}")
-                wait_ready(servers.urls[-1], servers.processes[-1], log)
-                print(f"  ... up in {time.perf_counter() - began:.0f} s", flush=True)
+            for index, (url, process) in enumerate(zip(servers.urls, servers.processes)):
+                wait_ready(url, process, work / f"{name}-{index}.log")
+            print(f"  ... up in {time.perf_counter() - began:.0f} s", flush=True)
     except BaseException:
         stop_all(running)
         raise
@@ -174,19 +218,29 @@ def measure(servers: Servers, trace: Trace, model: Path, max_tokens: int
     return results, {**{key: after[key] - before[key] for key in after}, "wall_s": wall}, cpu
 
 
-def settle(running: dict[str, Servers], quiet_cpu: float = 0.05, window_s: float = 1.0, limit_s: float = 60.0) -> float:
-    """Wait until every server is idle (all of them together use under ``quiet_cpu`` of a core
-    over ``window_s``), so no configuration's replay shares the cores with another's leftover
-    work; the seconds waited."""
+def draw(running: dict[str, Servers], window_s: float = 1.0) -> float:
+    """Cores every server uses together, over ``window_s``."""
+    pids = [process.pid for servers in running.values() for process in servers.processes]
+    before = sum(sum(thread_times(pid).values()) for pid in pids)
+    time.sleep(window_s)
+    return (sum(sum(thread_times(pid).values()) for pid in pids) - before) / window_s
+
+
+def idle_draw(running: dict[str, Servers], windows: int = 3) -> float:
+    """What the servers use with nothing to do (their pollers and heartbeats: about 1.5% of a
+    core per vLLM worker here, so six servers never fall under a fixed few percent): the
+    least of a few windows."""
+    return min(draw(running) for _ in range(windows))
+
+
+def settle(running: dict[str, Servers], floor: float, quiet_cpu: float = 0.05, limit_s: float = 60.0) -> float:
+    """Wait until the servers are back to their idle ``floor`` (within ``quiet_cpu`` of a core),
+    so no configuration's replay shares the cores with another's leftover work (a save still
+    running uses a good part of a core); the seconds waited."""
     began = time.perf_counter()
-    groups = [process.pid for servers in running.values() for process in servers.processes]
-    before = sum(sum(thread_times(pid).values()) for pid in groups)
     while time.perf_counter() - began < limit_s:
-        time.sleep(window_s)
-        now = sum(sum(thread_times(pid).values()) for pid in groups)
-        if now - before < quiet_cpu * window_s:
+        if draw(running) < floor + quiet_cpu:
             break
-        before = now
     return time.perf_counter() - began
 
 
@@ -210,7 +264,8 @@ def row_for(run: int, name: str, results: list[Result], delta: dict[str, float])
     return {"run": run, "config": name, "later_s": round(sum(r.latency for r in later), 3),
             "later_ttft_p90_s": round(percentile([r.ttft for r in later], 0.9), 3),
             "wall_s": round(delta["wall_s"], 2), "tierkv_loaded_tok": int(delta["tierkv_tokens_loaded"]),
-            "vllm_cached_tok": int(delta["prompt_tokens_cached"]), "later_s_vs_vllm": "",
+            "vllm_cached_tok": int(delta["prompt_tokens_cached"]), "external_tok": int(delta["external_loaded"]),
+            "later_s_vs_vllm": "",
             "later_ttft_p90_s_vs_vllm": ""}
 
 
@@ -232,6 +287,13 @@ def verdicts(rows: list[dict[str, Any]], shape: str = "mid") -> list[dict[str, A
             median = statistics.median(ratios)
             found.append({"config": config, "metric": metric, "median_vs_vllm": round(median, 3),
                           "runs": ratios, "target": limit, "met": median <= limit})
+    pairs = [(row["later_s"], other["later_s"]) for row in rows if row["config"] == "tierkv-shm"
+             for other in rows if other["config"] == "lmcache-mp" and other["run"] == row["run"]]
+    if pairs and shape != "small":  # where loads pay, the pool is to lead LMCache's server in the same run
+        ratios = [round(ours / theirs, 3) for ours, theirs in pairs]
+        median = statistics.median(ratios)
+        found.append({"config": "tierkv-shm", "metric": "later_s", "against": "lmcache-mp",
+                      "median_vs_vllm": round(median, 3), "runs": ratios, "target": 1.0, "met": median < 1.0})
     return found
 
 
@@ -260,7 +322,8 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
         raise ValueError(f"shape: expected one of {list(SHAPES)}, got {shape!r}")
     dtype = model_dtype(dtype)
     pool = f"/dev/shm/tierkv-replicas-{uuid.uuid4().hex[:8]}.pool"
-    available = configurations(pool)
+    lmcache_port = free_port()
+    available = configurations(pool, lmcache_port)
     if not names or names[0] != "vllm" or any(name.partition("@")[0] not in available for name in names):
         raise ValueError(f"configs: expected 'vllm' first, then any of {list(available)[1:]}; got {list(names)}")
     work = Path(tempfile.mkdtemp(prefix="tierkv-replicas-"))
@@ -271,13 +334,22 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
     results: dict[str, Any] = {}
     cpu: dict[str, Counter[tuple[str, str]]] = {}
     started = time.perf_counter()
-    running = start_all(names, available, model, work, dtype)
+    lmcache = (start_lmcache_server(lmcache_port, free_port(), work / "lmcache-server.log")
+               if any(name.partition("@")[0] == "lmcache-mp" for name in names) else None)
     try:
+        running = start_all(names, available, model, work, dtype)
+    except BaseException:
+        if lmcache is not None:
+            stop_group(lmcache)
+        raise
+    try:
+        floor = idle_draw(running)
+        print(f"  the servers' idle draw: {floor:.3f} cores", flush=True)
         for run in range(runs):
             trace = chat(users=users, rounds=rounds, system=256, context=768, seed=run + 1)
             order = list(names[run % len(names):]) + list(names[: run % len(names)])
             for name in order:
-                waited = settle(running)
+                waited = settle(running, floor)
                 began = time.perf_counter()
                 replies, delta, used = measure(running[name], trace, model, max_tokens)
                 cpu.setdefault(name, Counter()).update(used)
@@ -295,6 +367,8 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
                     spy.wait(timeout=60)
     finally:
         stop_all(running)
+        if lmcache is not None:
+            stop_group(lmcache)
         Path(pool).unlink(missing_ok=True)
     add_ratios(rows)
     # a small model recomputes faster than any tier loads: there the pool may rightly load nothing
@@ -318,7 +392,7 @@ def print_replicas(report: dict[str, Any]) -> None:
     if any(row["tierkv_loaded_tok"] for row in report["rows"] if row["config"] == "tierkv-private"):
         print("note: tierkv-private loaded tokens: this trace was meant to have no hit on a private tier")
     for verdict in report["verdicts"]:
-        print(f"{verdict['config']} {verdict['metric']} vs vllm: median {verdict['median_vs_vllm']:.3f}x of "
+        print(f"{verdict['config']} {verdict['metric']} vs {verdict.get('against', 'vllm')}: median {verdict['median_vs_vllm']:.3f}x of "
               f"{verdict['runs']} (<= {verdict['target']}x) {'met' if verdict['met'] else 'MISSED'}")
 
 
@@ -327,7 +401,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", default="vllm,tierkv-private,tierkv-shm",
+    parser.add_argument("--configs", default="vllm,tierkv-private,tierkv-shm,lmcache-mp",
                         help="comma-separated, vllm first; NAME@PLACE runs NAME with transfer_cpus PLACE (spare, own)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", choices=CHOICES, default="auto",

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_dtype import CHOICES, model_dtype  # noqa: E402
 from kv_router import KVRouter  # noqa: E402
-from replicas_nohit import Servers, replica_cores, replica_model, settle, stop_all  # noqa: E402
+from replicas_nohit import Servers, idle_draw, replica_cores, replica_model, settle, stop_all  # noqa: E402
 from serving import Config, percentile, start_server, wait_ready  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Trace, chat  # noqa: E402
@@ -138,6 +138,7 @@ def run_routing(names: list[str], runs: int = 1, users: int = 10, rounds: int = 
     running, endpoints = start_pairs(names, available, model, work, dtype)
     routers = {name: KVRouter(endpoints[name]) for name in names}
     try:
+        floor = idle_draw(running)
         replay_index = 0
         for run in range(runs):
             for name in names:
@@ -145,7 +146,7 @@ def run_routing(names: list[str], runs: int = 1, users: int = 10, rounds: int = 
                 for policy in policies:
                     replay_index += 1
                     trace = chat(users=users, rounds=rounds, system=256, context=768, seed=1000 + replay_index)
-                    waited = settle(running)
+                    waited = settle(running, floor)
                     results, delta = serve(running[name], routers[name], policy, trace, model, max_tokens)
                     rows.append(row_for(run + 1, name, policy, results, delta))
                     print(f"  run {run + 1} {name} {policy}: hit rate {rows[-1]['hit_rate']:.2f}, TTFT p50 "

@@ -83,6 +83,8 @@ def main() -> int:
                         help="also run the prompt-level benchmark (Engine.store / retrieve / lookup, PagedConnector)")
     parser.add_argument("--prompts", type=int, default=2,
                         help="prompts of 4,096 tokens per pass (prompt benchmark; tox -e bench-prompt: 4)")
+    parser.add_argument("--prompt-passes", type=int, default=3,
+                        help="passes per tier of the prompt benchmark: the first and the steady ones (bench-prompt: 4)")
     parser.add_argument("--policy", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
     parser.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
@@ -98,9 +100,10 @@ def main() -> int:
     parser.add_argument("--replicas", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the price of a miss: two vllm serve replicas, one core each, vLLM alone vs "
                              "private cpu tiers (nothing can hit) vs one shm pool (needs vLLM; tox -e bench-replicas: "
-                             "5 runs)")
-    parser.add_argument("--replicas-runs", type=int, default=5)
-    parser.add_argument("--compression-repeats", type=int, default=7,
+                             "5 runs of 6 users, two model shapes and LMCache)")
+    parser.add_argument("--replicas-runs", type=int, default=3)
+    parser.add_argument("--replicas-users", type=int, default=4)
+    parser.add_argument("--compression-repeats", type=int, default=5,
                         help="rounds per point of the compression part (tox -e bench-compression: 15)")
     parser.add_argument("--serving", action=argparse.BooleanOptionalAction, default=False,
                         help="also run the serving benchmark's short form (vllm serve under load; needs vLLM; "
@@ -137,7 +140,7 @@ def main() -> int:
             from prompt import run_prompt, summarize_prompt, workload_text
 
             started = time.time()
-            prompt_rows = run_prompt(num_prompts=args.prompts) + run_long_prompt()
+            prompt_rows = run_prompt(num_prompts=args.prompts, passes=args.prompt_passes) + run_long_prompt()
             print(f"\n== prompt level: {workload_text(args.prompts, 4096)} ==")
             print_table(prompt_rows, PROMPT_COLUMNS)
             summarize_prompt(prompt_rows)
@@ -203,7 +206,7 @@ def main() -> int:
                 from replicas_nohit import print_replicas, run_replicas
 
                 replicas = run_replicas(["vllm", "tierkv-private", "tierkv-shm"], runs=args.replicas_runs,
-                                        out=out / "replicas")
+                                        users=args.replicas_users, out=out / "replicas")
                 print_replicas(replicas)
                 targets.extend(f"{v['config']} {v['metric']} vs vllm: median {v['median_vs_vllm']:.3f}x "
                                f"(<= {v['target']}x) {'met' if v['met'] else 'MISSED'}" for v in replicas["verdicts"])

@@ -58,11 +58,15 @@ COLUMNS = ["config", "workload", "requests", "ttft_p50_s", "ttft_p90_s", "ttft_p
 
 @dataclass(frozen=True)
 class Config:
-    """A serving configuration: its servers' tierkv tiers (None: vLLM alone), how many servers."""
+    """A serving configuration: its servers' tierkv tiers (None: vLLM alone), how many servers;
+    ``kv_transfer``: another connector's ``--kv-transfer-config`` instead (a baseline such as
+    LMCache), with ``env`` for its servers."""
 
     name: str
     tiers: list[dict[str, Any]] | None
     servers: int = 1
+    kv_transfer: dict[str, Any] | None = None
+    env: dict[str, str] | None = None
 
 
 def configurations(work: Path) -> dict[str, Config]:
@@ -104,13 +108,15 @@ def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_byt
     if kv_events_port is not None:
         args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                    "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv"})]
-    if config.tiers is not None:
+    if config.kv_transfer is not None:
+        args += ["--kv-transfer-config", json.dumps(config.kv_transfer)]
+    elif config.tiers is not None:
         extra = {"config": {"chunk_size": CHUNK, "tiers": config.tiers}, **(connector_extra or {})}
         args += ["--kv-transfer-config", json.dumps({
             "kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm_v1",
             "kv_role": "kv_both", "kv_connector_extra_config": extra})]
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-           "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
+           "TOKENIZERS_PARALLELISM": "false", **(config.env or {}), **(env_extra or {})}
     with open(log, "wb") as handle:  # a process group of its own: the API server, its engine core and worker
         return start_group(args, stdout=handle, stderr=subprocess.STDOUT, env=env)
 

@@ -27,6 +27,8 @@ COUNTERS = {
     "prompt_tokens_cached": "vllm:prompt_tokens_cached_total",
     "tierkv_tokens_loaded": "vllm:tierkv_tokens_loaded_total",
     "tierkv_load_failures": "vllm:tierkv_load_failures_total",
+    # what any connector loaded (vLLM counts prompt tokens by where they came from)
+    "external_loaded": 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}',
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 
@@ -110,13 +112,17 @@ async def replay(trace: Trace, urls: Sequence[str], model: str, max_tokens: int 
 
 
 def scrape(text: str) -> dict[str, float]:
-    """The ``COUNTERS`` in a Prometheus text page, summed over their labels."""
-    wanted = {name: key for key, name in COUNTERS.items()}
+    """The ``COUNTERS`` in a Prometheus text page, summed over their labels (a counter named
+    with a ``{label="value"}`` takes only the samples that carry it)."""
     totals = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
         match = _SAMPLE.match(line.strip())
-        if match and match.group(1) in wanted:
-            totals[wanted[match.group(1)]] += float(match.group(3))
+        if not match:
+            continue
+        for key, name in COUNTERS.items():
+            metric, _, label = name.partition("{")
+            if match.group(1) == metric and (not label or label.rstrip("}") in (match.group(2) or "")):
+                totals[key] += float(match.group(3))
     return totals
 
 

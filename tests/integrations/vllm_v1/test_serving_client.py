@@ -39,5 +39,7 @@ def test_the_benchmark_client_replays_traces_against_vllm_serve_with_tierkv(cont
         "a user's round waits for its previous round's answer"
     assert deltas["docqa"]["prompt_tokens"] == sum(len(r.prompt) for r in traces[1].requests)
     assert deltas["docqa"]["tierkv_tokens_loaded"] > 0, "tierkv supplied the documents vLLM let go"
+    # vLLM's own count of prompt tokens from a connector (how the benchmarks count LMCache's) agrees
+    assert deltas["docqa"]["external_loaded"] == deltas["docqa"]["tierkv_tokens_loaded"]
     row = serving.summarize("tierkv-cpu", "docqa", docs, deltas["docqa"], None, {})
     assert row["requests"] == 6 and row["tierkv_loaded_tok"] == int(deltas["docqa"]["tierkv_tokens_loaded"])
