@@ -45,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -56,6 +55,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_dtype import CHOICES, model_dtype  # noqa: E402
+from lmcache_server import LMCACHE_ENV, start_lmcache_server  # noqa: E402
 from replicas_profile import summarize_profile, thread_times  # noqa: E402
 from serving import Config, percentile, route_for, start_server, stop_server, wait_ready  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
@@ -63,7 +63,7 @@ from serving_workloads import Trace, chat  # noqa: E402
 from tables import print_table  # noqa: E402
 
 from tierkv.testing.mooncake_server import free_port  # noqa: E402
-from tierkv.testing.processes import start_group, stop_group  # noqa: E402
+from tierkv.testing.processes import stop_group  # noqa: E402
 
 KV_CACHE_BYTES = 1 << 28  # vLLM's own KV space per replica: 0.25 GiB
 _NO_HIT = {("tierkv-private", "later_s"): 1.03, ("tierkv-private", "later_ttft_p90_s"): 1.03}
@@ -76,11 +76,6 @@ TARGETS: dict[str, dict[tuple[str, str], float]] = {
 """Per model shape, the median ratio to vLLM alone each (configuration, metric) must stay under."""
 COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loaded_tok", "external_tok",
            "vllm_cached_tok", "later_s_vs_vllm", "later_ttft_p90_s_vs_vllm"]
-
-
-LMCACHE_SPEC = "lmcache==0.5.6"
-LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
-"""LMCache's servers and connectors report usage to a remote host unless told not to."""
 
 
 def configurations(pool: str, lmcache_port: int = 0) -> dict[str, Config]:
@@ -124,34 +119,6 @@ def replica_model(work: Path, shape: str = "mid") -> Path:
     from tierkv.testing.vllm_runner import save_random_llama
 
     return save_random_llama(work / f"model-{shape}", **SHAPES[shape], initializer_range=0.15)
-
-
-def start_lmcache_server(port: int, http_port: int, log: Path) -> subprocess.Popen[bytes]:
-    """LMCache's server (``lmcache server``, multiprocess mode) with the pool's 1 GiB, the
-    replicas' chunk size, LRU, and the engine-driven transfer its CPU path needs; ready once
-    its health check answers."""
-    from serving import CHUNK
-
-    script = Path(sys.executable).parent / "lmcache"
-    if not script.exists():
-        raise SystemExit(f"lmcache-mp: LMCache is not installed in this environment: pip install --no-deps "
-                         f"{LMCACHE_SPEC} sortedcontainers opentelemetry-exporter-prometheus==0.66b2 (its CUDA dependencies are not needed on the CPU path)")
-    args = [str(script), "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(CHUNK),
-            "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
-            "--max-workers", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port)]
-    with open(log, "wb") as handle:
-        process = start_group(args, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"lmcache server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthcheck", timeout=2):
-                return process
-        except OSError:
-            time.sleep(0.5)
-    stop_group(process)
-    raise RuntimeError(f"lmcache server did not answer within 120 s:\n{log.read_text()[-4000:]}")
 
 
 @dataclass
