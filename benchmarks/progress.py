@@ -20,11 +20,11 @@ import torch
 
 # seconds each part took on the reference machine, in `tox -e bench`'s main job
 REFERENCE_S: dict[str, float] = {
-    "core": 23, "prompt": 350, "policy": 11, "admission": 69, "compression": 220, "kernels": 2, "node": 65,
-    "replicas": 480, "serving": 600, "cost": 250, "matrix": 90,
+    "core": 16, "prompt": 342, "policy": 14, "admission": 78, "compression": 263, "kernels": 1, "node": 62,
+    "replicas": 513, "serving": 600, "cost": 179, "matrix": 74,
 }
-REFERENCE_COPY_GBPS = 9.5  # the reference machine's copy of 256 MiB (best of four; a busy or cold machine halves it)
-REFERENCE_MODEL_GFLOPS = 75.0  # its float32 matmul on one core
+REFERENCE_COPY_GBPS = 10.0  # the reference machine's copy of 256 MiB (best of four)
+REFERENCE_MODEL_GFLOPS = 70.0  # its float32 matmul on one core (best of 20; one VM read 43 to 77)
 MODEL_PARTS = frozenset({"compression", "replicas", "serving", "cost"})
 """The parts whose time is mostly a model's compute (vLLM replicas, HF prefills)."""
 
@@ -43,7 +43,8 @@ def calibrate() -> float:
 
 def calibrate_model(size: int = 1024) -> float:
     """This machine's GFLOPS for a ``size``-square matmul on one core, in the dtype the model
-    parts run (bf16 where the CPU computes it natively, else float32), best of five."""
+    parts run (bf16 where the CPU computes it natively, else float32), best of 20 (a VM's
+    neighbours move a single reading by a third or more)."""
     from cpu_dtype import model_dtype
 
     dtype = getattr(torch, model_dtype("auto"))
@@ -53,7 +54,7 @@ def calibrate_model(size: int = 1024) -> float:
     try:
         torch.mm(a, b)  # warm up
         best = float("inf")
-        for _ in range(5):
+        for _ in range(20):
             began = time.perf_counter()
             torch.mm(a, b)
             best = min(best, time.perf_counter() - began)
