@@ -196,13 +196,18 @@ class PoolFile:
                               f"{stats.f_bavail * stats.f_frsize} free: give a smaller capacity, or grow it (e.g. "
                               "mount -o remount,size=... /dev/shm; a container: --shm-size). `tierkv pool-size` "
                               "says what a capacity costs")
-        temporary = f"{self.path}.{os.getpid()}-{secrets.token_hex(4)}{_CREATING}"
+        unique = f"{self.path}.{os.getpid()}-{secrets.token_hex(4)}"
+        temporary = unique + _CREATING
         try:
-            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.mode)
+            # made under a name the stale sweep does not match, locked, then renamed to one it
+            # does: a sweeper never sees it unlocked while its creator lives (it only takes
+            # unlocked files), so a concurrent creator cannot remove it from under us
+            fd = os.open(unique, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.mode)
         except OSError as exc:
             raise ConfigError(f"{self.where}: cannot create the pool at {self.path!r}: {exc.strerror}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # while held, the temporary file is being made (not stale)
+            os.rename(unique, temporary)
             os.fchmod(fd, self.mode)  # exactly the mode asked for, whatever the umask
             try:
                 os.posix_fallocate(fd, 0, need)  # every page now, not a SIGBUS on a full tmpfs later
@@ -214,8 +219,9 @@ class PoolFile:
                 logger.info("%s: created a pool of %d bytes (a file of %d) at %s", self.where,
                             self.geometry.capacity, need, self.path)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
+            for leftover in (unique, temporary):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
             os.close(fd)
 
     def _initialize_file(self, fd: int) -> None:
