@@ -4,7 +4,8 @@ whole under a temporary name and moved into place without replacing anything, ch
 the layout it must have, mapped shared by this process, and viewed part by part (numpy arrays of
 the header, tables, entries, free extents, processes and holds; a torch tensor of the data area;
 plain memoryviews for lookups). Nothing here changes the index after creation:
-``tierkv_backends.shm.index`` and ``tierkv_backends.shm.pool`` do.
+``tierkv_backends.shm.index`` and ``tierkv_backends.shm.pool`` do. About 400 lines, by choice:
+opening, creating and sweeping a pool file are one safety argument, read together.
 
 Why a pool file is checked this way: it holds every tenant's KV, and its default path under the
 world-writable ``/dev/shm`` is predictable. A file another user planted there (a pool of theirs,
