@@ -128,7 +128,11 @@ def resume(path: str, capacity: int, keyspace: int, marker: str, out: str) -> No
                 halves = [(view.view(-1), chunk.reshape(-1)) for view, chunk in zip(views.values(), truth)]
                 for view, chunk in halves:
                     view[: len(chunk) // 2].copy_(chunk[: len(chunk) // 2])
-                Path(marker).write_text(json.dumps({"pid": int(os.readlink("/proc/self"))}))
+                # Written whole under another name, then renamed: the test polls for the marker and
+                # must never read it half written (seen on a busy CI machine: an empty file).
+                staged = Path(f"{marker}.partial")
+                staged.write_text(json.dumps({"pid": int(os.readlink("/proc/self"))}))
+                os.replace(staged, marker)
                 os.kill(os.getpid(), signal.SIGSTOP)
                 for view, chunk in halves:
                     view[len(chunk) // 2 :].copy_(chunk[len(chunk) // 2 :])
