@@ -18,7 +18,9 @@ truth of a hit vLLM's own cache cannot make; a prompt's ``kv_transfer_params`` s
 
 A prompt may also be ``{"ids": [...], "cache_salt": "tenant-a", "lora": NAME, "pause_s": 5}`` (a
 tenant's salt, a LoRA adapter of ``loras``, an untimed pause before it; vLLM runs with
-``enable_lora`` when ``loras`` is given),
+``enable_lora`` when ``loras`` is given), with ``"wait_for": [counter, n]`` (before it) or
+``"then_wait_for": [counter, n]`` (after it, before its stats are read): an untimed wait until
+the stats file shows the counter at ``n`` (a save runs after the prompt's call returns),
 or ``{"embeds": [tokens, seed]}``: random prompt embeddings of that many tokens (vLLM runs
 with ``enable_prompt_embeds`` when ``"prompt_embeds": true`` is in the spec).
 ``save_random_lora`` makes an adapter for such a model with peft.
@@ -225,6 +227,8 @@ def main(spec_path: str) -> int:
             prompt_params.extra_args = {"kv_transfer_params": described["kv_transfer_params"]}
         output = llm.generate([request], prompt_params, use_tqdm=False, lora_request=lora)[0]
         seconds = time.perf_counter() - started
+        if described.get("then_wait_for"):  # untimed: a save of this prompt's own lands before its stats
+            wait_for_stat(stats_file, *described["then_wait_for"])
         stats = None
         if stats_file and os.path.exists(stats_file):
             with open(stats_file) as handle:

@@ -44,8 +44,10 @@ def test_a_load_slower_than_vllms_prefill_is_recomputed_and_nothing_is_stored(
         context_llama: Path, truths: dict[str, Truth], tmp_path: Path) -> None:
     stored, warm = "partial_600", "doc_q1"
     files = {"name": "files", "backend": "fs", "path": str(tmp_path / "fs")}
-    first = vllm(spec(context_llama, [PROMPTS[stored]], extra(tmp_path, files, tmp_path / "a.json")), tmp_path / "a")
-    assert (first[-1]["stats"] or {}).get("chunks_saved") == -(-len(PROMPTS[stored]) // CHUNK)
+    chunks = -(-len(PROMPTS[stored]) // CHUNK)
+    stored_prompt = {"ids": PROMPTS[stored], "then_wait_for": ["chunks_saved", chunks]}  # its save lands after the call
+    first = vllm(spec(context_llama, [stored_prompt], extra(tmp_path, files, tmp_path / "a.json")), tmp_path / "a")
+    assert (first[-1]["stats"] or {}).get("chunks_saved") == chunks
     site = tmp_path / "site"
     make_distribution(site, "tierkv-test-slowdisk", "tierkv_test_slowdisk", {"slowdisk": "tierkv_test_slowdisk:SlowDisk"},
                       SLOW_DISK)

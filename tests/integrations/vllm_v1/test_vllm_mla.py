@@ -116,7 +116,8 @@ def mla_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         pools.append(pool)
         node = {"name": "node", "backend": "shm", "path": pool, "capacity": POOL}
         files = {"name": "files", "backend": "fs", "path": str(work / "fs"), "capacity": "1GiB"}
-        retained = {"ids": Q1, "kv_transfer_params": {"tierkv": {"retain_s": 600}}}  # a hint, as for any model
+        retained = {"ids": Q1, "kv_transfer_params": {"tierkv": {"retain_s": 600}},  # a hint, as for any model
+                    "then_wait_for": ["hint_retained_tokens", len(Q1)]}  # its save lands after the call
         a = run_vllm(run_spec(model, backend, [P, retained], tiers_extra([node, files], work / "a.json")),
                      work / "a", env=VLLM_ENV)
         port = free_port()
