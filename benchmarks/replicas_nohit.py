@@ -16,7 +16,8 @@ Configurations, each two replicas (the baseline of every ratio is the first):
 
 Each replica's vLLM compute thread is bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``),
 as vLLM's CPU build is deployed (one instance per socket or NUMA node). All servers start once
-and stay up; each run replays a fresh chat (a new seed: no run hits an earlier run's prompts)
+and stay up where they fit in memory together (``replica_memory``: else each configuration's
+start for its replay, after the last one's stopped); each run replays a fresh chat (a new seed: no run hits an earlier run's prompts)
 against every configuration, in an order that rotates from run to run, so every ratio compares
 two configurations timed minutes apart on the same servers. Per run and configuration: the
 later rounds' time (the summed latency of every request after a user's first), their TTFT p90,
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -48,7 +48,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_dtype import CHOICES, model_dtype  # noqa: E402
 from lmcache_server import LMCACHE_ENV, start_lmcache_server  # noqa: E402
+from replica_memory import replicas_at_once  # noqa: E402
+from replica_servers import KV_CACHE_BYTES, Servers, ServersOf, settle  # noqa: E402
 from replicas_profile import summarize_profile, thread_times  # noqa: E402
-from serving import Config, percentile, route_for, start_server, stop_server, wait_ready  # noqa: E402
+from serving import Config, percentile, route_for  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Trace, chat  # noqa: E402
 from tables import print_table  # noqa: E402
@@ -65,7 +67,6 @@ from tables import print_table  # noqa: E402
 from tierkv.testing.mooncake_server import free_port  # noqa: E402
 from tierkv.testing.processes import stop_group  # noqa: E402
 
-KV_CACHE_BYTES = 1 << 28  # vLLM's own KV space per replica: 0.25 GiB
 _NO_HIT = {("tierkv-private", "later_s"): 1.03, ("tierkv-private", "later_ttft_p90_s"): 1.03}
 TARGETS: dict[str, dict[tuple[str, str], float]] = {
     # where recomputing costs milliseconds the pool must stand aside: never slower than vLLM alone
@@ -94,14 +95,6 @@ def configurations(pool: str, lmcache_port: int = 0) -> dict[str, Config]:
     }
 
 
-def replica_cores() -> list[int]:
-    """Two cores this process may use, one per replica (the first two of its affinity)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("replicas_nohit: needs two cores (one per replica)")
-    return cores[:2]
-
-
 SHAPES: dict[str, dict[str, int]] = {
     # prefill FLOPs per KV byte decide whether a load can beat recomputing: a small model
     # recomputes 768 tokens in milliseconds, a served one (a 1B Llama's shape) in seconds
@@ -119,50 +112,6 @@ def replica_model(work: Path, shape: str = "mid") -> Path:
     from tierkv.testing.vllm_runner import save_random_llama
 
     return save_random_llama(work / f"model-{shape}", **SHAPES[shape], initializer_range=0.15)
-
-
-@dataclass
-class Servers:
-    """One configuration's running replicas."""
-
-    config: Config
-    urls: list[str]
-    processes: list[subprocess.Popen[bytes]]
-
-
-def start_all(names: Sequence[str], available: dict[str, Config], model: Path, work: Path,
-              dtype: str) -> dict[str, Servers]:
-    """Every configuration's replicas, one configuration at a time (more would fight over the
-    cores while loading), its two replicas together, replica ``i`` bound to the ``i``-th core."""
-    cores = replica_cores()
-    running: dict[str, Servers] = {}
-    try:
-        for name in names:
-            config = available[name.partition("@")[0]]
-            placement = {"transfer_cpus": name.partition("@")[2]} if "@" in name else {}
-            servers = Servers(config, [], [])
-            running[name] = servers
-            began = time.perf_counter()
-            print(f"  starting {name}: {config.servers} replicas on cores {cores[:config.servers]} ...", flush=True)
-            for index in range(config.servers):
-                port = free_port()
-                servers.processes.append(start_server(model, port, config, work / f"{name}-{index}.log",
-                                                      KV_CACHE_BYTES, {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])},
-                                                      placement, dtype))
-                servers.urls.append(f"http://127.0.0.1:{port}")
-            for index, (url, process) in enumerate(zip(servers.urls, servers.processes)):
-                wait_ready(url, process, work / f"{name}-{index}.log")
-            print(f"  ... up in {time.perf_counter() - began:.0f} s", flush=True)
-    except BaseException:
-        stop_all(running)
-        raise
-    return running
-
-
-def stop_all(running: dict[str, Servers]) -> None:
-    for servers in running.values():
-        for process in servers.processes:
-            stop_server(process)
 
 
 def later_rounds(results: list[Result]) -> list[Result]:
@@ -183,32 +132,6 @@ def measure(servers: Servers, trace: Trace, model: Path, max_tokens: int
     cpu.subtract(cpu_before)
     after = asyncio.run(counters(servers.urls))
     return results, {**{key: after[key] - before[key] for key in after}, "wall_s": wall}, cpu
-
-
-def draw(running: dict[str, Servers], window_s: float = 1.0) -> float:
-    """Cores every server uses together, over ``window_s``."""
-    pids = [process.pid for servers in running.values() for process in servers.processes]
-    before = sum(sum(thread_times(pid).values()) for pid in pids)
-    time.sleep(window_s)
-    return (sum(sum(thread_times(pid).values()) for pid in pids) - before) / window_s
-
-
-def idle_draw(running: dict[str, Servers], windows: int = 3) -> float:
-    """What the servers use with nothing to do (their pollers and heartbeats: about 1.5% of a
-    core per vLLM worker here, so six servers never fall under a fixed few percent): the
-    least of a few windows."""
-    return min(draw(running) for _ in range(windows))
-
-
-def settle(running: dict[str, Servers], floor: float, quiet_cpu: float = 0.05, limit_s: float = 60.0) -> float:
-    """Wait until the servers are back to their idle ``floor`` (within ``quiet_cpu`` of a core),
-    so no configuration's replay shares the cores with another's leftover work (a save still
-    running uses a good part of a core); the seconds waited."""
-    began = time.perf_counter()
-    while time.perf_counter() - began < limit_s:
-        if draw(running) < floor + quiet_cpu:
-            break
-    return time.perf_counter() - began
 
 
 def print_cpu(cpu: dict[str, Counter[tuple[str, str]]], runs: int) -> None:
@@ -304,18 +227,16 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
     lmcache = (start_lmcache_server(lmcache_port, free_port(), work / "lmcache-server.log")
                if any(name.partition("@")[0] == "lmcache-mp" for name in names) else None)
     try:
-        running = start_all(names, available, model, work, dtype)
-    except BaseException:
-        if lmcache is not None:
-            stop_group(lmcache)
-        raise
-    try:
-        floor = idle_draw(running)
-        print(f"  the servers' idle draw: {floor:.3f} cores", flush=True)
+        at_once = replicas_at_once(len(names), 2, model, dtype, KV_CACHE_BYTES)
+        if not at_once:
+            print("  memory: every configuration's replicas at once would not fit here; "
+                  "one configuration's at a time, started anew for each replay", flush=True)
+        servers_of = ServersOf(names, available, model, work, dtype, at_once)
         for run in range(runs):
             trace = chat(users=users, rounds=rounds, system=256, context=768, seed=run + 1)
             order = list(names[run % len(names):]) + list(names[: run % len(names)])
             for name in order:
+                running, floor = servers_of.take(name)
                 waited = settle(running, floor)
                 began = time.perf_counter()
                 replies, delta, used = measure(running[name], trace, model, max_tokens)
@@ -327,13 +248,15 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
         if profile is not None:  # one more chat per profiled configuration, not measured
             trace = chat(users=users, rounds=rounds, system=256, context=768, seed=runs + 1)
             for name in profile_configs:
+                running, _ = servers_of.take(name)
                 spies = profile_start(profile, running[name], 600)
                 measure(running[name], trace, model, max_tokens)
                 for spy in spies:
                     spy.send_signal(2)  # SIGINT: py-spy writes what it has
                     spy.wait(timeout=60)
     finally:
-        stop_all(running)
+        if "servers_of" in locals():
+            servers_of.stop()
         if lmcache is not None:
             stop_group(lmcache)
         Path(pool).unlink(missing_ok=True)

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_dtype import CHOICES, model_dtype  # noqa: E402
 from kv_router import KVRouter  # noqa: E402
-from replicas_nohit import Servers, idle_draw, replica_cores, replica_model, settle, stop_all  # noqa: E402
+from replica_servers import Servers, idle_draw, replica_cores, settle, stop_all  # noqa: E402
+from replicas_nohit import replica_model  # noqa: E402
 from serving import Config, percentile, start_server, wait_ready  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Trace, chat  # noqa: E402
