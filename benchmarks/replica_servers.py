@@ -16,11 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replicas_profile import thread_times
-from serving import Config, start_server, stop_server, wait_ready
+from serving import Config, model_kv_bytes_per_token, start_server, stop_server, wait_ready
 
 from tierkv.testing.mooncake_server import free_port
 
-KV_CACHE_BYTES = 1 << 28  # vLLM's own KV space per replica: 0.25 GiB
+KV_CACHE_TOKENS = 16_384
+"""vLLM's own KV space per replica, in tokens of the model served (bytes differ by shape and
+dtype): room for a replica's running requests and every user's earlier rounds, so vLLM alone
+keeps the prefixes it computed itself and a private tier has nothing of its own to add."""
+
+
+def replica_kv_bytes(model: Path, dtype: str) -> int:
+    """vLLM's KV space per replica in bytes: ``KV_CACHE_TOKENS`` of ``model`` in ``dtype``."""
+    return KV_CACHE_TOKENS * model_kv_bytes_per_token(model, dtype)
 
 
 def replica_cores() -> list[int]:
@@ -58,7 +66,7 @@ def start_all(names: Sequence[str], available: dict[str, Config], model: Path, w
             for index in range(config.servers):
                 port = free_port()
                 servers.processes.append(start_server(model, port, config, work / f"{name}-{index}.log",
-                                                      KV_CACHE_BYTES, {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])},
+                                                      replica_kv_bytes(model, dtype), {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])},
                                                       placement, dtype))
                 servers.urls.append(f"http://127.0.0.1:{port}")
             for index, (url, process) in enumerate(zip(servers.urls, servers.processes)):

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_dtype import CHOICES, model_dtype  # noqa: E402
 from lmcache_server import LMCACHE_ENV, start_lmcache_server  # noqa: E402
 from replica_memory import replicas_at_once  # noqa: E402
-from replica_servers import KV_CACHE_BYTES, Servers, ServersOf, settle  # noqa: E402
+from replica_servers import Servers, ServersOf, replica_kv_bytes, settle  # noqa: E402
 from replicas_profile import summarize_profile, thread_times  # noqa: E402
 from serving import Config, percentile, route_for  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
@@ -227,7 +227,7 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
     lmcache = (start_lmcache_server(lmcache_port, free_port(), work / "lmcache-server.log")
                if any(name.partition("@")[0] == "lmcache-mp" for name in names) else None)
     try:
-        at_once = replicas_at_once(len(names), 2, model, dtype, KV_CACHE_BYTES)
+        at_once = replicas_at_once(len(names), 2, model, dtype, replica_kv_bytes(model, dtype))
         if not at_once:
             print("  memory: every configuration's replicas at once would not fit here; "
                   "one configuration's at a time, started anew for each replay", flush=True)

@@ -42,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cpu_dtype import element_bytes  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Request, Trace, traces  # noqa: E402
 from tables import print_table  # noqa: E402
@@ -83,11 +84,13 @@ def configurations(work: Path) -> dict[str, Config]:
 
 
 # -- servers -----------------------------------------------------------------------------------------
-def model_kv_bytes_per_token(model: Path) -> int:
+def model_kv_bytes_per_token(model: Path, dtype: str = "bfloat16") -> int:
+    """Bytes of vLLM's KV cache per token of ``model`` served in ``dtype`` (its cache takes the
+    model's dtype: float32 on a CPU without native bf16 doubles it)."""
     config = json.loads((model / "config.json").read_text())
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return int(config["num_hidden_layers"]) * 2 * heads * head_size * 2
+    return int(config["num_hidden_layers"]) * 2 * heads * head_size * element_bytes(dtype)
 
 
 def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_bytes: int | None = None,
@@ -100,7 +103,7 @@ def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_byt
     ``connector_extra``: more ``kv_connector_extra_config`` keys; ``dtype``: the model's;
     ``kv_events_port``: publish vLLM's KV events (ZMQ) on this port (bound: a wildcard endpoint is
     what vLLM binds; any other it connects to)."""
-    kv_cache_bytes = kv_cache_bytes or KV_TOKENS * model_kv_bytes_per_token(model)
+    kv_cache_bytes = kv_cache_bytes or KV_TOKENS * model_kv_bytes_per_token(model, dtype)
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
             "--skip-tokenizer-init", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", dtype,
             "--enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_cache_bytes),
