@@ -17,8 +17,8 @@ Configurations, each two replicas (the baseline of every ratio is the first):
 Each replica's vLLM compute thread is bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``),
 as vLLM's CPU build is deployed (one instance per socket or NUMA node). All servers start once
 and stay up where they fit in memory together (``replica_memory``: else each configuration's
-start for its replay, after the last one's stopped); each run replays a fresh chat (a new seed: no run hits an earlier run's prompts)
-against every configuration, in an order that rotates from run to run, so every ratio compares
+start for its replay, after the last one's stopped); each run replays a fresh chat (a new seed:
+no run hits an earlier run's prompts) against every configuration, in an order that rotates from run to run, so every ratio compares
 two configurations timed minutes apart on the same servers. Per run and configuration: the
 later rounds' time (the summed latency of every request after a user's first), their TTFT p90,
 the prompt tokens tierkv loaded. The verdict takes the median of the runs' ratios.
@@ -226,6 +226,7 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
     started = time.perf_counter()
     lmcache = (start_lmcache_server(lmcache_port, free_port(), work / "lmcache-server.log")
                if any(name.partition("@")[0] == "lmcache-mp" for name in names) else None)
+    servers_of: ServersOf | None = None
     try:
         at_once = replicas_at_once(len(names), 2, model, dtype, replica_kv_bytes(model, dtype))
         if not at_once:
@@ -255,7 +256,7 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
                     spy.send_signal(2)  # SIGINT: py-spy writes what it has
                     spy.wait(timeout=60)
     finally:
-        if "servers_of" in locals():
+        if servers_of is not None:
             servers_of.stop()
         if lmcache is not None:
             stop_group(lmcache)
