@@ -23,18 +23,20 @@ LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DIS
 """LMCache's servers and connectors report usage to a remote host unless told not to."""
 
 
-def start_lmcache_server(port: int, http_port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_lmcache_server(port: int, http_port: int, log: Path, chunk_tokens: int = 0) -> subprocess.Popen[bytes]:
     """LMCache's server (``lmcache server``, multiprocess mode) with the pool's 1 GiB, the
-    replicas' chunk size, LRU, and the engine-driven transfer its CPU path needs; ready once
-    its health check answers."""
+    replicas' chunk size (``chunk_tokens``; 0: ``serving.CHUNK``), LRU, and the engine-driven
+    transfer its CPU path needs; ready once its health check answers."""
     from serving import CHUNK
+
+    chunk_tokens = chunk_tokens or CHUNK
 
     script = Path(sys.executable).parent / "lmcache"
     if not script.exists():
         raise SystemExit(f"lmcache-mp: LMCache is not installed in this environment: pip install --no-deps "
                          f"{LMCACHE_SPEC} sortedcontainers opentelemetry-exporter-prometheus==0.66b2 "
                          "(its CUDA dependencies are not needed on its CPU path)")
-    args = [str(script), "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(CHUNK),
+    args = [str(script), "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(chunk_tokens),
             "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
             "--max-workers", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port)]
     with open(log, "wb") as handle:

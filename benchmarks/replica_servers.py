@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replicas_profile import thread_times
-from serving import Config, model_kv_bytes_per_token, start_server, stop_server, wait_ready
+from serving import CHUNK, Config, model_kv_bytes_per_token, start_server, stop_server, wait_ready
 
 from tierkv.testing.mooncake_server import free_port
 
@@ -50,7 +50,7 @@ class Servers:
 
 
 def start_all(names: Sequence[str], available: dict[str, Config], model: Path, work: Path,
-              dtype: str) -> dict[str, Servers]:
+              dtype: str, chunk_tokens: int = CHUNK) -> dict[str, Servers]:
     """Every configuration's replicas, one configuration at a time (more would fight over the
     cores while loading), its two replicas together, replica ``i`` bound to the ``i``-th core."""
     cores = replica_cores()
@@ -67,7 +67,7 @@ def start_all(names: Sequence[str], available: dict[str, Config], model: Path, w
                 port = free_port()
                 servers.processes.append(start_server(model, port, config, work / f"{name}-{index}.log",
                                                       replica_kv_bytes(model, dtype), {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])},
-                                                      placement, dtype))
+                                                      placement, dtype, chunk_tokens=chunk_tokens))
                 servers.urls.append(f"http://127.0.0.1:{port}")
             for index, (url, process) in enumerate(zip(servers.urls, servers.processes)):
                 wait_ready(url, process, work / f"{name}-{index}.log")
@@ -90,8 +90,9 @@ class ServersOf:
     all of them would not fit in memory, ``replica_memory``); with the servers' idle draw."""
 
     def __init__(self, names: Sequence[str], available: dict[str, Config], model: Path, work: Path, dtype: str,
-                 at_once: bool) -> None:
-        self._start = functools.partial(start_all, available=available, model=model, work=work, dtype=dtype)
+                 at_once: bool, chunk_tokens: int = CHUNK) -> None:
+        self._start = functools.partial(start_all, available=available, model=model, work=work, dtype=dtype,
+                                        chunk_tokens=chunk_tokens)
         self.running: dict[str, Servers] = {}
         self.floor = 0.0
         if at_once:

@@ -59,7 +59,7 @@ from lmcache_server import LMCACHE_ENV, start_lmcache_server  # noqa: E402
 from replica_memory import replicas_at_once  # noqa: E402
 from replica_servers import Servers, ServersOf, replica_kv_bytes, settle  # noqa: E402
 from replicas_profile import summarize_profile, thread_times  # noqa: E402
-from serving import Config, percentile, route_for  # noqa: E402
+from serving import CHUNK, Config, percentile, route_for  # noqa: E402
 from serving_client import Result, counters, replay  # noqa: E402
 from serving_workloads import Trace, chat  # noqa: E402
 from tables import print_table  # noqa: E402
@@ -203,11 +203,12 @@ def profile_start(out: Path, servers: Servers, seconds: int) -> list[subprocess.
 
 def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: int = 3, max_tokens: int = 8,
                  out: Path = Path("bench-results/replicas"), profile: Path | None = None,
-                 profile_configs: Sequence[str] = (), dtype: str = "auto", shape: str = "mid") -> dict[str, Any]:
+                 profile_configs: Sequence[str] = (), dtype: str = "auto", shape: str = "mid",
+                 chunk_tokens: int = CHUNK) -> dict[str, Any]:
     """The whole benchmark: start every configuration's replicas, ``runs`` rounds of replays,
     stop them; the rows, verdicts and CPU table, written to ``out/replicas.json``. ``dtype``:
     the model's (``auto``: bf16 where the CPU computes it natively, else float32); ``shape``:
-    the model's (``SHAPES``)."""
+    the model's (``SHAPES``); ``chunk_tokens``: the chunk size of tierkv and LMCache alike."""
     if shape not in SHAPES:
         raise ValueError(f"shape: expected one of {list(SHAPES)}, got {shape!r}")
     dtype = model_dtype(dtype)
@@ -219,12 +220,12 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
     work = Path(tempfile.mkdtemp(prefix="tierkv-replicas-"))
     model = replica_model(work, shape)
     print(f"== the price of a miss: 2 replicas, one core each, x {len(names)} configs, {users} users x {rounds} "
-          f"rounds, {runs} runs, {dtype}, {shape} model ==", flush=True)
+          f"rounds, {runs} runs, {dtype}, {shape} model, {chunk_tokens}-token chunks ==", flush=True)
     rows: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
     cpu: dict[str, Counter[tuple[str, str]]] = {}
     started = time.perf_counter()
-    lmcache = (start_lmcache_server(lmcache_port, free_port(), work / "lmcache-server.log")
+    lmcache = (start_lmcache_server(lmcache_port, free_port(), work / "lmcache-server.log", chunk_tokens)
                if any(name.partition("@")[0] == "lmcache-mp" for name in names) else None)
     servers_of: ServersOf | None = None
     try:
@@ -232,7 +233,7 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
         if not at_once:
             print("  memory: every configuration's replicas at once would not fit here; "
                   "one configuration's at a time, started anew for each replay", flush=True)
-        servers_of = ServersOf(names, available, model, work, dtype, at_once)
+        servers_of = ServersOf(names, available, model, work, dtype, at_once, chunk_tokens)
         for run in range(runs):
             trace = chat(users=users, rounds=rounds, system=256, context=768, seed=run + 1)
             order = list(names[run % len(names):]) + list(names[: run % len(names)])
@@ -268,7 +269,7 @@ def run_replicas(names: Sequence[str], runs: int = 5, users: int = 6, rounds: in
         raise RuntimeError(f"tierkv-shm loaded nothing in some run: see {work}/tierkv-shm-*.log")
     shutil.rmtree(work, ignore_errors=True)
     report = {"rows": rows, "verdicts": verdicts(rows, shape), "requests": results, "runs": runs, "dtype": dtype,
-              "shape": {"name": shape, **SHAPES[shape]},
+              "chunk_tokens": chunk_tokens, "shape": {"name": shape, **SHAPES[shape]},
               "cpu_s": {name: {f"{p}/{t}": v for (p, t), v in per.items()} for name, per in cpu.items()},
               "seconds": round(time.perf_counter() - started)}
     out.mkdir(parents=True, exist_ok=True)
@@ -299,6 +300,9 @@ def main() -> int:
                         help="the model's dtype (auto: bf16 where the CPU computes it natively, else float32)")
     parser.add_argument("--shapes", default="small,served",
                         help=f"comma-separated model shapes, each a benchmark of its own: {', '.join(SHAPES)}")
+    parser.add_argument("--chunk-tokens", type=int, default=CHUNK,
+                        help="the chunk size of tierkv and LMCache alike (both default to 256; a chat turn's "
+                             "tail shorter than a chunk is recomputed: docs/benchmarks.md)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/replicas"))
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles of --profile-configs here")
     parser.add_argument("--profile-configs", default="vllm,tierkv-private")
@@ -307,7 +311,7 @@ def main() -> int:
         out = args.out / shape
         profile = args.profile / shape if args.profile is not None else None
         report = run_replicas(args.configs.split(","), args.runs, args.users, args.rounds, args.max_tokens, out,
-                              profile, args.profile_configs.split(","), args.dtype, shape)
+                              profile, args.profile_configs.split(","), args.dtype, shape, args.chunk_tokens)
         print_replicas(report)
         if profile is not None:
             for path in sorted(profile.glob("*.txt")):

@@ -96,13 +96,13 @@ def model_kv_bytes_per_token(model: Path, dtype: str = "bfloat16") -> int:
 def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_bytes: int | None = None,
                  env_extra: dict[str, str] | None = None,
                  connector_extra: dict[str, Any] | None = None, dtype: str = "bfloat16",
-                 kv_events_port: int | None = None) -> subprocess.Popen[bytes]:
+                 kv_events_port: int | None = None, chunk_tokens: int = CHUNK) -> subprocess.Popen[bytes]:
     """``vllm serve`` (its OpenAI API server module: the ``vllm`` script needs a dist named vllm).
     ``kv_cache_bytes``: vLLM's own KV space (default: ``KV_TOKENS`` tokens); ``env_extra``: more
     environment (a core to bind its compute thread to, ``VLLM_CPU_OMP_THREADS_BIND``);
     ``connector_extra``: more ``kv_connector_extra_config`` keys; ``dtype``: the model's;
     ``kv_events_port``: publish vLLM's KV events (ZMQ) on this port (bound: a wildcard endpoint is
-    what vLLM binds; any other it connects to)."""
+    what vLLM binds; any other it connects to); ``chunk_tokens``: tierkv's chunk size."""
     kv_cache_bytes = kv_cache_bytes or KV_TOKENS * model_kv_bytes_per_token(model, dtype)
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
             "--skip-tokenizer-init", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", dtype,
@@ -114,7 +114,7 @@ def start_server(model: Path, port: int, config: Config, log: Path, kv_cache_byt
     if config.kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(config.kv_transfer)]
     elif config.tiers is not None:
-        extra = {"config": {"chunk_size": CHUNK, "tiers": config.tiers}, **(connector_extra or {})}
+        extra = {"config": {"chunk_size": chunk_tokens, "tiers": config.tiers}, **(connector_extra or {})}
         args += ["--kv-transfer-config", json.dumps({
             "kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm_v1",
             "kv_role": "kv_both", "kv_connector_extra_config": extra})]
