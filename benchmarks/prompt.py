@@ -254,8 +254,8 @@ def run_prompt(num_prompts: int = 4, prompt_tokens: int = 4096, passes: int = 4,
                judged_only: bool = False) -> list[dict[str, Any]]:
     """Every row of the prompt-level benchmark (see the module docstring). ``judged_only``:
     of the lmdb tiers' raw put variants, only the one each tier is judged against (the main
-    job's short form; the others, with sync and a transaction per chunk, are written at a
-    fraction of the speed and took two thirds of the part on a 2-core machine)."""
+    job's short form; the others, each writing every pass's bytes again, some with an fsync
+    per commit, took two thirds of the part on a 2-core machine)."""
     try:
         if not ops.extension_status()["in_use"]:
             ops.build_extension()

@@ -79,16 +79,24 @@ def stop_inside_the_lock(path: str, capacity: int) -> None:
 
 
 # -- 2: stopped mid-write in another pid namespace, taken for stopped, resumed ----------------------
+# The busy and resumed processes wait this long for the pool's lock (the default is 1 s): on a
+# machine as busy as CI's (three test workers on two cores, next to these four processes) a
+# lock holder descheduled for a second made a store give up, which is the scheduler's doing,
+# not the resumed process's. A resumed process that wedged the lock would still fail them.
+LOCK_TIMEOUT_S = 30.0
+
+
 def busy(path: str, capacity: int, seed: int, keyspace: int, stop: str, out: str) -> None:
     """Store and read random chunks until the file ``stop`` exists: the instant of each failed
-    store (CLOCK_MONOTONIC, one clock for every process), and how many reads were wrong, go to
-    ``out`` as JSON."""
+    store (CLOCK_MONOTONIC, one clock for every process) and its exception, and how many reads
+    were wrong, go to ``out`` as JSON."""
     import random
 
     async def main() -> dict[str, Any]:
-        tier = workers.backend(path, capacity, lease_s=1.0)
+        tier = workers.backend(path, capacity, lease_s=1.0, lock_timeout_s=LOCK_TIMEOUT_S)
         rng = random.Random(seed)
         failed: list[float] = []
+        failures: list[str] = []
         wrong = stores = reads = hits = 0
         try:
             while not os.path.exists(stop):
@@ -97,8 +105,9 @@ def busy(path: str, capacity: int, seed: int, keyspace: int, stop: str, out: str
                 try:
                     await tier.batched_put(keys, [workers.chunk_of(i) for i in batch])
                     stores += 1
-                except Exception:  # noqa: BLE001 - every failed store is the measure
+                except Exception as exc:  # noqa: BLE001 - every failed store is the measure
                     failed.append(time.monotonic())
+                    failures.append(f"{type(exc).__name__}: {exc}")
                 found = await tier.batched_get(keys)
                 reads += len(found)
                 hits += sum(c is not None for c in found)
@@ -106,7 +115,8 @@ def busy(path: str, capacity: int, seed: int, keyspace: int, stop: str, out: str
                 await asyncio.sleep(0.002)
         finally:
             await tier.close()
-        return {"failed": failed, "wrong": wrong, "stores": stores, "reads": reads, "hits": hits}
+        return {"failed": failed, "failures": failures, "wrong": wrong, "stores": stores, "reads": reads,
+                "hits": hits}
 
     Path(out).write_text(json.dumps(asyncio.run(main())))
 
@@ -118,7 +128,7 @@ def resume(path: str, capacity: int, keyspace: int, marker: str, out: str) -> No
     3 s store and read chunks of its own and read everyone's, and write what happened to ``out``."""
 
     async def main() -> dict[str, Any]:
-        tier = workers.backend(path, capacity, lease_s=1.0)
+        tier = workers.backend(path, capacity, lease_s=1.0, lock_timeout_s=LOCK_TIMEOUT_S)
         try:
             holds = tier.hold([workers.key_of(i) for i in range(keyspace - 8, keyspace)])  # the newest
             mine = [workers.key_of(50_000 + i) for i in range(4)]
