@@ -79,6 +79,9 @@ PROMPTS = {
     "doc_q1": DOC + tokens(4, 40),
     "doc_q2": DOC + tokens(5, 40),  # shares the two document chunks with doc_q1
     "short": tokens(6, 100),  # shorter than a chunk
+    # a chat's two turns: the second extends the first, whose end (420) lies inside a chunk; the
+    # first's save also keeps it cut at a block (384), which the second finds in a new process
+    "turn_1": tokens(16, 420), "turn_2": tokens(16, 420) + tokens(17, 200),
     # test_vllm_exact.py's negative control: one chunk each (one corrupted block), a hit vLLM's
     # own cache makes (256 tokens) and one it cannot (299)
     "one_chunk_257": tokens(14, 257), "one_chunk_300": tokens(15, 300),
@@ -196,13 +199,21 @@ def assert_truthful(name: str, got: dict[str, Any], hit: int, truth: Truth, step
 
 
 # The first tierkv process of test_vllm_v1.py and test_vllm_exact.py: v1's sequence (a repeat,
-# a shared document with two questions, a prompt shorter than a chunk), then exact's prompts
+# a shared document with two questions, a prompt shorter than a chunk, a chat's first turn), then exact's prompts
 # twice (stored through cpu -> lmdb -> fs, then hit from the cpu tier); no prompt shares a
 # chunk with another module's. The second process: a new vLLM over the lmdb tier the first filled.
-V1_SEQUENCE = ["repeated", "repeated", "doc_q1", "doc_q2", "short", "short"]
+V1_SEQUENCE = ["repeated", "repeated", "doc_q1", "doc_q2", "short", "short", "turn_1"]
 EXACT_NAMES = ["partial_600", "block_edge_513", "partial_1000"]
 FIRST_RUN = V1_SEQUENCE + EXACT_NAMES * 2
-SECOND_RUN = ["repeated", "doc_q2"] + EXACT_NAMES
+SECOND_RUN = ["repeated", "doc_q2", "turn_2"] + EXACT_NAMES
+FIRST_RUN_WAITS = {"turn_1": ["continuation_tails_saved", 1]}
+"""Prompts of the first run whose stats are read once a save of theirs landed (saves run after
+the call returns): turn 1's cut at a block, which its test counts."""
+
+
+def first_run_prompt(name: str) -> Any:
+    wait = FIRST_RUN_WAITS.get(name)
+    return PROMPTS[name] if wait is None else {"ids": PROMPTS[name], "then_wait_for": wait}
 
 
 def first_run_tiers(directory: Path) -> list[dict[str, Any]]:
@@ -221,7 +232,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict
     per prompt, and the ``tiers`` it filled."""
     def run(directory: Path) -> dict[str, Any]:
         tiers = first_run_tiers(directory)
-        results = vllm({**spec(model_dir, [PROMPTS[n] for n in FIRST_RUN], shared_extra(directory, tiers)),
+        results = vllm({**spec(model_dir, [first_run_prompt(n) for n in FIRST_RUN], shared_extra(directory, tiers)),
                         "metrics": True}, directory / "run")
         return {"results": results, "tiers": {tier["backend"]: tier for tier in tiers}}
 

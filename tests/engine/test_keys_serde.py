@@ -147,3 +147,25 @@ def test_every_integer_form_of_the_same_ids_gives_the_same_keys() -> None:
         as_token_array(torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="integer dtype"):
         as_token_array(torch.tensor([True, False]))
+
+
+@pytest.mark.parametrize("with_media", [False, True])
+def test_tail_keys_are_the_keys_of_the_prompt_cut_there(with_media: bool) -> None:
+    """The key of a partial chunk cut at n tokens, named without hashing the prefix again, is the
+    last key of the prompt cut at n: what a save of that shorter prompt stored (media folded as
+    the shorter prompt's keys fold them)."""
+    from tierkv.chunks.identity import MediaSpan, RequestIdentity
+
+    identity = RequestIdentity(media=(MediaSpan("image-a", 40, 20),)) if with_media else RequestIdentity()
+    maker = KeyMaker("vllm", "m", 1, 0, chunk_size=32, engine_parts=(("revision", "r1"),))
+    tokens = as_token_array(np.arange(1, 101))
+    lengths = [31, 16, 1]
+    tails = maker.tail_keys(tokens, 1, lengths, identity)
+    assert tails == [list(maker.iter_keys(tokens[: 32 + n], identity))[-1] for n in lengths]
+    assert len(set(tails)) == 3 and tails[0] != list(maker.iter_keys(tokens, identity))[1]
+    assert maker.tail_keys(tokens, 0, [5], identity) == [list(maker.iter_keys(tokens[:5], identity))[-1]]
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="tail lengths must lie in"):
+            maker.tail_keys(tokens, 1, [bad], identity)
+    with pytest.raises(ValueError, match="end within the 100 tokens"):
+        maker.tail_keys(tokens, 3, [8], identity)

@@ -265,6 +265,41 @@ class ChunkHasher:
         """``prefix_hashes`` of a validated token array (``as_token_array``), one at a
         time: a lookup stops hashing at the first chunk no tier holds. Media past the tokens
         given overlap no chunk (a caller may hash a prompt's first chunks only)."""
+        for digest in self._chain(token_array, seed, identity):
+            yield digest[:_HASH_BYTES].hex()
+
+    def tail_hashes(self, token_array: np.ndarray, start_chunk: int, lengths: Sequence[int], seed: bytes = b"",
+                    identity: RequestIdentity = PLAIN) -> list[str]:
+        """The hash of a partial chunk ``start_chunk`` of each length in ``lengths``: for each
+        ``n`` the last of ``prefix_hashes(token_array[:start_chunk * chunk_size + n])``, with the
+        chain before the chunk hashed once (a lookup probing where an earlier, shorter prompt
+        ended: ``tierkv.integrations.vllm_v1.continuation``).
+
+        Raises:
+            ValueError: if a length is not in ``[1, chunk_size]`` or runs past the tokens.
+        """
+        start = start_chunk * self.chunk_size
+        for length in lengths:
+            if not 0 < length <= self.chunk_size or start + length > len(token_array):
+                raise ValueError(f"tail lengths must lie in [1, {self.chunk_size}] and end within the "
+                                 f"{len(token_array)} tokens from token {start}, got {length}")
+        chain = list(self._chain(token_array[:start], seed, identity))
+        previous = chain[-1] if chain else seed
+        mixins = media_mixins(identity.media, self.chunk_size) if identity.media else None
+        mixin = mixins.get(start_chunk) if mixins else None
+        if mixin is not None:
+            previous = fold_media(previous, mixin)
+        data = memoryview(token_array.data).cast("B")
+        width = _TOKEN_DTYPE.itemsize
+        hashes = []
+        for length in lengths:
+            digest = hashlib.sha256(previous)
+            digest.update(data[start * width : (start + length) * width])
+            hashes.append(digest.digest()[:_HASH_BYTES].hex())
+        return hashes
+
+    def _chain(self, token_array: np.ndarray, seed: bytes, identity: RequestIdentity) -> Iterator[bytes]:
+        """The full chain value after each chunk (a key names its first ``_HASH_BYTES``)."""
         data = memoryview(token_array.data).cast("B")
         step = self.chunk_size * _TOKEN_DTYPE.itemsize
         previous = seed
@@ -278,7 +313,7 @@ class ChunkHasher:
             digest = sha256(previous)
             digest.update(data[start : start + step])
             previous = digest.digest()
-            yield previous[:_HASH_BYTES].hex()
+            yield previous
 
 
 class KeyMaker:
@@ -331,3 +366,12 @@ class KeyMaker:
                     recent.clear()
                 key = recent[chunk_hash] = CacheKey.in_namespace(fields, prefix, chunk_hash)
             yield key
+
+    def tail_keys(self, token_array: np.ndarray, start_chunk: int, lengths: Sequence[int],
+                  identity: RequestIdentity = PLAIN) -> list[CacheKey]:
+        """The keys of partial chunk ``start_chunk`` of a validated token array cut at each of
+        ``lengths`` tokens into it (``ChunkHasher.tail_hashes``); not remembered in ``recent``."""
+        scope, prefix = self._scope(identity)
+        fields = (*self._fields, scope.name)
+        return [CacheKey.in_namespace(fields, prefix, chunk_hash)
+                for chunk_hash in self._hasher.tail_hashes(token_array, start_chunk, lengths, scope.seed, identity)]

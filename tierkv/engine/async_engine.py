@@ -214,6 +214,29 @@ class AsyncEngine(KeyLevelCalls, CostModelCalls, HintCalls):
         """
         return list(self._iter_keys(as_token_array(tokens), identity))
 
+    def tail_keys(self, tokens: TokenIds, start_chunk: int, lengths: Sequence[int],
+                  identity: RequestIdentity = PLAIN) -> list[CacheKey]:
+        """The keys a partial chunk of ``tokens`` would have, cut at each of ``lengths`` tokens.
+
+        Where an earlier, shorter prompt ended inside chunk ``start_chunk`` (a chat's previous
+        turn), its last chunk was stored under a key over just its tokens; this names the keys
+        of the candidate cuts without hashing the chunks before them again.
+
+        Args:
+            tokens: The prompt's token ids.
+            start_chunk: The index of the partial chunk.
+            lengths: Its candidate lengths in tokens, each in ``[1, chunk_size]``.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            Per length, in order, the key ``keys_for(tokens[:start_chunk * chunk_size + length])``
+                ends with.
+
+        Raises:
+            ValueError: if ``tokens`` is malformed or a length is out of range.
+        """
+        return self.key_maker.tail_keys(as_token_array(tokens), start_chunk, lengths, identity)
+
     def _iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
         return self.key_maker.iter_keys(token_array, identity)
 

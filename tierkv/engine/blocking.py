@@ -252,6 +252,25 @@ class Engine:
         """
         return self._core.keys_for(tokens, identity)
 
+    def tail_keys(self, tokens: TokenIds, start_chunk: int, lengths: Sequence[int],
+                  identity: RequestIdentity = PLAIN) -> list[CacheKey]:
+        """The keys chunk ``start_chunk`` of ``tokens`` would have if the prompt ended ``lengths``
+        tokens into it: what a save of that shorter prompt stored there (``AsyncEngine.tail_keys``).
+
+        Args:
+            tokens: The longer prompt's token ids.
+            start_chunk: Which chunk the shorter prompt ended in.
+            lengths: Where in that chunk it may have ended, in tokens (1 to ``chunk_size``).
+            identity: The identity both prompts were stored and looked up under.
+
+        Returns:
+            One key per length, in the order given.
+
+        Raises:
+            ValueError: for malformed tokens, or a length outside the chunk or past the tokens.
+        """
+        return self._core.tail_keys(tokens, start_chunk, lengths, identity)
+
     def note_unidentified(self) -> None:
         """Count a request whose KV an integration can neither store nor load.
 

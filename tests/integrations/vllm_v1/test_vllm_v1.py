@@ -69,7 +69,7 @@ def tierkv_extra(tmp_path: Path, tiers: list[dict[str, Any]], name: str) -> dict
 @pytest.fixture(scope="module")
 def reference(truths: dict[str, Truth]) -> dict[str, Truth]:
     """vLLM without tierkv: tokens and top-5 log-probabilities of every prompt, alone and from its own cache."""
-    return {name: truths[name] for name in set(SEQUENCE)}
+    return {name: truths[name] for name in {*SEQUENCE, "turn_2"}}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,24 @@ def test_shared_document_is_a_partial_hit(first_process: list[dict[str, Any]]) -
 
 
 def test_prompt_shorter_than_a_chunk(first_process: list[dict[str, Any]]) -> None:
-    assert loaded_per_prompt(first_process)[4:] == [0, len(PROMPTS["short"]) - 1]
+    assert loaded_per_prompt(first_process)[4:6] == [0, len(PROMPTS["short"]) - 1]
+
+
+def test_a_chats_next_turn_loads_where_the_previous_turn_ended_in_a_new_process(
+        model_dir: Path, first_process: list[dict[str, Any]], reference: dict[str, Truth],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The first process saved turn 1 (420 tokens: a chunk, then its end inside the second) and,
+    cut at vLLM's block, its first 384 tokens; a new vLLM over the lmdb tier gets turn 2, which
+    extends turn 1: it loads those 384 tokens (with whole chunks alone: 256) and computes what
+    vLLM computes (a hit vLLM's own cache, 512 of turn 2's blocks, cannot make: held to vLLM
+    alone within the run's spread)."""
+    assert loaded_per_prompt(first_process)[6] == 0, "turn 1 is new"
+    assert (first_process[6]["stats"] or {}).get("continuation_tails_saved") == 1, first_process[6]["stats"]
+    assert SECOND_RUN[2] == "turn_2" and PROMPTS["turn_2"][:420] == PROMPTS["turn_1"]
+    results = second_run(tmp_path_factory, model_dir)
+    (hit,) = loaded_in(results, 2, 3)
+    assert hit == 420 // 128 * 128
+    assert_truthful("second process: turn_2", results[2], hit, reference["turn_2"])
 
 
 def test_second_vllm_process_hits_what_the_first_stored(

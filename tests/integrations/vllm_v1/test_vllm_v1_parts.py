@@ -321,6 +321,66 @@ def test_worker_lookup_counts_the_planned_prefix_and_the_part_in_memory(tmp_path
         assert worker.lookup(tokens, PLAIN) == LookupResult(-1, 0), "off: the scheduler stops planning"
 
 
+@pytest.mark.parametrize("continuation", [True, False])
+def test_a_chats_next_turn_loads_where_its_previous_turn_ended(tmp_path: Path, continuation: bool) -> None:
+    """Turn 1 (50 tokens, chunks of 32) is saved by one replica: its chunk, its exact tail
+    [32, 50) and the tail cut at vLLM's block, [32, 48). Turn 2 extends it (80 tokens): on
+    another replica the lookup finds the chunk and, probing the next chunk at block multiples,
+    the cut: 48 tokens, loaded bit for bit into that replica's blocks through the planner's
+    load (its keys those of the first 48 tokens). A prompt that leaves turn 1 inside the cut
+    finds the whole chunk only; with ``continuation_tails`` off, turn 2 finds 32. A drop of
+    turn 1 (the session's end) removes the cut with the prompt's chunks."""
+    from tierkv.integrations.vllm_v1.scheduler import DropSpec, SaveSpec
+
+    chunk = 32
+    config = {"model": "continuation-test", "chunk_size": chunk, "cost_aware": False,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"},
+                        {"name": "disk", "backend": "lmdb", "path": str(tmp_path / "db"), "capacity": "64MiB"}]}
+    source = [make_layer("cpu", torch.Generator().manual_seed(9)) for _ in range(LAYERS)]
+    target = [torch.zeros_like(layer) for layer in source]
+    turn_1 = np.arange(1, 51, dtype=np.int32)
+    turn_2 = np.concatenate([turn_1, np.arange(500, 530, dtype=np.int32)])
+    with Engine(config) as engine:
+        saver = WorkerTransfers(engine, continuation_tails=continuation)
+        saver.register(source, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        saver.save(SaveSpec("turn-1", turn_1, (0, 1, 2, 3)))
+        saver.wait_for_saves(["turn-1"])
+        assert saver.stats["chunks_saved"] == 2
+        assert saver.stats["continuation_tails_saved"] == (1 if continuation else 0)
+        replica = WorkerTransfers(engine, continuation_tails=continuation)
+        replica.register(target, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        assert replica.lookup(turn_1, PLAIN) == LookupResult(50, 50), "a repeat finds the exact tail"
+        hit = 48 if continuation else 32
+        assert replica.lookup(turn_2, PLAIN) == LookupResult(hit, hit)
+        diverged = turn_2.copy()
+        diverged[40] = 999  # inside the cut: its key covers that token
+        assert replica.lookup(diverged, PLAIN) == LookupResult(32, 32)
+        if not continuation:
+            return
+        engine.flush()
+        engine.run(engine.tiers[0].delete(engine.tail_keys(turn_2, 1, [16])[0]))
+        assert replica.lookup(turn_2, PLAIN) == LookupResult(48, 32), "the cut now only on disk"
+        planner = SchedulerPlanner(replica.lookup, block_size=BLOCK)
+        assert planner.matched_tokens("turn-2", list(turn_2), 0) == (48, True)
+        blocks = [11, 10, 9, 8, 7]
+        planner.after_alloc("turn-2", blocks, 48)
+        (load,) = planner.build(step([new_request("turn-2", list(turn_2), blocks, 48)], {"turn-2": 32})).loads
+        assert list(load.token_ids) == list(turn_1[:48]) and (load.start, load.end) == (0, 48)
+        assert replica.load(load) and replica.stats["tokens_loaded"] == 48
+        for token in range(80):
+            for layer in range(LAYERS):
+                got = token_kv("cpu", target[layer], blocks[token // BLOCK] * BLOCK + token % BLOCK)
+                want = token_kv("cpu", source[layer], token) if token < 48 else \
+                    (torch.zeros(HEADS, HEAD, dtype=torch.bfloat16),) * 2
+                for a, b in zip(got, want):
+                    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (token, layer)
+        landed = threading.Event()
+        saver.on_saved = landed.set
+        saver.drop(DropSpec("turn-1-last", turn_1, PLAIN))  # the session ended: the cut goes too
+        assert landed.wait(30) and saver.stats["hint_dropped_tokens"] == 50
+        assert engine.batched_contains([*engine.keys_for(turn_1), *engine.tail_keys(turn_1, 1, [16])]) == [False] * 3
+
+
 def test_a_reset_waits_for_the_saves_and_fills_started_before_it(tmp_path: Path) -> None:
     """vLLM's reset_cache while saves are in flight (a lower tier that writes slowly holds the
     fill queue full, so the last save waits for room): the reset returns only once every save

@@ -255,7 +255,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 key_worker, None if self._hybrid.groups else _kv_shape(vllm_config), revision, cache_dtype, identity))
             cpus = place_engine_threads(engine, self._settings.transfer_cpus)
             _kernels_or_build()
-            self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s)
+            self._transfers = WorkerTransfers(engine, self._settings.load_timeout_s,
+                                               self._settings.continuation_tails)
             self._transfers.stats["amx_tile_state"] = int(amx)
             if mla_once and not saves_on_rank(tp_rank, engine.tiers, shared):
                 self._transfers.saves_elsewhere = "TP rank 0 saves this MLA model's chunks for every rank"

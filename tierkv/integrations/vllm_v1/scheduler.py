@@ -113,6 +113,7 @@ class _Match:
     external: int
     asynchronous: bool
     in_memory: int = 0  # of the external tokens, how many a memory tier holds
+    keyed: int = 0  # the prompt length whose chunk keys the hit was found under (a continuation tail: shorter)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class SchedulerPlanner:
             return 0, False
         asynchronous = self.load_async == "always" or (self.load_async == "auto" and result.in_memory_tokens < usable)
         in_memory = max(0, min(result.in_memory_tokens, usable) - num_computed_tokens)
-        self._matches[req_id] = _Match(num_computed_tokens, external, asynchronous, in_memory)
+        self._matches[req_id] = _Match(num_computed_tokens, external, asynchronous, in_memory, result.cached_tokens)
         return external, asynchronous
 
     # -- vLLM: update_state_after_alloc --------------------------------------------------------
@@ -209,7 +210,10 @@ class SchedulerPlanner:
         external = min(num_external_tokens, match.external)
         self._hit_split[req_id] = (min(match.in_memory, external), external - min(match.in_memory, external))
         request.block_ids = list(block_ids)
-        self._pending_loads[req_id] = LoadSpec(req_id, request.tokens, tuple(block_ids), match.local,
+        # the chunks to read are keyed by the tokens the lookup matched: the whole prompt, or where an
+        # earlier prompt ended inside a chunk (``continuation``)
+        tokens = request.tokens[: match.keyed] if 0 < match.keyed < len(request.tokens) else request.tokens
+        self._pending_loads[req_id] = LoadSpec(req_id, tokens, tuple(block_ids), match.local,
                                                match.local + external, match.asynchronous,
                                                request.identity or PLAIN)
 

@@ -31,7 +31,11 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
 - ``identity_hook``: ``"package.module:function"`` called as ``function(request, identity)``
   for every request: returns the ``tierkv.chunks.identity.RequestIdentity`` to key it with
   (add ``extra`` parts, drop the salt to share across tenants knowingly) or None to leave
-  the request uncached.
+  the request uncached;
+- ``continuation_tails``: ``true`` (default): a save also stores its prompt cut at vLLM's
+  block, and a lookup probes such cuts, so a chat's next turn loads what its previous turn
+  ended with (``tierkv.integrations.vllm_v1.continuation``); ``false``: only whole chunks and
+  exact prompt ends are found.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from tierkv.errors import ConfigError
 from tierkv.integrations.vllm_v1.cpu_pages import PAGE_ORDERS
 
 _KNOWN = ("config", "load_async", "load_timeout_s", "load_failure_policy", "stats_file", "layout", "layout_check",
-          "identity_hook", "transfer_cpus")
+          "identity_hook", "transfer_cpus", "continuation_tails")
 _TRANSFER_CPUS = ("auto", "spare", "own")
 # auto, vLLM's CPU page orders (cpu: vec and its kin, cpu_amx, cpu_bfmmla), then the GPU backends' layouts
 _LAYOUTS = ("auto", *PAGE_ORDERS, "content", "kv_first", "blocks_first")
@@ -71,6 +75,7 @@ class ConnectorSettings:
     layout_check: bool = True
     identity_hook: str | None = None
     transfer_cpus: str = "auto"
+    continuation_tails: bool = True
 
     def metadata(self, worker_id: int, kv_shape: tuple[int, int, int, Any] | None = None,
                  model_revision: str | None = None, kv_cache_dtype: str | None = None,
@@ -140,7 +145,10 @@ def settings_from(extra: Mapping[str, Any] | None, kv_role: str | None, model_na
     if placement not in _TRANSFER_CPUS:
         raise ConfigError(f"kv_connector_extra_config.transfer_cpus: expected one of {list(_TRANSFER_CPUS)}, "
                           f"got {placement!r}")
+    continuation = extra.get("continuation_tails", True)
+    if not isinstance(continuation, bool):
+        raise ConfigError(f"kv_connector_extra_config.continuation_tails: expected true or false, got {continuation!r}")
     load, save = _ROLES[role]
     return ConnectorSettings(config, model_name, world_size, load, save, _load_async(extra.get("load_async", "auto")),
                              _timeout(extra.get("load_timeout_s", 30.0)), str(policy), stats_file, str(layout), check,
-                             hook, str(placement))
+                             hook, str(placement), continuation)

@@ -39,6 +39,7 @@ from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine.blocking import Engine
 from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
+from tierkv.integrations.vllm_v1.continuation import saved_tail_end, tail_lengths
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.hybrid.worker import HybridTransfers, memory_sources
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
@@ -98,7 +99,7 @@ class _GuardedSink(ConnectorSink):
 class WorkerTransfers:
     """Loads and saves for one worker (one tensor-parallel rank), through one tierkv engine."""
 
-    def __init__(self, engine: Engine, load_timeout_s: float | None = 30.0) -> None:
+    def __init__(self, engine: Engine, load_timeout_s: float | None = 30.0, continuation_tails: bool = True) -> None:
         self.engine = engine
         self.load_timeout_s = load_timeout_s
         self.connector: PagedLayerConnector | MappedPageConnector | None = None
@@ -121,6 +122,8 @@ class WorkerTransfers:
         self._failures_said: set[tuple[str, str]] = set()  # kinds of save failure logged once already
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = memory_sources(engine)
+        # a save also stores its prompt cut at vLLM's block, a lookup probes such cuts (.continuation)
+        self.continuation_tails = continuation_tails
 
     # -- set-up ----------------------------------------------------------------------------------
     def register(self, layers: Sequence[torch.Tensor], layout: str, num_kv_heads: int, head_size: int,
@@ -131,6 +134,7 @@ class WorkerTransfers:
             raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
         self.connector = connector_for(layers, layout, num_kv_heads, head_size, kernel_block_size)
         self.block_size = block_size
+        self.stats["vllm_block_size"] = block_size  # the step of continuation tails (.continuation)
 
     def disable(self, reason: str) -> None:
         """Stay off from now on: no loads (each is reported failed, so vLLM recomputes), no
@@ -164,9 +168,38 @@ class WorkerTransfers:
         engine = self.engine
         chunk = engine.core.chunk_size
         plan = engine.plan(tokens, identity)
-        tiers = engine.locate_prefix(tokens, identity)[: -(-plan.planned_tokens // chunk)]
+        held = engine.locate_prefix(tokens, identity)
+        planned = plan.planned_tokens
+        tiers = held[: -(-planned // chunk)]
+        if self.continuation_tails and planned == len(held) * chunk:  # all of it pays, up to a chunk boundary
+            tail = self._continuation(tokens, identity, tiers, planned)
+            if tail is not None:
+                planned += tail[0]
+                tiers = [*tiers, tail[1]]
         in_memory = next((i for i, name in enumerate(tiers) if name not in self._in_memory), len(tiers))
-        return LookupResult(plan.planned_tokens, min(in_memory * chunk, plan.planned_tokens))
+        return LookupResult(planned, min(in_memory * chunk, planned))
+
+    def _continuation(self, tokens: np.ndarray, identity: RequestIdentity, tiers: list[str],
+                      held_tokens: int) -> tuple[int, str] | None:
+        """The longest tail an earlier, shorter prompt left in the chunk after ``held_tokens``
+        (``.continuation``) and the tier holding it, when loading the prefix with it still pays."""
+        engine = self.engine
+        core = engine.core
+        lengths = tail_lengths(len(tokens), held_tokens, core.chunk_size, self.block_size)
+        if not lengths:
+            return None
+        keys = engine.tail_keys(tokens, held_tokens // core.chunk_size, lengths, identity)
+        names = core.locate_keys_nowait(keys)
+        if names is None:
+            names = engine.run(core.locate_keys(keys))
+        found = next(((length, name) for length, name in zip(lengths, names, strict=True) if name is not None), None)
+        if found is None:
+            return None
+        extended = core.plan_located([*tiers, found[1]], held_tokens + found[0])
+        if extended.planned_tokens != held_tokens + found[0]:
+            return None
+        self.stats["continuation_lookups"] += 1
+        return found
 
     def _connector(self) -> PagedLayerConnector | MappedPageConnector:
         if self.connector is None:
@@ -317,7 +350,7 @@ class WorkerTransfers:
         try:
             future = self.engine.submit(self._store(spec, store_with_connector(
                 self.engine.core, connector, spec.token_ids, identity=spec.identity, kvcaches=connector.views,
-                slot_mapping=slots)))
+                slot_mapping=slots), connector))
         except Exception as exc:
             self.stats["save_failures"] += 1
             logger.warning("tierkv: save of request %s not started: %s: %s", spec.req_id, type(exc).__name__, exc)
@@ -326,9 +359,14 @@ class WorkerTransfers:
         with self._lock:
             futures.append(future)
 
-    async def _store(self, spec: SaveSpec, storing: Awaitable[int]) -> int:
-        """The save, then its retention hint (``retain_s``) once the chunks are in."""
+    async def _store(self, spec: SaveSpec, storing: Awaitable[int],
+                     connector: PagedLayerConnector | MappedPageConnector) -> int:
+        """The save, then its continuation tail (``.continuation``) and its retention hint
+        (``retain_s``) once the chunks are in; the chunks of the save itself."""
         chunks = await storing
+        end = self._tail_end(len(spec.token_ids))
+        if end is not None:
+            await self._store_tail(spec, end, connector)
         if spec.retain_s:
             try:
                 self.stats["hint_retained_tokens"] += await self.engine.core.retain(spec.token_ids, spec.retain_s,
@@ -337,6 +375,39 @@ class WorkerTransfers:
                 self.stats["hint_retain_refused"] += 1
                 logger.warning("tierkv: request %s: retention refused: %s", spec.req_id, exc)
         return chunks
+
+    def _tail_end(self, num_tokens: int) -> int | None:
+        """Where a save of a ``num_tokens`` prompt cuts its continuation tail (None: it stores none)."""
+        if not self.continuation_tails or self.hybrid is not None:
+            return None
+        return saved_tail_end(num_tokens, self.engine.core.chunk_size, self.block_size)
+
+    async def _drop_prompt(self, tokens: np.ndarray, identity: RequestIdentity) -> int:
+        """Drop a prompt's chunks and the continuation tail its save stored; the prompt's tokens dropped."""
+        core = self.engine.core
+        dropped = await core.drop(tokens, identity)
+        end = self._tail_end(len(tokens))
+        if end is not None:
+            chunk = core.chunk_size
+            await core.batched_delete(core.tail_keys(tokens, end // chunk, [end - end // chunk * chunk], identity))
+        return dropped
+
+    async def _store_tail(self, spec: SaveSpec, end: int, connector: PagedLayerConnector | MappedPageConnector
+                          ) -> None:
+        """Store the prompt's first ``end`` tokens' last (partial) chunk: where the next turn of
+        the conversation will look for it. A failure costs only that future hit."""
+        chunk = self.engine.core.chunk_size
+        mask = torch.zeros(end, dtype=torch.bool)
+        mask[end // chunk * chunk:] = True
+        try:
+            written = await store_with_connector(
+                self.engine.core, connector, spec.token_ids[:end], mask, identity=spec.identity,
+                kvcaches=connector.views, slot_mapping=slot_mapping(spec.block_ids, self.block_size, end))
+        except Exception as exc:
+            self.stats["continuation_save_failures"] += 1
+            logger.debug("tierkv: request %s: continuation tail not saved: %r", spec.req_id, exc)
+            return
+        self.stats["continuation_tails_saved"] += written
 
     def _identities(self, identity: RequestIdentity) -> list[RequestIdentity]:
         """The identities a request's chunks are keyed under: its own, or for a hybrid model one
@@ -351,7 +422,7 @@ class WorkerTransfers:
             self._hint(spec.req_id, "dropped_scope", _over(identities, core.drop_identity, sum), "chunks")
         else:
             self._hint(spec.req_id, "dropped",
-                       _over(identities, lambda identity: core.drop(spec.token_ids, identity), _longest))
+                       _over(identities, lambda identity: self._drop_prompt(spec.token_ids, identity), _longest))
 
     def prefetch(self, spec: PrefetchSpec) -> None:
         """A hint: move a prompt's cached prefix up from the lower tiers (in the background; its
