@@ -1,6 +1,6 @@
 """The engine: chunk keys in, tensors across tiers, tensors out.
 
-One module of about 690 lines, by choice: ``Engine`` mirrors the prompt and key-level methods
+One module of about 770 lines, by choice: ``Engine`` mirrors the prompt and key-level methods
 of ``AsyncEngine``, and each carries its whole contract (arguments, result, errors) in its
 docstring, which the API reference renders; the logic behind them lives in
 ``tierkv.engine.async_engine`` and below.

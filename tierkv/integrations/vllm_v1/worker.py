@@ -1,6 +1,6 @@
 """The worker side of the vLLM v1 connector: loads into and saves out of vLLM's paged cache.
 
-One module of about 540 lines, by choice: WorkerTransfers' loads, saves, completion reports,
+One module of about 610 lines, by choice: WorkerTransfers' loads, saves, completion reports,
 reset and the timing of vLLM's steps (what its saves and the lookups' plans weigh) share its
 locks, in-flight maps and engine; the hybrid path already stands apart (hybrid/worker.py).
 
@@ -389,7 +389,7 @@ class WorkerTransfers:
         end = self._tail_end(len(tokens))
         if end is not None:
             chunk = core.chunk_size
-            await core.batched_delete(core.tail_keys(tokens, end // chunk, [end - end // chunk * chunk], identity))
+            await core.batched_delete(core.tail_keys(tokens, end // chunk, [end % chunk], identity))
         return dropped
 
     async def _store_tail(self, spec: SaveSpec, end: int, connector: PagedLayerConnector | MappedPageConnector
