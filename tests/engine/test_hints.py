@@ -44,6 +44,28 @@ def test_a_retained_prefix_survives_a_flood_and_a_dropped_one_misses(pool_path: 
         assert hints["retained_by_tier"] == {"node": 4 * CHUNK}
 
 
+def test_a_retained_prompts_continuation_tail_is_leased_with_it(pool_path: Path) -> None:
+    """``cut_at``: the partial chunk a save of the prompt cut inside its last chunk stored (what
+    the vLLM connector stores for a chat's next turn) is leased with the prompt's chunks and
+    survives the flood; a cut outside the last chunk is refused by name, and nothing is leased."""
+    with Engine(config(pool_path)) as engine:
+        tokens = torch.arange(3 * CHUNK + 10) + 700_000  # 3 chunks and a 10-token tail
+        cut = 3 * CHUNK + 8
+        for stored in (tokens, tokens[:cut]):
+            engine.store(stored, kv_of(stored))
+        engine.flush()
+        for bad in (3 * CHUNK, len(tokens), 2 * CHUNK + 8, 0):
+            with pytest.raises(ValueError, match="cut_at must end inside the prompt's last chunk"):
+                engine.retain(tokens, 600, cut_at=bad)
+        assert engine.stats()["tiers"]["node"]["pool_retained_bytes"] == 0, "a refused cut leases nothing"
+        assert engine.retain(tokens, 600, cut_at=cut) == len(tokens)
+        store(engine, *range(0, 10))  # 40 chunks through a 16-chunk pool
+        assert engine.lookup(tokens) == len(tokens), "the prompt, retained"
+        assert engine.lookup(tokens[:cut]) == cut, "and its cut"
+        kv, mask = engine.retrieve(tokens[:cut], return_tuple=False)
+        assert bool(mask.all()) and torch.equal(kv, kv_of(tokens[:cut]))
+
+
 def test_a_lease_past_the_cap_is_refused_whole(pool_path: Path) -> None:
     with Engine(config(pool_path, retain_share=0.5)) as engine:  # 8 of 16 chunks may be retained
         store(engine, 0, 1, 2)

@@ -454,7 +454,8 @@ class Engine:
         """
         return int(self._run(self._core.prefetch(tokens, identity)))
 
-    def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
+    def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN,
+               cut_at: int | None = None) -> int:
         """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
 
         A lease in every tier that keeps leases (the node pool ``shm``, the memory tiers ``cpu``
@@ -466,17 +467,19 @@ class Engine:
             tokens: The prompt's token ids.
             seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
             identity: The request's identity, as given to ``store``.
+            cut_at: Where a save also stored the prompt cut inside its last chunk (a
+                continuation tail, ``tail_keys``): that partial chunk is leased too.
 
         Returns:
             The tokens of the leading chunks retained.
 
         Raises:
             RetentionRefusedError: if the lease would pass a tier's cap (nothing was retained).
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, or ``seconds`` is
-                negative.
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, ``seconds`` is
+                negative, or ``cut_at`` is not inside the prompt's last chunk.
             BackendClosedError: if the engine is closed.
         """
-        return int(self._run(self._core.retain(tokens, seconds, identity)))
+        return int(self._run(self._core.retain(tokens, seconds, identity, cut_at)))
 
     def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:
         """Remove the cached chunks of ``tokens`` from every tier (a session that ended).

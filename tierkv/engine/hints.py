@@ -157,13 +157,24 @@ class HintCalls:
         self.hint_counts.prefetched_tokens += prefix
         return prefix
 
+    def _cut_keys(self, token_array: np.ndarray, cut_at: int, identity: RequestIdentity) -> list[CacheKey]:
+        """The key of the partial chunk a save of ``token_array[:cut_at]`` stored, where that cut
+        ends inside the prompt's last chunk (``ValueError`` elsewhere)."""
+        chunk = self.chunk_size
+        last_chunk = (len(token_array) - 1) // chunk
+        if not (last_chunk * chunk < cut_at < len(token_array) and cut_at % chunk):
+            raise ValueError(f"cut_at must end inside the prompt's last chunk, in ({last_chunk * chunk}, "
+                             f"{len(token_array)}) and off a chunk boundary; got {cut_at}")
+        return self.key_maker.tail_keys(token_array, cut_at // chunk, [cut_at % chunk], identity)
+
     def _prompt_keys(self, tokens: TokenIds, identity: RequestIdentity) -> tuple[np.ndarray, list[CacheKey]]:
         """A hint's prompt as a token array, and its chunks' keys (the engine must be open)."""
         self.router.ensure_open()
         token_array = as_token_array(tokens)
         return token_array, self.keys_for(token_array, identity)
 
-    async def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN) -> int:
+    async def retain(self, tokens: TokenIds, seconds: float, identity: RequestIdentity = PLAIN,
+                     cut_at: int | None = None) -> int:
         """Keep the cached prefix of ``tokens`` through evictions for ``seconds`` (0 releases it).
 
         A lease in every tier that keeps leases (the node pool ``shm``, the memory tiers ``cpu``
@@ -175,6 +186,9 @@ class HintCalls:
             tokens: The prompt's token ids.
             seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
             identity: The request's identity, as given to ``store``.
+            cut_at: Where a save also stored the prompt cut inside its last chunk (a
+                continuation tail, named by ``tail_keys``): that partial chunk is leased with
+                the prefix's, refused or granted whole with them.
 
         Returns:
             The tokens of the leading chunks retained (0 where no tier keeps leases or holds
@@ -182,11 +196,13 @@ class HintCalls:
 
         Raises:
             RetentionRefusedError: if the lease would pass a tier's cap (nothing was retained).
-            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, or ``seconds`` is
-                negative.
+            ValueError: if ``tokens`` is not a 1-D sequence of integer ids, ``seconds`` is
+                negative, or ``cut_at`` is not inside the prompt's last chunk.
             BackendClosedError: if the engine is closed.
         """
         token_array, keys = self._prompt_keys(tokens, identity)
+        if cut_at is not None:
+            keys = [*keys, *self._cut_keys(token_array, cut_at, identity)]
         return retain_keys(self.router.backends, keys, seconds, self.chunk_size, len(token_array), self.hint_counts)
 
     async def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:

@@ -381,6 +381,44 @@ def test_a_chats_next_turn_loads_where_its_previous_turn_ended(tmp_path: Path, c
         assert engine.batched_contains([*engine.keys_for(turn_1), *engine.tail_keys(turn_1, 1, [16])]) == [False] * 3
 
 
+def test_a_retained_turn_keeps_its_continuation_tail_through_a_flood(tmp_path: Path) -> None:
+    """A save with ``retain_s`` (a tool call's pause before the next turn) leases the prompt's
+    cut with its chunks: after a flood through the cpu tier that evicts a turn saved without the
+    hint, the retained turn's next turn still finds the cut (48 tokens, not the chunk's 32)."""
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+    from tierkv_backends.memory.slabs import size_class
+
+    chunk, token_bytes = 32, LAYERS * 2 * HEADS * HEAD * 2  # bf16
+    config = {"model": "retained-tail", "chunk_size": chunk, "cost_aware": False,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": 24 * chunk * token_bytes,
+                         "retain_share": 0.5}]}
+    source = [make_layer("cpu", torch.Generator().manual_seed(5)) for _ in range(LAYERS)]
+    kept, plain = np.arange(1, 51, dtype=np.int32), np.arange(1001, 1051, dtype=np.int32)
+
+    def next_turn(turn: np.ndarray) -> np.ndarray:
+        return np.concatenate([turn, np.arange(5000, 5030, dtype=np.int32)])
+
+    with Engine(config) as engine:
+        saver = WorkerTransfers(engine)
+        saver.register(source, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        saver.save(SaveSpec("kept", kept, (0, 1, 2, 3), retain_s=600))
+        saver.save(SaveSpec("plain", plain, (4, 5, 6, 7)))
+        saver.wait_for_saves(["kept", "plain"])
+        assert saver.stats["hint_retained_tokens"] == 50
+        retained = engine.stats()["tiers"]["host"]["retained_bytes"]
+        assert retained == sum(size_class(tokens * token_bytes) for tokens in (32, 18, 16)), \
+            "the chunk, the exact tail and the cut at 48 (in the tier's slab sizes)"
+        flood = [np.arange(1, 193, dtype=np.int32) + 10_000 * (index + 1) for index in range(8)]
+        for index, prompt in enumerate(flood):  # 48 chunks through a tier of 24
+            saver.save(SaveSpec(f"flood-{index}", prompt, tuple(range(BLOCKS))))
+            saver.wait_for_saves([f"flood-{index}"])
+        replica = WorkerTransfers(engine)
+        replica.register([torch.zeros_like(layer) for layer in source], "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        assert replica.lookup(next_turn(plain), PLAIN) == LookupResult(0, 0), "the flood does evict"
+        assert replica.lookup(next_turn(kept), PLAIN) == LookupResult(48, 48), "the cut survived with its chunk"
+        assert engine.stats()["tiers"]["host"]["retained_bytes"] == retained
+
+
 def test_a_reset_waits_for_the_saves_and_fills_started_before_it(tmp_path: Path) -> None:
     """vLLM's reset_cache while saves are in flight (a lower tier that writes slowly holds the
     fill queue full, so the last save waits for room): the reset returns only once every save

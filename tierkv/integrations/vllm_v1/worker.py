@@ -362,7 +362,8 @@ class WorkerTransfers:
     async def _store(self, spec: SaveSpec, storing: Awaitable[int],
                      connector: PagedLayerConnector | MappedPageConnector) -> int:
         """The save, then its continuation tail (``.continuation``) and its retention hint
-        (``retain_s``) once the chunks are in; the chunks of the save itself."""
+        (``retain_s``: the tail leased with the chunks) once they are in; the chunks of the
+        save itself."""
         chunks = await storing
         end = self._tail_end(len(spec.token_ids))
         if end is not None:
@@ -370,7 +371,7 @@ class WorkerTransfers:
         if spec.retain_s:
             try:
                 self.stats["hint_retained_tokens"] += await self.engine.core.retain(spec.token_ids, spec.retain_s,
-                                                                                    spec.identity)
+                                                                                    spec.identity, cut_at=end)
             except RetentionRefusedError as exc:
                 self.stats["hint_retain_refused"] += 1
                 logger.warning("tierkv: request %s: retention refused: %s", spec.req_id, exc)
