@@ -419,6 +419,46 @@ def test_a_retained_turn_keeps_its_continuation_tail_through_a_flood(tmp_path: P
         assert engine.stats()["tiers"]["host"]["retained_bytes"] == retained
 
 
+@pytest.mark.parametrize("first_tier", ["cpu", "shm"])
+def test_a_saved_cut_holds_its_blocks_in_the_kv_events(tmp_path: Path, pool_path: Path, first_tier: str) -> None:
+    """vLLM's KV events (a router's view of the first tier) count a prompt's continuation tail as
+    a second holder of the full blocks of its last chunk: block 2 (tokens [32, 48)) is in the
+    prompt's exact tail [32, 50) and in its cut [32, 48). When the exact tail leaves the first
+    tier (a private cpu tier's removal listener; the node pool's journal), block 2 is not
+    announced removed while the cut still holds it; when the cut leaves too, it is."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+
+    tier: dict[str, Any] = {"name": "host", "backend": first_tier, "capacity": "16MiB"}
+    if first_tier == "shm":
+        tier["path"] = str(pool_path)
+    config = {"model": "cut-events", "chunk_size": 32, "cost_aware": False, "tiers": [tier]}
+    source = [make_layer("cpu", torch.Generator().manual_seed(6)) for _ in range(LAYERS)]
+    turn = np.arange(1, 51, dtype=np.int32)
+    hashes = [bytes([index + 1]) * 32 for index in range(3)]  # vLLM's hashes of the prompt's 3 full blocks
+    published = [maybe_convert_block_hash(block_hash) for block_hash in hashes]
+    with Engine(config) as engine:
+        worker = WorkerTransfers(engine)
+        worker.register(source, "cpu", HEADS, HEAD, BLOCK, BLOCK)
+        worker.record_events(BLOCK)
+        landed = threading.Event()
+        worker.on_saved = landed.set  # after the save's events are recorded
+        worker.save(SaveSpec("turn", turn, (0, 1, 2, 3), block_hashes=tuple(hashes)))
+        assert landed.wait(30) and worker.stats["continuation_tails_saved"] == 1
+
+        def taken(kind: str) -> list[Any]:
+            batch = worker.take_events()
+            events = batch.get_all_events() if batch is not None else []
+            return [block for event in events if type(event).__name__ == kind for block in event.block_hashes]
+
+        assert taken("BlockStored") == published, "each block announced once"
+        assert engine.run(engine.tiers[0].delete(engine.keys_for(turn)[1]))  # the exact tail leaves
+        assert taken("BlockRemoved") == [], "the cut still holds block 2"
+        assert engine.run(engine.tiers[0].delete(engine.tail_keys(turn, 1, [16])[0]))
+        assert taken("BlockRemoved") == [published[2]]
+
+
 def test_a_reset_waits_for_the_saves_and_fills_started_before_it(tmp_path: Path) -> None:
     """vLLM's reset_cache while saves are in flight (a lower tier that writes slowly holds the
     fill queue full, so the last save waits for room): the reset returns only once every save

@@ -137,14 +137,15 @@ class PoolEventLog(KVEventLog):
     def stored(self, chunk_keys: Sequence[CacheKey], chunk_size: int, token_ids: Any,
                block_hashes: Sequence[Any], lora_name: str | None, group: GroupTag | None = None,
                chunks: Iterable[int] | None = None) -> None:
-        """Describe a request's chunks in the pool's journal (every engine, this one included,
-        announces them when it next reads it). One-group models only: a hybrid model's chunks
-        (``group``) are not described."""
-        if group is not None or chunks is not None:
+        """Describe a request's chunks (only the indices ``chunks``, when given) in the pool's
+        journal (every engine, this one included, announces them when it next reads it).
+        One-group models only: a hybrid model's chunks (``group``) are not described."""
+        if group is not None:
             return
         full = min(len(block_hashes), len(token_ids) // self.block_size)
         descriptions = []
-        for index, key in enumerate(chunk_keys):
+        for index in range(len(chunk_keys)) if chunks is None else chunks:
+            key = chunk_keys[index]
             first = index * chunk_size // self.block_size
             last = min(full, -(-((index + 1) * chunk_size) // self.block_size))
             if last <= first:

@@ -120,6 +120,7 @@ class WorkerTransfers:
         self.on_saved: Callable[[], None] | None = None  # told after each save lands (the stats file)
         self._step: tuple[float, tuple[tuple[int, int], ...]] | None = None  # the forward pass being timed
         self._failures_said: set[tuple[str, str]] = set()  # kinds of save failure logged once already
+        self._cuts_saved: dict[str, int] = {}  # per save in flight: where the cut it stored ends (KV events)
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = memory_sources(engine)
         # a save also stores its prompt cut at vLLM's block, a lookup probes such cuts (.continuation)
@@ -409,6 +410,9 @@ class WorkerTransfers:
             logger.debug("tierkv: request %s: continuation tail not saved: %r", spec.req_id, exc)
             return
         self.stats["continuation_tails_saved"] += written
+        if written and self.events is not None:
+            with self._lock:
+                self._cuts_saved[spec.req_id] = end
 
     def _identities(self, identity: RequestIdentity) -> list[RequestIdentity]:
         """The identities a request's chunks are keyed under: its own, or for a hybrid model one
@@ -450,6 +454,8 @@ class WorkerTransfers:
         self.engine.submit(work).add_done_callback(done)
 
     def _save_done(self, spec: SaveSpec, num_tokens: int, future: concurrent.futures.Future[int]) -> None:
+        with self._lock:
+            cut = self._cuts_saved.pop(spec.req_id, None)
         if future.cancelled() or future.exception() is not None:
             self.stats["save_failures"] += 1
             error = None if future.cancelled() else future.exception()
@@ -465,7 +471,7 @@ class WorkerTransfers:
             self.stats["requests_saved"] += 1
             self.stats["prompt_tokens_saved"] += num_tokens if chunks else 0
             if self.events is not None and spec.block_hashes:
-                self._announce(spec)
+                self._announce(spec, cut)
         if self.on_saved is not None:
             self.on_saved()
 
@@ -523,14 +529,24 @@ class WorkerTransfers:
         if hasattr(first, "removal_listener"):
             first.removal_listener = self.events.removed
 
-    def _announce(self, spec: SaveSpec) -> None:
+    def _announce(self, spec: SaveSpec, cut: int | None = None) -> None:
+        """Announce a landed save's chunks; with ``cut`` (where the continuation tail its save
+        stored ends), that partial chunk too, as a second holder of the full blocks it covers:
+        while either it or the prompt's own last chunk is held, its blocks are not removed."""
         assert self.events is not None
+        chunk = self.engine.core.chunk_size
         try:
             keys = self.engine.keys_for(spec.token_ids, spec.identity)
+            cut_keys = [] if cut is None else self.engine.tail_keys(spec.token_ids, cut // chunk, [cut % chunk],
+                                                                   spec.identity)
         except Exception as exc:  # an event stream is best effort; the save itself landed
             logger.warning("tierkv: no KV event for request %s: %s", spec.req_id, exc)
             return
-        self.events.stored(keys, self.engine.core.chunk_size, spec.token_ids, spec.block_hashes, spec.lora_name)
+        self.events.stored(keys, chunk, spec.token_ids, spec.block_hashes, spec.lora_name)
+        if cut is not None:
+            index = cut // chunk
+            self.events.stored([*keys[:index], *cut_keys], chunk, spec.token_ids[:cut], spec.block_hashes,
+                               spec.lora_name, chunks=[index])
 
     def take_events(self) -> TierKVEvents | None:
         return self.events.take() if self.events is not None else None
