@@ -41,6 +41,7 @@ from vllm_marks import VLLM_PROCESSES, needs_vllm_fp8_cache
 from vllm_truth import (
     CHUNK,
     EXACT_NAMES,
+    FED_HITS,
     FIRST_RUN,
     HEADS,
     HIDDEN,
@@ -226,10 +227,12 @@ def test_a_wrong_layout_is_refused_and_vllm_stays_exact(model_dir: Path, referen
 def test_an_fp8_cache_hits_exactly(model_dir: Path, tmp_path: Path) -> None:
     """vLLM with ``kv_cache_dtype="fp8_e5m2"``: tierkv stores the cache's fp8 bytes as they
     are (uint8 chunks, keys that bind the cache dtype) and a hit computes what vLLM computes
-    with the same fp8 cache (the truth: vLLM alone and its own cache, fp8 too)."""
+    with the same fp8 cache (the truth: vLLM alone, its own cache and its own pages fed at the
+    same hit, fp8 too)."""
     name = "partial_600"
-    truth = truths_from([name], vllm(truth_spec(model_dir, {name: PROMPTS[name]}, kv_cache_dtype="fp8_e5m2"),
-                                     tmp_path / "truth"))[name]
+    fed = {name: FED_HITS[name]}
+    truth = truths_from([name], vllm(truth_spec(model_dir, {name: PROMPTS[name]}, fed, kv_cache_dtype="fp8_e5m2"),
+                                     tmp_path / "truth"), fed_hits=fed)[name]
     host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
     workdir = tmp_path / "tierkv"
     workdir.mkdir()

@@ -11,10 +11,11 @@ across identities are zero, and a repeat within one
 identity loads all but the last token (so the hits come from tierkv, and the misses are not
 tierkv being off).
 
-Three vLLM processes: vLLM alone with the adapters, its prefix cache on (the truth); tierkv over every identity
+Four vLLM processes: vLLM alone with the adapters, its prefix cache on (the truth); tierkv over every identity
 (a cpu tier, and an fs tier below it that outlives the process); then, with new weights saved
 over the model's directory, a new process over that fs tier: its token prompt (a miss of the
-old weights' KV, then a hit of its own) and prompt embeddings beside it.
+old weights' KV, then a hit of its own) and prompt embeddings beside it; and vLLM alone with
+the new weights, that process's truth.
 """
 
 from __future__ import annotations
@@ -113,6 +114,17 @@ def rewritten(models: dict[str, Path], files: dict[str, Any], reference: dict[st
     return vllm(run, workdir)
 
 
+@pytest.fixture(scope="module")
+def rewritten_truth(models: dict[str, Path], rewritten: list[dict[str, Any]],
+                    tmp_path_factory: pytest.TempPathFactory) -> Truth:
+    """Q in vLLM alone with the new weights (after ``rewritten`` saved them; prompt embeddings on,
+    as there): alone, from its own cache, and fed its own pages at all but the last token."""
+    fed = {"Q": len(Q) - 1}
+    truth = {"model": str(models["model"]), "prompts": truth_prompts({"Q": {"ids": Q}}, fed), "max_tokens": MAX_TOKENS,
+             "logprobs": TOP, "prompt_embeds": True, "prefix_caching": True, "page_copy": True, "tierkv": None}
+    return truths_from(["Q"], vllm(truth, tmp_path_factory.mktemp("rewritten-truth")), fed_hits=fed)["Q"]
+
+
 # the process after the rewrite: Q (the old weights' KV is in the fs tier) twice, then random
 # prompt embeddings twice (nothing to key them by)
 REWRITTEN: list[dict[str, Any]] = [{"ids": Q}, {"ids": Q}, {"embeds": [600, 1]}, {"embeds": [600, 1]}]
@@ -142,19 +154,19 @@ def test_each_identity_loads_only_its_own_kv(identities: list[dict[str, Any]], r
 
 def test_a_model_rewritten_under_the_same_path_is_a_miss(identities: list[dict[str, Any]],
                                                           rewritten: list[dict[str, Any]],
-                                                          reference: dict[str, Truth]) -> None:
+                                                          rewritten_truth: Truth) -> None:
     """New weights saved over the model directory: a new vLLM process finds nothing of the
     old weights' KV in the shared fs tier (the identities' run stored Q there), and still hits
-    its own: the hit within the widest distance vLLM's own cache came of the old weights' (the
-    same shapes, the same CPU) from that process's miss."""
+    its own: the miss is vLLM alone with the new weights, the hit vLLM fed its own pages at the
+    same 599 tokens, both bit for bit."""
     first = identities[SEQUENCE.index("Q")]  # Q with the old weights, no adapter, no salt
     assert (identities[-1]["stats"] or {}).get("chunks_saved", 0) > 0, "the first model's KV was stored"
     second = rewritten[:2]
     assert REWRITTEN[:2] == [{"ids": Q}, {"ids": Q}]
     assert loaded_per_prompt(second) == [0, 599], "the old weights' KV is a miss; the new weights' KV hits"
     assert second[0]["tokens"] != first["tokens"], "guard: the new weights answer differently"
-    miss_as_truth = Truth(alone=second[0], own=second[0], spread=reference["Q"].spread, exact_at_own_hit=False)
-    assert_truthful("rewritten", second[1], 599, miss_as_truth)
+    assert_truthful("rewritten: Q, a miss", second[0], 0, rewritten_truth)
+    assert_truthful("rewritten: Q, a hit", second[1], 599, rewritten_truth)
 
 
 def test_prompt_embeds_are_neither_loaded_nor_saved(rewritten: list[dict[str, Any]]) -> None:

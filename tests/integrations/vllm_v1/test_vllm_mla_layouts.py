@@ -7,6 +7,9 @@ Writers: vLLM's ``CPU_MLA`` backend's own ``do_kv_cache_update`` (plain torch, a
 naming why); and the CUDA backends' ``concat_and_cache_mla`` by its documented semantics
 (``kv_cache[slot // block_size, slot % block_size] = concat(kv_c, k_pe)`` on ``[num_blocks,
 block_size, 576]``: FlashMLA, FlashInfer, Triton and CUTLASS MLA), which cannot run on CPU.
+vLLM 0.32 registers every MLA cache as ``[num_blocks, 1, block_size, 576]`` and its layer hands
+the writer the squeezed view (``bind_kv_cache``): ``AMX_MLA``'s op refuses the 4D tensor, so
+the registered shape is a case of its own.
 For each: the registration self-check (``verify_layout``) passes, a latent written by the
 writer reads back exactly through tierkv's views, token by token across blocks with the last
 block partly filled, and tierkv's scatter of the same tokens leaves the cache as the writer
@@ -25,7 +28,7 @@ from vllm_marks import needs_vllm, x86_flag
 
 from tierkv.integrations.vllm_v1.layout_check import LayoutMismatchError, verify_layout
 from tierkv.integrations.vllm_v1.layouts import connector_for, slot_mapping
-from tierkv.integrations.vllm_v1.mla import MLA_LAYOUT, block_size_of, chunk_head_size, write_latent
+from tierkv.integrations.vllm_v1.mla import MLA_LAYOUT, block_size_of, bound_view, chunk_head_size, write_latent
 
 RANK, ROPE, LAYERS = 512, 64, 2
 LATENT = RANK + ROPE
@@ -92,8 +95,11 @@ def layer_writer(op: Op, layers: list[torch.Tensor], swap: bool = False) -> Call
 
 CASES = [
     pytest.param("cpu_mla", (96, 1, 16, LATENT), marks=needs_vllm, id="CPU_MLA-16"),
-    pytest.param("amx_mla", (24, 128, LATENT), marks=[needs_vllm, needs_vllm_amx_mla_kernel], id="AMX_MLA-128"),
+    # as vLLM registers every MLA cache (its layer binds the squeezed view, which the writer takes)
+    pytest.param("amx_mla", (24, 1, 128, LATENT), marks=[needs_vllm, needs_vllm_amx_mla_kernel],
+                 id="AMX_MLA-128-registered"),
     pytest.param("amx_mla", (48, 32, LATENT), marks=[needs_vllm, needs_vllm_amx_mla_kernel], id="AMX_MLA-32"),
+    pytest.param("cuda", (24, 1, 64, LATENT), id="FlashMLA-64-registered"),
     pytest.param("cuda", (24, 64, LATENT), id="FlashMLA-64"),
 ]
 OPS: dict[str, Callable[[], Op]] = {"cpu_mla": cpu_mla_op, "amx_mla": amx_mla_op, "cuda": cuda_semantics_op}
@@ -128,7 +134,8 @@ def test_a_prompt_reads_back_token_by_token_and_scatters_as_the_writer_wrote(wri
     latents = torch.randint(-8, 8, (LAYERS, tokens, LATENT), generator=generator).to(torch.bfloat16)
     slots = torch.as_tensor(slot_mapping(their_blocks, block, tokens))
     for layer, cache in enumerate(theirs):
-        op(latents[layer, :, :RANK].contiguous(), latents[layer, :, RANK:].unsqueeze(1).contiguous(), cache, slots)
+        op(latents[layer, :, :RANK].contiguous(), latents[layer, :, RANK:].unsqueeze(1).contiguous(),
+           bound_view(cache), slots)
     read = connector_for(theirs, MLA_LAYOUT, 1, LATENT, block)
     chunk = torch.empty(tuple(read.get_shape(tokens)), dtype=torch.bfloat16)
     read.from_gpu(chunk, 0, tokens, slot_mapping=slots.numpy())

@@ -3,10 +3,11 @@
 A multi-head latent attention layer caches one vector per token: the compressed KV
 (``kv_lora_rank``, 512 in DeepSeek's models) followed by the RoPE part of the key
 (``qk_rope_head_dim``, 64): 576 values, no K/V pair, no heads. Every vLLM MLA backend keeps a
-layer's cache token-major inside a block, blocks first: ``[num_blocks, block_size, 576]``
-(FlashMLA, FlashInfer, Triton and CUTLASS MLA on GPU; ``AMX_MLA`` on CPU, which writes it with
-``amx_mla_concat_and_cache``) or ``[num_blocks, 1, block_size, 576]`` (``CPU_MLA``, written row by
-row in ``do_kv_cache_update``). Both are the ``mla`` layout here (``split_latent``).
+layer's cache token-major inside a block, blocks first: vLLM 0.32 registers
+``[num_blocks, 1, block_size, 576]`` and its MLA layer binds the squeezed
+``[num_blocks, block_size, 576]`` (FlashMLA, FlashInfer, Triton and CUTLASS MLA on GPU; ``AMX_MLA``
+on CPU, whose ``amx_mla_concat_and_cache`` takes only the 3D view; ``CPU_MLA``, written row by row
+in ``do_kv_cache_update``). Both shapes are the ``mla`` layout here (``split_latent``).
 
 **Chunks.** tierkv's ``vllm`` chunk format is ``[layers, 2, tokens, heads, head_size]``; an MLA
 chunk holds each token's latent as its two halves (``[layers, 2, tokens, 1, 288]``: values
@@ -87,8 +88,15 @@ def write_latent(impl: Any, layer: torch.Tensor, first: torch.Tensor, second: to
     latent = torch.cat([first, second], dim=-1).reshape(first.shape[0], -1)
     rank = int(getattr(impl, "kv_lora_rank", latent.shape[-1] - int(getattr(impl, "qk_rope_head_dim", 64))))
     scale = k_scale if k_scale is not None else torch.ones((), dtype=torch.float32, device=layer.device)
-    impl.do_kv_cache_update(latent[:, :rank].contiguous(), latent[:, rank:].unsqueeze(1).contiguous(), layer,
-                            slots, "auto", scale)
+    impl.do_kv_cache_update(latent[:, :rank].contiguous(), latent[:, rank:].unsqueeze(1).contiguous(),
+                            bound_view(layer), slots, "auto", scale)
+
+
+def bound_view(layer: torch.Tensor) -> torch.Tensor:
+    """The view of a registered MLA cache layer that vLLM's MLA layer binds and hands its write op
+    (``bind_kv_cache``): ``[num_blocks, 1, block_size, latent]`` squeezed to ``[num_blocks,
+    block_size, latent]``, which is all ``AMX_MLA``'s op takes; a 3D layer as it is."""
+    return layer.squeeze(1) if layer.dim() == 4 and layer.shape[1] == 1 else layer
 
 
 def key_ranks(parallel_config: Any, worker_id: int, world_size: int) -> tuple[int, int, bool]:
