@@ -21,7 +21,8 @@ start for its replay, after the last one's stopped); each run replays a fresh ch
 no run hits an earlier run's prompts) against every configuration, in an order that rotates from run to run, so every ratio compares
 two configurations timed minutes apart on the same servers. Per run and configuration: the
 later rounds' time (the summed latency of every request after a user's first), their TTFT p90,
-the prompt tokens tierkv loaded. The verdict takes the median of the runs' ratios.
+the prompt tokens tierkv loaded and how long its loads held vLLM's batch (``tierkv_load_s``,
+vLLM's ``vllm:tierkv_load_seconds`` over the replay, both replicas). The verdict takes the median of the runs' ratios.
 
 ``--profile DIR``: after the measured runs, one more chat per configuration of
 ``--profile-configs``, recorded with py-spy (if on PATH), and where each replica's processes
@@ -75,7 +76,7 @@ TARGETS: dict[str, dict[tuple[str, str], float]] = {
     "served": {**_NO_HIT, ("tierkv-shm", "later_s"): 0.5},
 }
 """Per model shape, the median ratio to vLLM alone each (configuration, metric) must stay under."""
-COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loaded_tok", "external_tok",
+COLUMNS = ["run", "config", "later_s", "later_ttft_p90_s", "wall_s", "tierkv_loaded_tok", "tierkv_load_s", "external_tok",
            "vllm_cached_tok", "later_s_vs_vllm", "later_ttft_p90_s_vs_vllm"]
 
 
@@ -154,7 +155,7 @@ def row_for(run: int, name: str, results: list[Result], delta: dict[str, float])
     return {"run": run, "config": name, "later_s": round(sum(r.latency for r in later), 3),
             "later_ttft_p90_s": round(percentile([r.ttft for r in later], 0.9), 3),
             "wall_s": round(delta["wall_s"], 2), "tierkv_loaded_tok": int(delta["tierkv_tokens_loaded"]),
-            "vllm_cached_tok": int(delta["prompt_tokens_cached"]), "external_tok": int(delta["external_loaded"]),
+            "tierkv_load_s": round(delta["tierkv_load_s"], 3), "vllm_cached_tok": int(delta["prompt_tokens_cached"]), "external_tok": int(delta["external_loaded"]),
             "later_s_vs_vllm": "",
             "later_ttft_p90_s_vs_vllm": ""}
 

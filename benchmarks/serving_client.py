@@ -27,6 +27,8 @@ COUNTERS = {
     "prompt_tokens_cached": "vllm:prompt_tokens_cached_total",
     "tierkv_tokens_loaded": "vllm:tierkv_tokens_loaded_total",
     "tierkv_load_failures": "vllm:tierkv_load_failures_total",
+    # how long tierkv's synchronous loads held vLLM's batch, in all
+    "tierkv_load_s": "vllm:tierkv_load_seconds_sum",
     # what any connector loaded (vLLM counts prompt tokens by where they came from)
     "external_loaded": 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}',
 }
