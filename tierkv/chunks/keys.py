@@ -375,3 +375,10 @@ class KeyMaker:
         fields = (*self._fields, scope.name)
         return [CacheKey.in_namespace(fields, prefix, chunk_hash)
                 for chunk_hash in self._hasher.tail_hashes(token_array, start_chunk, lengths, scope.seed, identity)]
+
+    def cut_key(self, token_array: np.ndarray, end: int, identity: RequestIdentity = PLAIN) -> CacheKey:
+        """The key of the partial chunk ``token_array[:end]`` ends with, ``end`` inside a chunk:
+        where a save stored its prompt cut (a continuation tail), which its lease, its drop and
+        its KV event name alike (``ValueError`` for an ``end`` on a chunk boundary)."""
+        chunk = self._hasher.chunk_size
+        return self.tail_keys(token_array, end // chunk, [end % chunk], identity)[0]

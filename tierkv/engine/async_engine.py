@@ -237,6 +237,24 @@ class AsyncEngine(KeyLevelCalls, CostModelCalls, HintCalls):
         """
         return self.key_maker.tail_keys(as_token_array(tokens), start_chunk, lengths, identity)
 
+    def cut_key(self, tokens: TokenIds, end: int, identity: RequestIdentity = PLAIN) -> CacheKey:
+        """The key of the partial chunk ``tokens[:end]`` ends with, ``end`` inside a chunk: where a
+        save stored its prompt cut (a continuation tail), named alike by its lease, its drop and
+        its KV event.
+
+        Args:
+            tokens: The prompt's token ids.
+            end: Where the cut ends, inside a chunk.
+            identity: The request's identity, as given to ``store``.
+
+        Returns:
+            The key ``keys_for(tokens[:end])`` ends with.
+
+        Raises:
+            ValueError: if ``tokens`` is malformed, or ``end`` lies on a chunk boundary or past them.
+        """
+        return self.key_maker.cut_key(as_token_array(tokens), end, identity)
+
     def _iter_keys(self, token_array: np.ndarray, identity: RequestIdentity = PLAIN) -> Iterator[CacheKey]:
         return self.key_maker.iter_keys(token_array, identity)
 

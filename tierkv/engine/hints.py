@@ -157,7 +157,7 @@ class HintCalls:
         self.hint_counts.prefetched_tokens += prefix
         return prefix
 
-    def _cut_keys(self, token_array: np.ndarray, cut_at: int, identity: RequestIdentity) -> list[CacheKey]:
+    def _cut_key(self, token_array: np.ndarray, cut_at: int, identity: RequestIdentity) -> CacheKey:
         """The key of the partial chunk a save of ``token_array[:cut_at]`` stored, where that cut
         ends inside the prompt's last chunk (``ValueError`` elsewhere)."""
         chunk = self.chunk_size
@@ -165,7 +165,7 @@ class HintCalls:
         if not (last_chunk * chunk < cut_at < len(token_array) and cut_at % chunk):
             raise ValueError(f"cut_at must end inside the prompt's last chunk, in ({last_chunk * chunk}, "
                              f"{len(token_array)}) and off a chunk boundary; got {cut_at}")
-        return self.key_maker.tail_keys(token_array, cut_at // chunk, [cut_at % chunk], identity)
+        return self.key_maker.cut_key(token_array, cut_at, identity)
 
     def _prompt_keys(self, tokens: TokenIds, identity: RequestIdentity) -> tuple[np.ndarray, list[CacheKey]]:
         """A hint's prompt as a token array, and its chunks' keys (the engine must be open)."""
@@ -187,7 +187,7 @@ class HintCalls:
             seconds: How long from now; a longer lease a chunk already has is kept; 0 releases.
             identity: The request's identity, as given to ``store``.
             cut_at: Where a save also stored the prompt cut inside its last chunk (a
-                continuation tail, named by ``tail_keys``): that partial chunk is leased with
+                continuation tail, named by ``KeyMaker.cut_key``): that partial chunk is leased with
                 the prefix's, refused or granted whole with them.
 
         Returns:
@@ -202,7 +202,7 @@ class HintCalls:
         """
         token_array, keys = self._prompt_keys(tokens, identity)
         if cut_at is not None:
-            keys = [*keys, *self._cut_keys(token_array, cut_at, identity)]
+            keys = [*keys, self._cut_key(token_array, cut_at, identity)]
         return retain_keys(self.router.backends, keys, seconds, self.chunk_size, len(token_array), self.hint_counts)
 
     async def drop(self, tokens: TokenIds, identity: RequestIdentity = PLAIN) -> int:

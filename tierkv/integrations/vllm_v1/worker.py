@@ -390,8 +390,7 @@ class WorkerTransfers:
         dropped = await core.drop(tokens, identity)
         end = self._tail_end(len(tokens))
         if end is not None:
-            chunk = core.chunk_size
-            await core.batched_delete(core.tail_keys(tokens, end // chunk, [end % chunk], identity))
+            await core.batched_delete([core.cut_key(tokens, end, identity)])
         return dropped
 
     async def _store_tail(self, spec: SaveSpec, end: int, connector: PagedLayerConnector | MappedPageConnector
@@ -534,18 +533,17 @@ class WorkerTransfers:
         stored ends), that partial chunk too, as a second holder of the full blocks it covers:
         while either it or the prompt's own last chunk is held, its blocks are not removed."""
         assert self.events is not None
-        chunk = self.engine.core.chunk_size
+        core = self.engine.core
         try:
             keys = self.engine.keys_for(spec.token_ids, spec.identity)
-            cut_keys = [] if cut is None else self.engine.tail_keys(spec.token_ids, cut // chunk, [cut % chunk],
-                                                                   spec.identity)
+            cut_keys = [] if cut is None else [core.cut_key(spec.token_ids, cut, spec.identity)]
         except Exception as exc:  # an event stream is best effort; the save itself landed
             logger.warning("tierkv: no KV event for request %s: %s", spec.req_id, exc)
             return
-        self.events.stored(keys, chunk, spec.token_ids, spec.block_hashes, spec.lora_name)
+        self.events.stored(keys, core.chunk_size, spec.token_ids, spec.block_hashes, spec.lora_name)
         if cut is not None:
-            index = cut // chunk
-            self.events.stored([*keys[:index], *cut_keys], chunk, spec.token_ids[:cut], spec.block_hashes,
+            index = cut // core.chunk_size
+            self.events.stored([*keys[:index], *cut_keys], core.chunk_size, spec.token_ids[:cut], spec.block_hashes,
                                spec.lora_name, chunks=[index])
 
     def take_events(self) -> TierKVEvents | None:
