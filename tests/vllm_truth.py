@@ -79,16 +79,30 @@ PROMPTS = {
     "doc_q1": DOC + tokens(4, 40),
     "doc_q2": DOC + tokens(5, 40),  # shares the two document chunks with doc_q1
     "short": tokens(6, 100),  # shorter than a chunk
-    # a chat's two turns: the second extends the first, whose end (420) lies inside a chunk; the
-    # first's save also keeps it cut at a block (384), which the second finds in a new process
+    # a chat's two turns: the second extends the first, whose end (420) lies inside a chunk and a
+    # block; the first's save also keeps it cut at a step (416), which the second finds in a new process
     "turn_1": tokens(16, 420), "turn_2": tokens(16, 420) + tokens(17, 200),
     # test_vllm_exact.py's negative control: one chunk each (one corrupted block), a hit vLLM's
     # own cache makes (256 tokens) and one it cannot (299)
     "one_chunk_257": tokens(14, 257), "one_chunk_300": tokens(15, 300),
 }
-FED_HITS = {name: len(prompt) - 1 for name, prompt in PROMPTS.items() if (len(prompt) - 1) % BLOCK}
+STEP = 16
+"""Where the connector cuts a prompt's continuation tail and probes for one (its ``tail_step``
+for vLLM's CPU blocks): a chat's next turn loads its previous turn up to a multiple of it."""
+TURN_CUT = len(PROMPTS["turn_1"]) // STEP * STEP
+
+
+def saves_a_cut(length: int) -> bool:
+    """Whether a save of a ``length``-token prompt also stores it cut at its last step (a
+    continuation tail: where that cut ends inside the last chunk, short of the prompt's end)."""
+    return length // CHUNK * CHUNK < length // STEP * STEP < length
+
+
+FED_HITS = {**{name: len(prompt) - 1 for name, prompt in PROMPTS.items() if (len(prompt) - 1) % BLOCK},
+            "turn_2": TURN_CUT}
 """The truth run's hits fed from vLLM's own pages: every prompt's all-but-its-last-token (tierkv's
-hit of a stored prompt) where vLLM's own cache cannot make it (it ends inside a block)."""
+hit of a stored prompt) where vLLM's own cache cannot make it (it ends inside a block), and for
+turn 2 the hit it has instead (turn 1's cut)."""
 
 
 def vllm(run_spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None,
@@ -206,9 +220,11 @@ V1_SEQUENCE = ["repeated", "repeated", "doc_q1", "doc_q2", "short", "short", "tu
 EXACT_NAMES = ["partial_600", "block_edge_513", "partial_1000"]
 FIRST_RUN = V1_SEQUENCE + EXACT_NAMES * 2
 SECOND_RUN = ["repeated", "doc_q2", "turn_2"] + EXACT_NAMES
-FIRST_RUN_WAITS = {"turn_1": ["continuation_tails_saved", 1]}
+FIRST_RUN_WAITS = {"turn_1": ["continuation_tails_saved",
+                              sum(saves_a_cut(len(PROMPTS[name])) for name in dict.fromkeys(V1_SEQUENCE))]}
 """Prompts of the first run whose stats are read once a save of theirs landed (saves run after
-the call returns): turn 1's cut at a block, which its test counts."""
+the call returns): turn 1's cut, the last of the cuts its test counts (one per distinct prompt
+up to it that leaves one: a repeat's save writes nothing new)."""
 
 
 def first_run_prompt(name: str) -> Any:

@@ -57,10 +57,11 @@ BACKENDS = [pytest.param("default", id=DEFAULT),
                 DEFAULT == "CPU_MLA", reason="vLLM picks CPU_MLA on this CPU (no AMX tiles): the default run is it"))]
 
 
-def cut_at_a_block(length: int, block: int) -> int:
-    """1 where a save of a ``length``-token prompt also stores it cut at its last whole vLLM block
-    (a continuation tail: the cut ends inside the last chunk, short of the prompt's end), else 0."""
-    cut = length // block * block
+def cut_at_a_step(length: int, step: int) -> int:
+    """1 where a save of a ``length``-token prompt also stores it cut at its last multiple of the
+    connector's ``step`` (``continuation_step`` in its stats: a continuation tail, where the cut
+    ends inside the last chunk, short of the prompt's end), else 0."""
+    cut = length // step * step
     return int(length // CHUNK * CHUNK < cut < length)
 
 
@@ -161,8 +162,8 @@ def test_a_new_process_loads_what_another_stored_through_one_pool(family: str, b
         assert not stats.get("disabled"), f"tierkv turned itself off for this MLA model: {stats}"
         assert stats.get("load_failures", 0) == 0 and stats.get("save_failures", 0) == 0, stats
     chunks = -(-len(P) // CHUNK) + -(-len(Q1) // CHUNK) + 1  # B adds Q2's last chunk (its question), nothing else
-    block = int((runs["a"][-1]["stats"] or {})["vllm_block_size"])
-    cuts = cut_at_a_block(len(P), block) + cut_at_a_block(len(Q1), block) + cut_at_a_block(len(Q2), block)
+    step = int((runs["a"][-1]["stats"] or {})["continuation_step"])
+    cuts = cut_at_a_step(len(P), step) + cut_at_a_step(len(Q1), step) + cut_at_a_step(len(Q2), step)
     assert runs["pool_chunks"] == chunks + cuts, "each chunk once in the pool: B stores only what A had not"
     assert (runs["a"][-1]["stats"] or {}).get("hint_retained_tokens") == len(Q1), "every token of Q1 retained"
 
@@ -224,8 +225,8 @@ def test_tensor_parallel_ranks_share_one_copy(tmp_path: Path) -> None:
         Path(pool).unlink(missing_ok=True)
     rank0 = json.loads((tmp_path / "stats.json").read_text())
     rank1 = json.loads((tmp_path / "stats.json.rank1").read_text())
-    cut = cut_at_a_block(len(P), int(rank0["vllm_block_size"]))
-    assert stored == -(-len(P) // CHUNK) + cut, "one copy of P's chunks (and its cut at a block) for both ranks"
+    cut = cut_at_a_step(len(P), int(rank0["continuation_step"]))
+    assert stored == -(-len(P) // CHUNK) + cut, "one copy of P's chunks (and its cut) for both ranks"
     assert rank0.get("chunks_saved") == stored - cut and not rank1.get("chunks_saved"), (rank0, rank1)
     assert rank0.get("continuation_tails_saved", 0) == cut and not rank1.get("continuation_tails_saved"), rank1
     assert rank1.get("saves_left_to_rank0", 0) >= 1, rank1

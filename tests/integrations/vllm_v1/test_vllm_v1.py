@@ -22,8 +22,10 @@ from distributions import make_distribution
 from vllm_marks import VLLM_PROCESSES
 from vllm_truth import (
     CHUNK,
+    FIRST_RUN_WAITS,
     PROMPTS,
     SECOND_RUN,
+    TURN_CUT,
     V1_SEQUENCE,
     Truth,
     assert_truthful,
@@ -109,16 +111,19 @@ def test_a_chats_next_turn_loads_where_the_previous_turn_ended_in_a_new_process(
         model_dir: Path, first_process: list[dict[str, Any]], reference: dict[str, Truth],
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """The first process saved turn 1 (420 tokens: a chunk, then its end inside the second) and,
-    cut at vLLM's block, its first 384 tokens; a new vLLM over the lmdb tier gets turn 2, which
-    extends turn 1: it loads those 384 tokens (with whole chunks alone: 256) and computes what
-    vLLM computes (a hit vLLM's own cache, 512 of turn 2's blocks, cannot make: held to vLLM
-    alone within the run's spread)."""
+    cut at the connector's 16-token step, its first 416 tokens; a new vLLM over the lmdb tier gets
+    turn 2, which extends turn 1: it loads those 416 tokens (with whole chunks alone: 256; cut at
+    vLLM's 128-token block: 384), a load that ends inside a block, and computes what vLLM fed its
+    own pages for the same 416 tokens computes, bit for bit (a hit vLLM's own cache, 512 of turn
+    2's blocks, cannot make)."""
     assert loaded_per_prompt(first_process)[6] == 0, "turn 1 is new"
-    assert (first_process[6]["stats"] or {}).get("continuation_tails_saved") == 1, first_process[6]["stats"]
+    cuts = FIRST_RUN_WAITS["turn_1"][1]
+    assert cuts == 5, "repeated's, doc_q1's, doc_q2's, short's and turn 1's"
+    assert (first_process[6]["stats"] or {}).get("continuation_tails_saved") == cuts, first_process[6]["stats"]
     assert SECOND_RUN[2] == "turn_2" and PROMPTS["turn_2"][:420] == PROMPTS["turn_1"]
     results = second_run(tmp_path_factory, model_dir)
     (hit,) = loaded_in(results, 2, 3)
-    assert hit == 420 // 128 * 128
+    assert hit == TURN_CUT == 416
     assert_truthful("second process: turn_2", results[2], hit, reference["turn_2"])
 
 

@@ -321,11 +321,24 @@ def test_worker_lookup_counts_the_planned_prefix_and_the_part_in_memory(tmp_path
         assert worker.lookup(tokens, PLAIN) == LookupResult(-1, 0), "off: the scheduler stops planning"
 
 
+def assert_loaded(source: list[torch.Tensor], target: list[torch.Tensor], blocks: list[int], block: int,
+                  loaded: int, tokens: int) -> None:
+    """``target``'s blocks ``blocks`` (of ``block`` tokens; cpu layout) hold ``source``'s first
+    ``loaded`` tokens (stored from slots 0 on) bit for bit, and zeros up to ``tokens``."""
+    for token in range(tokens):
+        for layer in range(LAYERS):
+            got = token_kv("cpu", target[layer], blocks[token // block] * block + token % block)
+            want = token_kv("cpu", source[layer], token) if token < loaded else \
+                (torch.zeros(HEADS, HEAD, dtype=torch.bfloat16),) * 2
+            for a, b in zip(got, want):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (token, layer)
+
+
 @pytest.mark.parametrize("continuation", [True, False])
 def test_a_chats_next_turn_loads_where_its_previous_turn_ended(tmp_path: Path, continuation: bool) -> None:
     """Turn 1 (50 tokens, chunks of 32) is saved by one replica: its chunk, its exact tail
-    [32, 50) and the tail cut at vLLM's block, [32, 48). Turn 2 extends it (80 tokens): on
-    another replica the lookup finds the chunk and, probing the next chunk at block multiples,
+    [32, 50) and the tail cut at the connector's 16-token step, [32, 48). Turn 2 extends it (80
+    tokens): on another replica the lookup finds the chunk and, probing the next chunk at steps,
     the cut: 48 tokens, loaded bit for bit into that replica's blocks through the planner's
     load (its keys those of the first 48 tokens). A prompt that leaves turn 1 inside the cut
     finds the whole chunk only; with ``continuation_tails`` off, turn 2 finds 32. A drop of
@@ -367,18 +380,46 @@ def test_a_chats_next_turn_loads_where_its_previous_turn_ended(tmp_path: Path, c
         (load,) = planner.build(step([new_request("turn-2", list(turn_2), blocks, 48)], {"turn-2": 32})).loads
         assert list(load.token_ids) == list(turn_1[:48]) and (load.start, load.end) == (0, 48)
         assert replica.load(load) and replica.stats["tokens_loaded"] == 48
-        for token in range(80):
-            for layer in range(LAYERS):
-                got = token_kv("cpu", target[layer], blocks[token // BLOCK] * BLOCK + token % BLOCK)
-                want = token_kv("cpu", source[layer], token) if token < 48 else \
-                    (torch.zeros(HEADS, HEAD, dtype=torch.bfloat16),) * 2
-                for a, b in zip(got, want):
-                    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (token, layer)
+        assert_loaded(source, target, blocks, BLOCK, 48, 80)
         landed = threading.Event()
         saver.on_saved = landed.set
         saver.drop(DropSpec("turn-1-last", turn_1, PLAIN))  # the session ended: the cut goes too
         assert landed.wait(30) and saver.stats["hint_dropped_tokens"] == 50
         assert engine.batched_contains([*engine.keys_for(turn_1), *engine.tail_keys(turn_1, 1, [16])]) == [False] * 3
+
+
+def test_a_next_turn_loads_its_previous_turns_exact_end_inside_a_vllm_block(tmp_path: Path) -> None:
+    """vLLM's blocks larger than the continuation step (32 tokens here against 16; vLLM's CPU
+    blocks are 128): turn 1 (48 tokens, chunks of 32) ends inside a block but on a step, so its
+    save stores no cut, and turn 2, which extends it, finds turn 1's own exact tail [32, 48) among
+    the step's probes: a 48-token load that ends inside a block, bit for bit, where probing at
+    vLLM's block would stop at the chunk's 32."""
+    from tierkv.integrations.vllm_v1.scheduler import SaveSpec
+
+    block = 2 * BLOCK
+    config = {"model": "exact-end-test", "chunk_size": 32, "cost_aware": False,
+              "tiers": [{"name": "host", "backend": "cpu", "capacity": "16MiB"}]}
+    source = [make_layer("cpu", torch.Generator().manual_seed(12)) for _ in range(LAYERS)]
+    target = [torch.zeros_like(layer) for layer in source]
+    turn_1 = np.arange(1, 49, dtype=np.int32)
+    turn_2 = np.concatenate([turn_1, np.arange(700, 730, dtype=np.int32)])
+    with Engine(config) as engine:
+        saver = WorkerTransfers(engine)
+        saver.register(source, "cpu", HEADS, HEAD, BLOCK, block)
+        saver.save(SaveSpec("turn-1", turn_1, (0, 1)))
+        saver.wait_for_saves(["turn-1"])
+        assert saver.stats["continuation_step"] == 16 and saver.stats["continuation_tails_saved"] == 0
+        replica = WorkerTransfers(engine)
+        replica.register(target, "cpu", HEADS, HEAD, BLOCK, block)
+        assert replica.lookup(turn_2, PLAIN) == LookupResult(48, 48)
+        planner = SchedulerPlanner(replica.lookup, block_size=block)
+        assert planner.matched_tokens("turn-2", list(turn_2), 0) == (48, False)
+        blocks = [5, 4, 3]
+        planner.after_alloc("turn-2", blocks, 48)
+        (load,) = planner.build(step([new_request("turn-2", list(turn_2), blocks, 48)], {"turn-2": 30})).loads
+        assert list(load.token_ids) == list(turn_1) and (load.start, load.end) == (0, 48)
+        assert replica.load(load) and replica.stats["tokens_loaded"] == 48
+        assert_loaded(source, target, blocks, block, 48, 64)
 
 
 def test_a_retained_turn_keeps_its_continuation_tail_through_a_flood(tmp_path: Path) -> None:

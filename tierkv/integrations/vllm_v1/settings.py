@@ -32,10 +32,11 @@ the tierkv config named in the extra config (a YAML path, or the config inline),
   for every request: returns the ``tierkv.chunks.identity.RequestIdentity`` to key it with
   (add ``extra`` parts, drop the salt to share across tenants knowingly) or None to leave
   the request uncached;
-- ``continuation_tails``: ``true`` (default): a save also stores its prompt cut at vLLM's
-  block, and a lookup probes such cuts, so a chat's next turn loads what its previous turn
-  ended with (``tierkv.integrations.vllm_v1.continuation``); ``false``: only whole chunks and
-  exact prompt ends are found.
+- ``continuation_tails``: ``true`` (default): a lookup probes the chunk after its cached
+  prefix every 16 tokens and a save also stores its prompt cut at such a step, so a chat's
+  next turn loads what its previous turn ended with
+  (``tierkv.integrations.vllm_v1.continuation``); ``false``: only whole chunks and exact
+  prompt ends are found.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from tierkv.connectors import ConnectorSink, store_with_connector
 from tierkv.engine.blocking import Engine
 from tierkv.errors import RetentionRefusedError
 from tierkv.integrations.vllm_v1.caller_runs import CallerRuns
-from tierkv.integrations.vllm_v1.continuation import saved_tail_end, tail_lengths
+from tierkv.integrations.vllm_v1.continuation import saved_tail_end, tail_lengths, tail_step
 from tierkv.integrations.vllm_v1.cpu_pages import MappedPageConnector
 from tierkv.integrations.vllm_v1.hybrid.worker import HybridTransfers, memory_sources
 from tierkv.integrations.vllm_v1.kv_events import KVEventLog, TierKVEvents
@@ -123,7 +123,7 @@ class WorkerTransfers:
         self._cuts_saved: dict[str, int] = {}  # per save in flight: where the cut it stored ends (KV events)
         # where a load is short enough to wait for in the forward pass: memory tiers, the fill queue
         self._in_memory = memory_sources(engine)
-        # a save also stores its prompt cut at vLLM's block, a lookup probes such cuts (.continuation)
+        # a save also stores its prompt cut at a step, a lookup probes the steps (.continuation)
         self.continuation_tails = continuation_tails
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -135,7 +135,8 @@ class WorkerTransfers:
             raise ValueError(f"vLLM block size {block_size} is not a multiple of the cache's {kernel_block_size}")
         self.connector = connector_for(layers, layout, num_kv_heads, head_size, kernel_block_size)
         self.block_size = block_size
-        self.stats["vllm_block_size"] = block_size  # the step of continuation tails (.continuation)
+        self.stats["vllm_block_size"] = block_size
+        self.stats["continuation_step"] = tail_step(block_size)  # where tails are cut and probed (.continuation)
 
     def disable(self, reason: str) -> None:
         """Stay off from now on: no loads (each is reported failed, so vLLM recomputes), no
@@ -186,7 +187,7 @@ class WorkerTransfers:
         (``.continuation``) and the tier holding it, when loading the prefix with it still pays."""
         engine = self.engine
         core = engine.core
-        lengths = tail_lengths(len(tokens), held_tokens, core.chunk_size, self.block_size)
+        lengths = tail_lengths(len(tokens), held_tokens, core.chunk_size, tail_step(self.block_size))
         if not lengths:
             return None
         keys = engine.tail_keys(tokens, held_tokens // core.chunk_size, lengths, identity)
@@ -382,7 +383,7 @@ class WorkerTransfers:
         """Where a save of a ``num_tokens`` prompt cuts its continuation tail (None: it stores none)."""
         if not self.continuation_tails or self.hybrid is not None:
             return None
-        return saved_tail_end(num_tokens, self.engine.core.chunk_size, self.block_size)
+        return saved_tail_end(num_tokens, self.engine.core.chunk_size, tail_step(self.block_size))
 
     async def _drop_prompt(self, tokens: np.ndarray, identity: RequestIdentity) -> int:
         """Drop a prompt's chunks and the continuation tail its save stored; the prompt's tokens dropped."""
