@@ -22,6 +22,10 @@ from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_
 pytestmark = VLLM_PROCESSES
 
 CHUNK, PROMPT = 256, 600
+ON_A_STEP = 592
+"""A prompt whose save stores no continuation cut (it ends on the connector's 16-token step):
+three chunks, as the flood's sizes against a 2 MiB tier assume; a 600-token prompt also stores
+its cut at 592."""
 
 
 def after(saved: int, ids: list[int], **params: object) -> dict[str, object]:
@@ -41,18 +45,18 @@ def small_llama(tmp_path: Path) -> Path:
 def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path, backend: str) -> None:
     """On the node pool and on a private cpu tier alike (both keep leases)."""
     model = small_llama(tmp_path)
-    kept, plain = tokens(51, PROMPT), tokens(52, PROMPT)
-    flood = [tokens(60 + i, PROMPT) for i in range(4)]
+    kept, plain = tokens(51, ON_A_STEP), tokens(52, ON_A_STEP)
+    flood = [tokens(60 + i, ON_A_STEP) for i in range(4)]
     prompts = [
         {"ids": kept, "kv_transfer_params": {"tierkv": {"retain_s": 600}}},
         after(1, plain),
-        *[after(2 + i, ids) for i, ids in enumerate(flood)],  # about 2.4 MiB through a 2 MiB pool
+        *[after(2 + i, ids) for i, ids in enumerate(flood)],  # about 2.3 MiB through a 2 MiB pool
         after(6, kept),  # retained: a hit
         after(6, plain),  # not retained: evicted by the flood
         after(7, kept, drop=True),  # the session's last turn: its chunks are dropped, nothing saved
-        {"ids": kept, "wait_for": ["hint_dropped_tokens", PROMPT]},
+        {"ids": kept, "wait_for": ["hint_dropped_tokens", ON_A_STEP]},
         after(8, tokens(70, 100), prefetch_token_ids=flood[-1]),
-        {"ids": tokens(71, 100), "wait_for": ["hint_prefetched_tokens", PROMPT]},  # the outcome is in the stats
+        {"ids": tokens(71, 100), "wait_for": ["hint_prefetched_tokens", ON_A_STEP]},  # the outcome is in the stats
     ]
     # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB
     tier: dict[str, object] = {"name": "node", "backend": backend, "capacity": "2MiB", "retain_share": 0.5}
@@ -64,14 +68,14 @@ def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path, backend
                        "stats_file": str(tmp_path / "stats.json")}}
     results = run_vllm(spec, tmp_path / "run", env=VLLM_ENV)
     loaded = loaded_per_prompt(results)
-    assert loaded[6] == PROMPT - 1, f"the retained prompt survived the flood: {loaded}"
+    assert loaded[6] == ON_A_STEP - 1, f"the retained prompt survived the flood: {loaded}"
     assert loaded[7] == 0, f"the flood evicted the prompt stored without the hint: {loaded}"
-    assert loaded[8] == PROMPT - 1, "the dropping turn itself still loads (the drop follows its prefill)"
+    assert loaded[8] == ON_A_STEP - 1, "the dropping turn itself still loads (the drop follows its prefill)"
     assert loaded[9] == 0, f"after the drop, the prompt misses: {loaded}"
     stats = results[-1]["stats"]
-    assert stats["hint_retained_tokens"] == PROMPT
-    assert stats["hint_dropped_tokens"] == PROMPT
-    assert stats["hint_prefetched_tokens"] == PROMPT, "the last flood prompt is in the pool: all of it counts"
+    assert stats["hint_retained_tokens"] == ON_A_STEP
+    assert stats["hint_dropped_tokens"] == ON_A_STEP
+    assert stats["hint_prefetched_tokens"] == ON_A_STEP, "the last flood prompt is in the pool: all of it counts"
 
 
 def test_a_dropped_tenants_prompts_miss_while_anothers_hit(tmp_path: Path, pool_path: Path) -> None:
@@ -98,7 +102,8 @@ def test_a_dropped_tenants_prompts_miss_while_anothers_hit(tmp_path: Path, pool_
     loaded = loaded_per_prompt(results)
     assert loaded[:3] == [0, 0, 0], "tenants never share a chunk: B's first prompt is a miss too"
     assert loaded[4:] == [0, 0, PROMPT - 1], f"tenant A's prompts miss, tenant B's hits: {loaded}"
-    assert results[-1]["stats"]["hint_dropped_scope_chunks"] == 6, "tenant A's two prompts, 3 chunks each"
+    assert results[-1]["stats"]["hint_dropped_scope_chunks"] == 8, \
+        "tenant A's two prompts, 3 chunks and the cut at 592 each"
 
 
 def test_a_prefetch_makes_the_next_request_a_hit_from_the_pool(tmp_path: Path, pool_path: Path) -> None:
