@@ -227,9 +227,16 @@ the call returns): turn 1's cut, the last of the cuts its test counts (one per d
 up to it that leaves one: a repeat's save writes nothing new)."""
 
 
-def first_run_prompt(name: str) -> Any:
+def first_run_prompt(index: int, name: str) -> dict[str, Any]:
+    """FIRST_RUN's prompt ``index``: sent once the saves of the ``index`` prompts before it
+    landed (a repeat's hit, a shared document's, must not depend on how fast a save is: under
+    load the repeat of a short prompt once came before its save), and for a prompt in
+    FIRST_RUN_WAITS, its stats read once its own save's counter reached the value."""
+    prompt: dict[str, Any] = {"ids": PROMPTS[name]}
+    if index:
+        prompt["wait_for"] = ["requests_saved", index]
     wait = FIRST_RUN_WAITS.get(name)
-    return PROMPTS[name] if wait is None else {"ids": PROMPTS[name], "then_wait_for": wait}
+    return prompt if wait is None else {**prompt, "then_wait_for": wait}
 
 
 def first_run_tiers(directory: Path) -> list[dict[str, Any]]:
@@ -248,7 +255,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict
     per prompt, and the ``tiers`` it filled."""
     def run(directory: Path) -> dict[str, Any]:
         tiers = first_run_tiers(directory)
-        results = vllm({**spec(model_dir, [first_run_prompt(n) for n in FIRST_RUN], shared_extra(directory, tiers)),
+        results = vllm({**spec(model_dir, [first_run_prompt(i, n) for i, n in enumerate(FIRST_RUN)], shared_extra(directory, tiers)),
                         "metrics": True}, directory / "run")
         return {"results": results, "tiers": {tier["backend"]: tier for tier in tiers}}
 
