@@ -236,7 +236,8 @@ def test_an_fp8_cache_hits_exactly(model_dir: Path, tmp_path: Path) -> None:
     host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
     workdir = tmp_path / "tierkv"
     workdir.mkdir()
-    results = vllm({**spec(model_dir, [PROMPTS[name]] * 2, extra(workdir, host)), "kv_cache_dtype": "fp8_e5m2"},
+    repeat = {"ids": PROMPTS[name], "wait_for": ["requests_saved", 1]}  # once the first's save landed
+    results = vllm({**spec(model_dir, [PROMPTS[name], repeat], extra(workdir, host)), "kv_cache_dtype": "fp8_e5m2"},
                    workdir)
     stats = results[-1]["stats"] or {}
     assert not stats.get("disabled"), f"the connector turned itself off on an fp8 cache: {stats}"

@@ -218,7 +218,8 @@ def test_tensor_parallel_ranks_share_one_copy(tmp_path: Path) -> None:
     pool = new_pool()
     try:
         node = {"name": "node", "backend": "shm", "path": pool, "capacity": POOL}
-        results = run_vllm(run_spec(model, "default", [P, P], tiers_extra([node], tmp_path / "stats.json"),
+        repeat = {"ids": P, "wait_for": ["requests_saved", 1]}  # once the first's save landed
+        results = run_vllm(run_spec(model, "default", [P, repeat], tiers_extra([node], tmp_path / "stats.json"),
                                     tensor_parallel_size=2), tmp_path / "tierkv", env=env)
         stored = pool_chunks(pool)
     finally:
