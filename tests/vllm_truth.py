@@ -92,10 +92,11 @@ for vLLM's CPU blocks): a chat's next turn loads its previous turn up to a multi
 TURN_CUT = len(PROMPTS["turn_1"]) // STEP * STEP
 
 
-def saves_a_cut(length: int) -> bool:
-    """Whether a save of a ``length``-token prompt also stores it cut at its last step (a
-    continuation tail: where that cut ends inside the last chunk, short of the prompt's end)."""
-    return length // CHUNK * CHUNK < length // STEP * STEP < length
+def saves_a_cut(length: int, step: int = STEP) -> bool:
+    """Whether a save of a ``length``-token prompt also stores it cut at its last multiple of
+    ``step`` (the connector's ``continuation_step``; a continuation tail: where that cut ends
+    inside the last chunk of CHUNK tokens, short of the prompt's end)."""
+    return length // CHUNK * CHUNK < length // step * step < length
 
 
 FED_HITS = {**{name: len(prompt) - 1 for name, prompt in PROMPTS.items() if (len(prompt) - 1) % BLOCK},

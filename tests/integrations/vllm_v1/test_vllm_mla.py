@@ -38,7 +38,7 @@ import pytest
 from exactness import assert_same_generation
 from vllm_events import Subscriber, free_port
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import VLLM_ENV, tokens
+from vllm_truth import CHUNK, VLLM_ENV, saves_a_cut, tokens
 
 from tierkv.ops.amx_tiles import cpu_has_amx
 from tierkv.testing.hybrid_models import MLA_FAMILIES, save_hybrid_model
@@ -46,7 +46,7 @@ from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm
 from tierkv_backends.shm import SharedMemoryBackend
 
 pytestmark = VLLM_PROCESSES
-CHUNK, TOP, MAX_TOKENS, POOL = 256, 5, 8, 256 << 20
+TOP, MAX_TOKENS, POOL = 5, 8, 256 << 20
 P = tokens(61, 600)
 DOC = tokens(63, 512)
 Q1, Q2 = DOC + tokens(64, 40), DOC + tokens(65, 40)
@@ -55,14 +55,6 @@ DEFAULT = "AMX_MLA" if cpu_has_amx() else "CPU_MLA"  # what vLLM picks here for 
 BACKENDS = [pytest.param("default", id=DEFAULT),
             pytest.param("CPU_MLA", id="CPU_MLA-forced", marks=pytest.mark.skipif(
                 DEFAULT == "CPU_MLA", reason="vLLM picks CPU_MLA on this CPU (no AMX tiles): the default run is it"))]
-
-
-def cut_at_a_step(length: int, step: int) -> int:
-    """1 where a save of a ``length``-token prompt also stores it cut at its last multiple of the
-    connector's ``step`` (``continuation_step`` in its stats: a continuation tail, where the cut
-    ends inside the last chunk, short of the prompt's end), else 0."""
-    cut = length // step * step
-    return int(length // CHUNK * CHUNK < cut < length)
 
 
 def pages(request: dict[str, Any], salt: str) -> dict[str, Any]:
@@ -163,7 +155,7 @@ def test_a_new_process_loads_what_another_stored_through_one_pool(family: str, b
         assert stats.get("load_failures", 0) == 0 and stats.get("save_failures", 0) == 0, stats
     chunks = -(-len(P) // CHUNK) + -(-len(Q1) // CHUNK) + 1  # B adds Q2's last chunk (its question), nothing else
     step = int((runs["a"][-1]["stats"] or {})["continuation_step"])
-    cuts = cut_at_a_step(len(P), step) + cut_at_a_step(len(Q1), step) + cut_at_a_step(len(Q2), step)
+    cuts = sum(saves_a_cut(len(prompt), step) for prompt in (P, Q1, Q2))
     assert runs["pool_chunks"] == chunks + cuts, "each chunk once in the pool: B stores only what A had not"
     assert (runs["a"][-1]["stats"] or {}).get("hint_retained_tokens") == len(Q1), "every token of Q1 retained"
 
@@ -226,7 +218,7 @@ def test_tensor_parallel_ranks_share_one_copy(tmp_path: Path) -> None:
         Path(pool).unlink(missing_ok=True)
     rank0 = json.loads((tmp_path / "stats.json").read_text())
     rank1 = json.loads((tmp_path / "stats.json.rank1").read_text())
-    cut = cut_at_a_step(len(P), int(rank0["continuation_step"]))
+    cut = int(saves_a_cut(len(P), int(rank0["continuation_step"])))
     assert stored == -(-len(P) // CHUNK) + cut, "one copy of P's chunks (and its cut) for both ranks"
     assert rank0.get("chunks_saved") == stored - cut and not rank1.get("chunks_saved"), (rank0, rank1)
     assert rank0.get("continuation_tails_saved", 0) == cut and not rank1.get("continuation_tails_saved"), rank1

@@ -136,7 +136,12 @@ class WorkerTransfers:
         self.connector = connector_for(layers, layout, num_kv_heads, head_size, kernel_block_size)
         self.block_size = block_size
         self.stats["vllm_block_size"] = block_size
-        self.stats["continuation_step"] = tail_step(block_size)  # where tails are cut and probed (.continuation)
+        self.stats["continuation_step"] = self.tail_step
+
+    @property
+    def tail_step(self) -> int:
+        """Where continuation tails are cut and probed (``.continuation.tail_step`` of vLLM's block)."""
+        return tail_step(self.block_size)
 
     def disable(self, reason: str) -> None:
         """Stay off from now on: no loads (each is reported failed, so vLLM recomputes), no
@@ -187,7 +192,7 @@ class WorkerTransfers:
         (``.continuation``) and the tier holding it, when loading the prefix with it still pays."""
         engine = self.engine
         core = engine.core
-        lengths = tail_lengths(len(tokens), held_tokens, core.chunk_size, tail_step(self.block_size))
+        lengths = tail_lengths(len(tokens), held_tokens, core.chunk_size, self.tail_step)
         if not lengths:
             return None
         keys = engine.tail_keys(tokens, held_tokens // core.chunk_size, lengths, identity)
@@ -383,7 +388,7 @@ class WorkerTransfers:
         """Where a save of a ``num_tokens`` prompt cuts its continuation tail (None: it stores none)."""
         if not self.continuation_tails or self.hybrid is not None:
             return None
-        return saved_tail_end(num_tokens, self.engine.core.chunk_size, tail_step(self.block_size))
+        return saved_tail_end(num_tokens, self.engine.core.chunk_size, self.tail_step)
 
     async def _drop_prompt(self, tokens: np.ndarray, identity: RequestIdentity) -> int:
         """Drop a prompt's chunks and the continuation tail its save stored; the prompt's tokens dropped."""
