@@ -15,7 +15,7 @@ from s3_fixtures import s3_tier_options
 
 from tierkv import Engine
 from tierkv.errors import ConfigError
-from tierkv.policy.planner import RecomputeModel, SpeedSeed, TierSpeed, plan_prefix
+from tierkv.policy.planner import HOST_MEMORY_SEED, RecomputeModel, SpeedSeed, TierSpeed, plan_prefix
 from tierkv.testing.faults import FaultyBackend
 from tierkv.testing.s3server import S3Server
 from tierkv.testing.slowproxy import SlowProxy
@@ -125,6 +125,32 @@ def test_gets_of_one_size_scale_the_seed_line_rather_than_calling_it_all_fixed_c
         estimate.observe(1 << 20, 0.05)
     assert estimate.seconds(1 << 20) == pytest.approx(0.05, rel=0.01)
     assert estimate.seconds(4 << 20) > 2 * estimate.seconds(1 << 20)  # bytes still cost, as in the seed (2.5x)
+
+
+def test_small_gets_measure_the_fixed_cost_not_the_bandwidth() -> None:
+    # a vLLM worker's first loads were 32-token continuations: 32 KiB reads of host memory that
+    # took 2 ms (the read's thread hops); scaling the whole seed line by that made a 1 MiB read
+    # look 80 times dearer than the memory copy it is, and the plans recomputed what they should load
+    estimate = TierSpeed(HOST_MEMORY_SEED)
+    for _ in range(3):
+        estimate.observe(32 << 10, 0.002)
+    assert estimate.seconds(32 << 10) == pytest.approx(0.002, rel=0.01)
+    assert estimate.seconds(1 << 20) == pytest.approx(0.002 + (1 << 20) / HOST_MEMORY_SEED.bytes_per_s, rel=0.02)
+
+
+def test_one_slow_get_is_the_machines_noise_two_in_a_row_are_a_slower_tier() -> None:
+    estimate = TierSpeed(SpeedSeed(fixed_s=1e-3, bytes_per_s=1e9))
+    for i in range(20):
+        nbytes = (1 + i % 4) << 20
+        estimate.observe(nbytes, 0.002 + nbytes / 200e6)
+    steady = estimate.seconds(4 << 20)
+    estimate.observe(1 << 20, 1.0)  # the read's thread was descheduled for a second
+    assert estimate.seconds(4 << 20) == pytest.approx(steady), "one slow get waits for the next one's verdict"
+    estimate.observe(2 << 20, 0.002 + (2 << 20) / 200e6)  # the next one: as expected, so that was noise
+    assert estimate.seconds(4 << 20) == pytest.approx(steady, rel=0.02)
+    estimate.observe(1 << 20, 0.2)
+    estimate.observe(1 << 20, 0.2)  # twice in a row: the tier got slower
+    assert estimate.seconds(1 << 20) == pytest.approx(0.2, rel=0.01)
 
 
 class FakeClock:
@@ -325,6 +351,22 @@ def test_a_prompt_that_could_never_load_faster_than_it_recomputes_is_not_worth_s
         assert eng.core.worth_storing(4 * CHUNK) and eng.core.recompute_tokens_per_s(1024) == pytest.approx(10)
     with fs_engine(tmp_path / "off", recompute={"tokens_per_s": 1e12}, cost_aware=False) as eng:
         assert eng.core.worth_storing(4 * CHUNK), "cost_aware off: every prompt is stored"
+
+
+def test_reads_timed_on_a_busy_machine_stop_loads_but_never_the_saves_that_would_remeasure_them(
+        tmp_path: Path) -> None:
+    # under CI's load a vLLM worker timed its first reads at ~10 ms; judged by that line no save
+    # paid, nothing was stored, so nothing was ever read again to correct it: the cache stayed off
+    with fs_engine(tmp_path, recompute={"tokens_per_s": 10_000}) as eng:  # 4 chunks: 6.4 ms to recompute
+        disk = eng.wrap_tier(eng.tiers[0].name, FaultyBackend)
+        tokens = prompt(0, 4)
+        eng.store(tokens, kv_of(tokens))
+        assert eng.plan(tokens).planned_tokens == 4 * CHUNK, "at the fs seed's speed, loading pays"
+        disk.stall_s = 0.05
+        assert int(eng.retrieve(tokens)[1].sum()) == 4 * CHUNK  # a read that takes 50 ms
+        disk.stall_s = 0.0
+        assert eng.plan(tokens).planned_tokens == 0, "as measured, a read costs more than the recompute"
+        assert eng.core.worth_storing(4 * CHUNK), "the tier's best case still pays: keep storing"
 
 
 def test_measured_tier_speed_shows_in_stats(tmp_path: Path) -> None:

@@ -9,14 +9,14 @@ for ``stats()``, and refines the recompute speed from measured prefills.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tierkv.chunks.keys import CacheKey
 from tierkv.config.loader import EngineConfig
 from tierkv.engine.chunk_layout import ChunkLayout
 from tierkv.policy import residency as policy
-from tierkv.policy.planner import PrefixPlan, RecomputeModel, load_everything, plan_prefix
+from tierkv.policy.planner import PrefixPlan, RecomputeModel, TierSpeed, load_everything, plan_prefix
 from tierkv.routing.locate import FILL_QUEUE_LEVEL, Levels
 from tierkv.routing.router import TierRouter
 
@@ -79,10 +79,12 @@ class PrefixPlans:
             self.layout.learn_soon(first_key(), levels[0])
         return prefix_plan
 
-    def plan(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0) -> PrefixPlan:
+    def plan(self, tier_names: Sequence[str | None], num_tokens: int, first_chunk: int = 0,
+             speeds: Mapping[str, TierSpeed] | None = None) -> PrefixPlan:
         """The plan for the cached chunks held by ``tier_names`` (a tier's name, or
         ``tierkv.routing.locate.FILL_QUEUE``, per chunk), which start at chunk ``first_chunk`` of
-        the prompt (the chunks before it are the caller's already: not loaded, not counted)."""
+        the prompt (the chunks before it are the caller's already: not loaded, not counted);
+        ``speeds``: the tiers' speeds to plan with (default: the router's measured ones)."""
         base = min(first_chunk * self.chunk_size, num_tokens)
         names = [name for name in tier_names if name is not None]
         sizes = [min(self.chunk_size, num_tokens - (first_chunk + i) * self.chunk_size) for i in range(len(names))]
@@ -90,7 +92,7 @@ class PrefixPlans:
             return load_everything(names, sizes, "cost_aware is off" if self._policy is False else
                                    "no recompute speed known (recompute: in the config, or measured prefills)", base)
         bytes_per_token = self.layout.bytes_per_token()
-        speeds = self.router.speeds()
+        speeds = self.router.speeds() if speeds is None else speeds
         if bytes_per_token is None:
             # the bytes are not known yet, but each read's fixed cost is: if even reads of a
             # byte per token lose to recomputing, so do the real ones
@@ -103,12 +105,17 @@ class PrefixPlans:
 
     def worth_storing(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` could ever be loaded faster than recomputed: its
-        chunks, all of them in the first (fastest) tier, planned as a lookup would plan them.
-        True while the cost model is off or knows too little (recompute speed, chunk bytes)."""
+        chunks, all of them in the first (fastest) tier at the fastest that tier is known to be
+        (``TierSpeed.best_case``: its seed or its measured line, whichever is faster in each
+        term), planned as a lookup would plan them. A save is a bet on reads to come, and those
+        reads measure the tier again; judged by the measured line alone, a few reads slowed by
+        a busy machine stopped every save, and with nothing stored nothing was read to correct
+        it. True while the cost model is off or knows too little (recompute speed, chunk bytes)."""
         if not self.cost_aware or not self.router.tiers or num_tokens <= 0:
             return True
         chunks = -(-num_tokens // self.chunk_size)
-        plan = self.plan([self.router.tiers[0].name] * chunks, num_tokens)
+        first = self.router.tiers[0].name
+        plan = self.plan([first] * chunks, num_tokens, speeds={first: self.router.speeds()[first].best_case()})
         return plan.planned_tokens > 0
 
     def last_lookup(self) -> dict[str, Any] | None:

@@ -153,9 +153,13 @@ _SURPRISE = 2.0  # a get this many times faster or slower than expected: the tie
 class TierSpeed:
     """Running estimate of one tier's get time: ``fixed_s + nbytes / bytes_per_s``.
 
-    A get that takes less than half or more than twice the expected time means the tier
-    changed (another tenant left, a link got congested): the samples before it are dropped and
-    the old line, scaled to the new gets, stands until gets of different sizes draw a new one.
+    A get that takes less than half the expected time, or two gets in a row that each take more
+    than twice, mean the tier changed (another tenant left, a link got congested): the samples
+    before them are dropped and the old line, corrected to the new gets, stands until gets of
+    different sizes draw a new one. One slow get alone is held back until the next get's
+    verdict, a fast one is not: a busy machine only adds time (a read thread descheduled looks
+    like a tier a hundred times slower, and a line redrawn from it made plans skip the tier
+    until it was explored again), it never makes a read faster than the tier can go.
     The first get after the seed or such a change is never a surprise itself: one get cannot
     split its time between fixed cost and bandwidth. The plan skips a slow tier
     entirely, so without help it would never be read again: ``due_for_exploration`` says
@@ -178,6 +182,7 @@ class TierSpeed:
         # (else every get of a tier far from its seed "surprised" the last one's guess, and the
         # fit only ever knew one get: all of it fixed cost, bandwidth infinite)
         self._since_change = 0
+        self._held: tuple[int, float] | None = None  # a surprisingly slow get (bytes, seconds) awaiting the next
         self._clock = clock
         self._explore_plans, self._explore_s = explore_every_plans, explore_every_s
         self._skipped = 0  # plans that left this tier out since it was last read or explored
@@ -189,22 +194,39 @@ class TierSpeed:
         """A get batch of ``nbytes`` took ``seconds``."""
         if nbytes <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
+        self._skipped, self._quiet_since = 0, self._clock()
         if self._since_change >= 2:  # only a line the new data has drawn can be surprised
             expected = self.transfer_seconds(nbytes)
-            if expected > 0 and not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
+            faster, slower = seconds < expected / _SURPRISE, seconds > expected * _SURPRISE
+            if slower and self._held is None:
+                # one slow get alone does not say the tier changed (a read thread descheduled on
+                # a busy machine looks like a tier a hundred times slower): the next get decides,
+                # and a next get at the expected speed drops it as the machine's noise
+                self._held = (nbytes, seconds)
+                return
+            held, self._held = self._held, None
+            if faster or (slower and held is not None):  # the tier changed
                 self._shape = (self._fixed_s, self._per_byte)  # the old line, until new gets draw one
                 self._fit.clear()
                 self._since_change = 0
+                if slower and held is not None:
+                    self._add(*held)
+        self._add(nbytes, seconds)
+
+    def _add(self, nbytes: int, seconds: float) -> None:
         self._fit.add((1.0, float(nbytes)), seconds)
         self._since_change += 1
         self._fixed_s, self._per_byte = self._line()
-        self._skipped, self._quiet_since = 0, self._clock()
 
     def _line(self) -> tuple[float, float]:
         """Fixed seconds and seconds per byte from the gets so far. Gets of one size cannot
         tell the two apart; then the seed's line (or, after a surprise, the line before it) is
-        scaled to match them (a tier twenty times slower than its seed is taken as twenty times
-        slower in both). A prior point pulling the fit towards the seed would not do: its
+        corrected to match them in the term that dominates it at their size: gets smaller than
+        the line's knee (where fixed cost and bytes cost the same) measured its fixed cost,
+        larger ones its bandwidth; the other term keeps its value (a tier twenty times slower
+        than its seed on 1 MiB gets is taken as twenty times slower per byte; 32 KiB gets that
+        take 2 ms, the thread hops of a host-memory read, say nothing of the memory's
+        bandwidth). A prior point pulling the fit towards the seed would not do: its
         leverage at any size far from the gets' outweighs them, and the fit came out as all
         fixed cost, bandwidth infinite."""
         xx, xy = self._fit.xx, self._fit.xy
@@ -214,13 +236,30 @@ class TierSpeed:
             if fixed > 0 or per_byte > 0:
                 return fixed, max(per_byte, 1e-15)
         fixed, per_byte = self._shape
-        expected = fixed * xx[0][0] + per_byte * xx[0][1]  # what the gets would have taken on that line
-        scale = xy[0] / expected if expected > 0 and xy[0] > 0 else 1.0
-        return fixed * scale, per_byte * scale
+        weight, weighted_bytes = xx[0][0], xx[0][1]  # the gets' total weight, their weighted bytes
+        if weight <= 0 or xy[0] <= 0:
+            return fixed, per_byte
+        fixed_part, bytes_part = fixed * weight, per_byte * weighted_bytes  # what the gets would have taken
+        if xy[0] <= fixed_part + bytes_part:  # faster than the line: both terms scale down
+            scale = xy[0] / (fixed_part + bytes_part)
+            return fixed * scale, per_byte * scale
+        excess = xy[0] - fixed_part - bytes_part
+        if fixed_part >= bytes_part:  # fixed cost dominates at these gets' size: it takes the excess
+            return fixed + excess / weight, per_byte
+        return fixed, per_byte + excess / weighted_bytes
 
     def transfer_seconds(self, nbytes: int) -> float:
         """Expected time to move ``nbytes`` stored bytes in one get batch (0 bytes: no request)."""
         return 0.0 if nbytes <= 0 else self._fixed_s + nbytes * self._per_byte
+
+    def best_case(self) -> TierSpeed:
+        """The fastest this tier is known to be: each term the lesser of the seed's and the
+        measured line's, with no history. For bets on reads to come (is a save worth storing?):
+        gets timed while the machine was busy must not stop the saves whose reads would
+        measure the tier again (nothing stored, nothing read, nothing re-measured)."""
+        best = TierSpeed(SpeedSeed(min(self.seed.fixed_s, self._fixed_s), max(self.seed.bytes_per_s, self.bytes_per_s)))
+        best.coding = self.coding
+        return best
 
     def seconds(self, nbytes: int) -> float:
         """Expected time until a get batch of chunks of ``nbytes`` bytes is ready in memory: the

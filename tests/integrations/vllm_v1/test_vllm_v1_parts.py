@@ -738,6 +738,8 @@ def test_a_prompt_that_can_never_pay_is_not_saved(tmp_path: Path) -> None:
         worker.save(SaveSpec("skipped", tokens + 1000, (0, 1, 2, 3, 4)))
         assert worker.stats["saves_skipped_never_pay"] == 1 and worker.stats["chunks_saved"] == 3
         assert worker.finished({"skipped"})[0] == {"skipped"}
+        assert worker.lookup(tokens, PLAIN).cached_tokens == 0, "the stored prompt is recomputed, not loaded"
+        assert worker.stats["lookups_declined"] == 1 and worker.stats["lookup_tokens_declined"] == 80
 
 
 def test_vllms_kv_space_and_the_host_tiers_must_fit_the_node_together() -> None:

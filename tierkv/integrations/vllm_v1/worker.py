@@ -53,6 +53,7 @@ from tierkv.integrations.vllm_v1.pool_events import (
     namespace_tag,
 )
 from tierkv.integrations.vllm_v1.scheduler import DropSpec, LoadSpec, LookupResult, PrefetchSpec, SaveSpec
+from tierkv.policy.planner import PrefixPlan
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ class WorkerTransfers:
         plan = engine.plan(tokens, identity)
         held = engine.locate_prefix(tokens, identity)
         planned = plan.planned_tokens
+        self._count_declined(plan)
         tiers = held[: -(-planned // chunk)]
         if self.continuation_tails and planned == len(held) * chunk:  # all of it pays, up to a chunk boundary
             tail = self._continuation(tokens, identity, tiers, planned)
@@ -185,6 +187,19 @@ class WorkerTransfers:
                 tiers = [*tiers, tail[1]]
         in_memory = next((i for i, name in enumerate(tiers) if name not in self._in_memory), len(tiers))
         return LookupResult(planned, min(in_memory * chunk, planned))
+
+    def _count_declined(self, plan: PrefixPlan) -> None:
+        """Count a plan that leaves cached tokens to recompute (``lookup_tokens_declined``), and
+        say the first such plan's costs once: the cost model standing aside is visible, not silent."""
+        declined = plan.cached_tokens - plan.planned_tokens
+        if declined <= 0:
+            return
+        self.stats["lookups_declined"] += 1
+        self.stats["lookup_tokens_declined"] += declined
+        if self.stats["lookups_declined"] == 1:
+            logger.info("tierkv: %d of %d cached tokens are recomputed, not loaded (%s): expected fetch %.3g ms "
+                        "against %.3g ms of prefill saved", declined, plan.cached_tokens, plan.reason, plan.fetch_ms,
+                        plan.recompute_saved_ms)
 
     def _continuation(self, tokens: np.ndarray, identity: RequestIdentity, tiers: list[str],
                       held_tokens: int) -> tuple[int, str] | None:
