@@ -114,6 +114,15 @@ def vllm(run_spec: dict[str, Any], workdir: Path, pythonpath: Path | None = None
     return results
 
 
+def after_saves(saved: int, ids: list[int], **params: object) -> dict[str, Any]:
+    """A prompt sent once ``saved`` requests' saves landed (the stats file's ``requests_saved``,
+    not a timing), with tierkv's ``kv_transfer_params`` where ``params`` are given."""
+    prompt: dict[str, Any] = {"ids": ids, "wait_for": ["requests_saved", saved]}
+    if params:
+        prompt["kv_transfer_params"] = {"tierkv": params}
+    return prompt
+
+
 def spec(model_dir: Path, prompts: list[Any], extra: dict[str, Any] | None) -> dict[str, Any]:
     return {"model": str(model_dir), "prompts": prompts, "max_tokens": MAX_TOKENS, "logprobs": TOP, "tierkv": extra}
 
@@ -233,9 +242,7 @@ def first_run_prompt(index: int, name: str) -> dict[str, Any]:
     landed (a repeat's hit, a shared document's, must not depend on how fast a save is: under
     load the repeat of a short prompt once came before its save), and for a prompt in
     FIRST_RUN_WAITS, its stats read once its own save's counter reached the value."""
-    prompt: dict[str, Any] = {"ids": PROMPTS[name]}
-    if index:
-        prompt["wait_for"] = ["requests_saved", index]
+    prompt = after_saves(index, PROMPTS[name]) if index else {"ids": PROMPTS[name]}
     wait = FIRST_RUN_WAITS.get(name)
     return prompt if wait is None else {**prompt, "then_wait_for": wait}
 

@@ -1,6 +1,6 @@
 """Is loading a cached prefix faster than recomputing it? The cost model, pure (no I/O).
 
-One module of about 490 lines, by choice: three small pure models (a tier's speed, the recompute
+One module of about 560 lines, by choice: three small pure models (a tier's speed, the recompute
 curve, coding) and the plan over them, kept together so the whole cost model reads in one place;
 none of them is used without the plan.
 

@@ -50,6 +50,7 @@ from vllm_truth import (
     PROMPTS,
     SECOND_RUN,
     Truth,
+    after_saves,
     assert_truthful,
     first_run,
     grown,
@@ -236,7 +237,7 @@ def test_an_fp8_cache_hits_exactly(model_dir: Path, tmp_path: Path) -> None:
     host = {"name": "host", "backend": "cpu", "capacity": "256MiB"}
     workdir = tmp_path / "tierkv"
     workdir.mkdir()
-    repeat = {"ids": PROMPTS[name], "wait_for": ["requests_saved", 1]}  # once the first's save landed
+    repeat = after_saves(1, PROMPTS[name])  # once the first's save landed
     results = vllm({**spec(model_dir, [PROMPTS[name], repeat], extra(workdir, host)), "kv_cache_dtype": "fp8_e5m2"},
                    workdir)
     stats = results[-1]["stats"] or {}

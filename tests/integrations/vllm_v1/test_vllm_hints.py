@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import VLLM_ENV, tokens
+from vllm_truth import VLLM_ENV, after_saves, tokens
 
 from tierkv.testing.vllm_runner import loaded_per_prompt, run_vllm, save_random_llama
 
@@ -26,14 +26,6 @@ ON_A_STEP = 592
 """A prompt whose save stores no continuation cut (it ends on the connector's 16-token step):
 three chunks, as the flood's sizes against a 2 MiB tier assume; a 600-token prompt also stores
 its cut at 592."""
-
-
-def after(saved: int, ids: list[int], **params: object) -> dict[str, object]:
-    """A prompt sent once ``saved`` requests' saves landed (not a timing), with tierkv's params."""
-    prompt: dict[str, object] = {"ids": ids, "wait_for": ["requests_saved", saved]}
-    if params:
-        prompt["kv_transfer_params"] = {"tierkv": params}
-    return prompt
 
 
 def small_llama(tmp_path: Path) -> Path:
@@ -49,13 +41,13 @@ def test_retain_drop_and_prefetch_hints(tmp_path: Path, pool_path: Path, backend
     flood = [tokens(60 + i, ON_A_STEP) for i in range(4)]
     prompts = [
         {"ids": kept, "kv_transfer_params": {"tierkv": {"retain_s": 600}}},
-        after(1, plain),
-        *[after(2 + i, ids) for i, ids in enumerate(flood)],  # about 2.3 MiB through a 2 MiB pool
-        after(6, kept),  # retained: a hit
-        after(6, plain),  # not retained: evicted by the flood
-        after(7, kept, drop=True),  # the session's last turn: its chunks are dropped, nothing saved
+        after_saves(1, plain),
+        *[after_saves(2 + i, ids) for i, ids in enumerate(flood)],  # about 2.3 MiB through a 2 MiB pool
+        after_saves(6, kept),  # retained: a hit
+        after_saves(6, plain),  # not retained: evicted by the flood
+        after_saves(7, kept, drop=True),  # the session's last turn: its chunks are dropped, nothing saved
         {"ids": kept, "wait_for": ["hint_dropped_tokens", ON_A_STEP]},
-        after(8, tokens(70, 100), prefetch_token_ids=flood[-1]),
+        after_saves(8, tokens(70, 100), prefetch_token_ids=flood[-1]),
         {"ids": tokens(71, 100), "wait_for": ["hint_prefetched_tokens", ON_A_STEP]},  # the outcome is in the stats
     ]
     # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB
@@ -114,8 +106,8 @@ def test_a_prefetch_makes_the_next_request_a_hit_from_the_pool(tmp_path: Path, p
     fetched, other = tokens(91, PROMPT), tokens(92, PROMPT)
     flood = [tokens(100 + i, PROMPT) for i in range(4)]
     prompts = [
-        {"ids": fetched}, after(1, other), *[after(2 + i, ids) for i, ids in enumerate(flood)],
-        after(6, tokens(99, 100), prefetch_token_ids=fetched),  # a tool call's pause before the next turn
+        {"ids": fetched}, after_saves(1, other), *[after_saves(2 + i, ids) for i, ids in enumerate(flood)],
+        after_saves(6, tokens(99, 100), prefetch_token_ids=fetched),  # a tool call's pause before the next turn
         {"ids": fetched, "wait_for": ["hint_prefetched_tokens", PROMPT]},  # once the moves landed
         {"ids": other},
     ]

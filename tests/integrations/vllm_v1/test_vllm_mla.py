@@ -38,7 +38,7 @@ import pytest
 from exactness import assert_same_generation
 from vllm_events import Subscriber, free_port
 from vllm_marks import VLLM_PROCESSES
-from vllm_truth import CHUNK, VLLM_ENV, saves_a_cut, tokens
+from vllm_truth import CHUNK, VLLM_ENV, after_saves, saves_a_cut, tokens
 
 from tierkv.ops.amx_tiles import cpu_has_amx
 from tierkv.testing.hybrid_models import MLA_FAMILIES, save_hybrid_model
@@ -210,7 +210,7 @@ def test_tensor_parallel_ranks_share_one_copy(tmp_path: Path) -> None:
     pool = new_pool()
     try:
         node = {"name": "node", "backend": "shm", "path": pool, "capacity": POOL}
-        repeat = {"ids": P, "wait_for": ["requests_saved", 1]}  # once the first's save landed
+        repeat = after_saves(1, P)  # once the first's save landed
         results = run_vllm(run_spec(model, "default", [P, repeat], tiers_extra([node], tmp_path / "stats.json"),
                                     tensor_parallel_size=2), tmp_path / "tierkv", env=env)
         stored = pool_chunks(pool)
