@@ -17,10 +17,17 @@ def free_port() -> int:
 class Subscriber:
     """Collects every event vLLM publishes on ``endpoint`` (a thread with a ZMQ SUB socket)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, replay: str | None = None) -> None:
+        """``replay``: vLLM's replay endpoint (``kv_events_replay`` in the runner's spec). ZMQ's
+        SUB socket joins late: batches vLLM publishes before the subscription reaches its
+        publisher are lost (on a busy machine, a whole prompt's). With it, a gap in the batches'
+        sequence numbers is filled from vLLM's replay buffer, as a router does."""
         import zmq
 
         self.events: list[Any] = []
+        self.replayed = 0  # batches filled in from vLLM's replay buffer
+        self._replay = replay
+        self._next = 0  # the sequence number of the next batch
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -37,10 +44,40 @@ class Subscriber:
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         while not self._stop.is_set():
             try:
-                _, _, payload = self._socket.recv_multipart()
+                _, seq_bytes, payload = self._socket.recv_multipart()
             except zmq.Again:
                 continue
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq < self._next:
+                continue  # already filled in from the replay buffer
+            if seq > self._next and self._replay is not None:
+                for _, payload_missed in self._missed(seq):
+                    self.events.extend(decoder.decode(payload_missed).events)
             self.events.extend(decoder.decode(payload).events)
+            self._next = seq + 1
+
+    def _missed(self, seq: int) -> list[tuple[int, bytes]]:
+        """The batches ``[self._next, seq)`` from vLLM's replay buffer (its ROUTER socket)."""
+        import zmq
+
+        assert self._replay is not None
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(self._replay)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            dealer.send_multipart((b"", self._next.to_bytes(8, "big")))
+            while True:
+                _, _, seq_bytes, payload = dealer.recv_multipart()
+                number = int.from_bytes(seq_bytes, "big", signed=True)
+                if number < 0:  # the end marker
+                    break
+                if self._next <= number < seq:
+                    batches.append((number, payload))
+        finally:
+            dealer.close(0)
+        self.replayed += len(batches)
+        return sorted(batches)
 
     def close(self) -> None:
         time.sleep(1.0)  # the publisher's thread sends what vLLM queued last

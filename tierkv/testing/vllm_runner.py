@@ -183,11 +183,12 @@ def main(spec_path: str) -> int:
         kwargs["enable_prompt_embeds"] = True
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
-    if spec.get("kv_events"):  # vLLM's KV event publisher (ZMQ) on this endpoint
+    if spec.get("kv_events"):  # vLLM's KV event publisher (ZMQ) on this endpoint; its replay buffer on "kv_events_replay"
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                    endpoint=spec["kv_events"], topic="kv")
+                                                    endpoint=spec["kv_events"], topic="kv",
+                                                    replay_endpoint=spec.get("kv_events_replay"))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
               enable_prefix_caching=bool(spec.get("prefix_caching", False)), max_model_len=max_len,
               max_num_batched_tokens=int(spec.get("max_num_batched_tokens", max_len)),

@@ -28,15 +28,17 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list
     workdir = tmp_path_factory.mktemp("events")
     model = save_random_llama(workdir / "model", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                               initializer_range=0.15)
-    port = free_port()
-    subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
+    port, replay = free_port(), free_port()
+    # a late subscription misses the first prompts' batches: the subscriber fills them in from
+    # vLLM's replay buffer (a busy machine once lost two prompts' events and the test with them)
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
     prompts = [tokens(41 + index, PROMPT) for index in range(3)]
     # 1 KiB of KV per token (2 layers x K/V x 2 heads x 64 x bf16): a 256-token chunk is 256 KiB, and
     # a 1 MiB cpu tier holds four: the third prompt's chunks evict the first's
     host = {"name": "host", "backend": "cpu", "capacity": "1MiB"}
     repeat = {"ids": prompts[2], "wait_for": ["requests_saved", 3]}  # once the saves landed (not a timing)
     spec = {"model": str(model), "prompts": [*prompts, repeat], "max_tokens": 2, "prefix_caching": True,
-            "kv_events": f"tcp://*:{port}",
+            "kv_events": f"tcp://*:{port}", "kv_events_replay": f"tcp://*:{replay}",
             "tierkv": {"config": {"chunk_size": CHUNK, "cost_aware": False, "tiers": [host]},
                        "stats_file": str(workdir / "stats.json")}}
     try:
