@@ -234,8 +234,8 @@ def test_timings_report_ratios_with_targets_on_the_cpu(monkeypatch: pytest.Monke
     assert figures["connectors"]["exact"] == {"PagedConnector": True, "PagedConnectorV2": True}
     names = [entry["name"] for entry in figures["ratios"]]
     assert len(names) == 8 and names[0] == "paged_gather vs device copy"
-    for entry in figures["ratios"][:6]:
-        assert entry["value"] > 0 and entry["met"] == (entry["value"] >= float(entry["target"].split()[-1]))
+    for entry in figures["ratios"][:6]:  # rounded to 3 places: a toy copy on a busy CPU can round to 0.0
+        assert entry["value"] >= 0 and entry["met"] == (entry["value"] >= float(entry["target"].split()[-1]))
     for entry in figures["matmul_overlap"]["ratios"]:
         assert entry["target"] == "<= 0.10" and entry["copy_on_tierkv_stream"] is False  # no CUDA stream here
         assert entry["met"] == (entry["value"] is not None and entry["value"] <= 0.10)
