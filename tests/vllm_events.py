@@ -51,20 +51,21 @@ class Subscriber:
             if seq < self._next:
                 continue  # already filled in from the replay buffer
             if seq > self._next and self._replay is not None:
-                for _, payload_missed in self._missed(seq):
-                    self.events.extend(decoder.decode(payload_missed).events)
+                for missed in self._missed(seq):
+                    self.events.extend(decoder.decode(missed).events)
             self.events.extend(decoder.decode(payload).events)
             self._next = seq + 1
 
-    def _missed(self, seq: int) -> list[tuple[int, bytes]]:
-        """The batches ``[self._next, seq)`` from vLLM's replay buffer (its ROUTER socket)."""
+    def _missed(self, seq: int) -> list[bytes]:
+        """The batches ``[self._next, seq)`` from vLLM's replay buffer (its ROUTER socket), which
+        sends them in sequence order."""
         import zmq
 
         assert self._replay is not None
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVTIMEO, 10_000)
         dealer.connect(self._replay)
-        batches: list[tuple[int, bytes]] = []
+        batches: list[bytes] = []
         try:
             dealer.send_multipart((b"", self._next.to_bytes(8, "big")))
             while True:
@@ -73,11 +74,11 @@ class Subscriber:
                 if number < 0:  # the end marker
                     break
                 if self._next <= number < seq:
-                    batches.append((number, payload))
+                    batches.append(payload)
         finally:
             dealer.close(0)
         self.replayed += len(batches)
-        return sorted(batches)
+        return batches
 
     def close(self) -> None:
         time.sleep(1.0)  # the publisher's thread sends what vLLM queued last
